@@ -1,0 +1,124 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("robot_id", "driver", "options", "control_hz", "watchdog_s")
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_HZ_FIELD_NUMBER: _ClassVar[int]
+    WATCHDOG_S_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    driver: str
+    options: _containers.ScalarMap[str, str]
+    control_hz: float
+    watchdog_s: float
+    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ...) -> None: ...
+
+class RobotRef(_message.Message):
+    __slots__ = ("robot_id",)
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    def __init__(self, robot_id: _Optional[str] = ...) -> None: ...
+
+class RobotInfo(_message.Message):
+    __slots__ = ("robot_id", "driver", "joint_names", "control_hz", "watchdog_s", "limits")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    JOINT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_HZ_FIELD_NUMBER: _ClassVar[int]
+    WATCHDOG_S_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    driver: str
+    joint_names: _containers.RepeatedScalarFieldContainer[str]
+    control_hz: float
+    watchdog_s: float
+    limits: SafetyLimits
+    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., joint_names: _Optional[_Iterable[str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., limits: _Optional[_Union[SafetyLimits, _Mapping]] = ...) -> None: ...
+
+class JointCommand(_message.Message):
+    __slots__ = ("robot_id", "seq", "position", "velocity", "gripper")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    VELOCITY_FIELD_NUMBER: _ClassVar[int]
+    GRIPPER_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    seq: int
+    position: _containers.RepeatedScalarFieldContainer[float]
+    velocity: _containers.RepeatedScalarFieldContainer[float]
+    gripper: float
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ...) -> None: ...
+
+class RobotState(_message.Message):
+    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    VELOCITY_FIELD_NUMBER: _ClassVar[int]
+    GRIPPER_FIELD_NUMBER: _ClassVar[int]
+    ESTOPPED_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    LOOP_JITTER_S_FIELD_NUMBER: _ClassVar[int]
+    INTERVENING_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    seq: int
+    time: float
+    position: _containers.RepeatedScalarFieldContainer[float]
+    velocity: _containers.RepeatedScalarFieldContainer[float]
+    gripper: float
+    estopped: bool
+    fault: str
+    loop_jitter_s: float
+    intervening: bool
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ...) -> None: ...
+
+class SafetyLimits(_message.Message):
+    __slots__ = ("robot_id", "position_min", "position_max", "velocity_max", "workspace_min", "workspace_max")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_MIN_FIELD_NUMBER: _ClassVar[int]
+    POSITION_MAX_FIELD_NUMBER: _ClassVar[int]
+    VELOCITY_MAX_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_MIN_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_MAX_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    position_min: _containers.RepeatedScalarFieldContainer[float]
+    position_max: _containers.RepeatedScalarFieldContainer[float]
+    velocity_max: _containers.RepeatedScalarFieldContainer[float]
+    workspace_min: _containers.RepeatedScalarFieldContainer[float]
+    workspace_max: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, robot_id: _Optional[str] = ..., position_min: _Optional[_Iterable[float]] = ..., position_max: _Optional[_Iterable[float]] = ..., velocity_max: _Optional[_Iterable[float]] = ..., workspace_min: _Optional[_Iterable[float]] = ..., workspace_max: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EStopRequest(_message.Message):
+    __slots__ = ("robot_id", "reason")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    reason: str
+    def __init__(self, robot_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Intervention(_message.Message):
+    __slots__ = ("robot_id", "seq", "active", "command")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    seq: int
+    active: bool
+    command: JointCommand
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., active: _Optional[bool] = ..., command: _Optional[_Union[JointCommand, _Mapping]] = ...) -> None: ...

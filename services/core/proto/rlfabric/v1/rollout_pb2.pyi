@@ -1,0 +1,84 @@
+from services.core.proto.rlfabric.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CollectRequest(_message.Message):
+    __slots__ = ("batch_index", "min_version", "timeout_s")
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    batch_index: int
+    min_version: int
+    timeout_s: float
+    def __init__(self, batch_index: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class CollectReply(_message.Message):
+    __slots__ = ("batch_index", "env_steps", "weight_version", "episodes", "collect_seconds", "env_seconds", "policy_seconds", "weight_wait_seconds", "episode_returns")
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_RETURNS_FIELD_NUMBER: _ClassVar[int]
+    batch_index: int
+    env_steps: int
+    weight_version: int
+    episodes: _common_pb2.EpisodeStats
+    collect_seconds: float
+    env_seconds: float
+    policy_seconds: float
+    weight_wait_seconds: float
+    episode_returns: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch_index: _Optional[int] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., collect_seconds: _Optional[float] = ..., env_seconds: _Optional[float] = ..., policy_seconds: _Optional[float] = ..., weight_wait_seconds: _Optional[float] = ..., episode_returns: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ProduceRequest(_message.Message):
+    __slots__ = ("first_batch_index", "max_batches", "staleness")
+    FIRST_BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    first_batch_index: int
+    max_batches: int
+    staleness: int
+    def __init__(self, first_batch_index: _Optional[int] = ..., max_batches: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("episodes", "stochastic", "seed")
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    STOCHASTIC_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    episodes: int
+    stochastic: bool
+    seed: int
+    def __init__(self, episodes: _Optional[int] = ..., stochastic: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("episodes", "weight_version", "returns", "seconds")
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    episodes: _common_pb2.EpisodeStats
+    weight_version: int
+    returns: _containers.RepeatedScalarFieldContainer[float]
+    seconds: float
+    def __init__(self, episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., weight_version: _Optional[int] = ..., returns: _Optional[_Iterable[float]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class RolloutState(_message.Message):
+    __slots__ = ("weight_version", "batches", "env_steps", "discarded_batches")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    batches: int
+    env_steps: int
+    discarded_batches: int
+    def __init__(self, weight_version: _Optional[int] = ..., batches: _Optional[int] = ..., env_steps: _Optional[int] = ..., discarded_batches: _Optional[int] = ...) -> None: ...
