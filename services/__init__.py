@@ -1,0 +1,1 @@
+"""rlfabric: RL post-training as independent services (learner, rollout, env, replay, coordinator)."""

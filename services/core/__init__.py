@@ -1,0 +1,1 @@
+"""Shared runtime of every service: config schema, tensor codec, data plane, gRPC runtime, object store."""

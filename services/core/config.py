@@ -1,0 +1,242 @@
+"""The run config: one pydantic schema for every run spec, loaded from YAML with errors that name the field
+and say how to fix it. Services receive it as JSON over the control plane and validate it again."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used. The message names each bad field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EnvConfig(_Strict):
+    id: str = Field("CartPole-v1", description="a registered gymnasium id")
+    num_envs: int = Field(8, ge=1, le=4096)
+    vectorization: Literal["sync", "async"] = "sync"
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
+    eval_envs: int = Field(10, ge=1, le=1024, description="envs (one episode each) used for evaluation")
+
+
+class PolicyConfig(_Strict):
+    hidden_sizes: list[int] = Field(default_factory=lambda: [64, 64])
+    activation: Literal["tanh", "relu"] = "tanh"
+    log_std_init: float = 0.0
+    ortho_init: bool = True
+
+    @model_validator(mode="after")
+    def _positive_sizes(self) -> PolicyConfig:
+        if not self.hidden_sizes or any(h <= 0 for h in self.hidden_sizes):
+            raise ValueError("hidden_sizes must be a non-empty list of positive integers, e.g. [64, 64]")
+        return self
+
+
+class PPOConfig(_Strict):
+    n_steps: int = Field(32, ge=1, description="steps per env per batch")
+    batch_size: int = Field(256, ge=1, description="minibatch size")
+    n_epochs: int = Field(20, ge=1)
+    gamma: float = Field(0.98, gt=0, le=1)
+    gae_lambda: float = Field(0.8, ge=0, le=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    clip_range: float = Field(0.2, gt=0)
+    clip_schedule: Literal["constant", "linear"] = "linear"
+    clip_range_vf: float | None = Field(None, gt=0, description="None disables value clipping")
+    ent_coef: float = 0.0
+    vf_coef: float = Field(0.5, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    normalize_advantage: bool = True
+    target_kl: float | None = Field(None, gt=0)
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["ppo"] = "ppo"
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+
+
+class TrainConfig(_Strict):
+    total_env_steps: int = Field(100_000, ge=1)
+    eval_every_iterations: int = Field(10, ge=0, description="0 disables periodic evaluation")
+    eval_episodes: int = Field(10, ge=1)
+    stop_at_eval_return: float | None = Field(None, description="stop early once eval mean return reaches it")
+    checkpoint_key: str = "checkpoints/final.pt"
+
+
+class SchedulingConfig(_Strict):
+    mode: Literal["collocated", "disaggregated"] = "collocated"
+    pipeline_chunks: int = Field(2, ge=1, le=64, description="env chunks pipelined against inference")
+    staleness: int = Field(0, ge=0, le=64, description="max weight versions a batch may lag (0 = on-policy)")
+
+    def chunks(self) -> int:
+        """Collocated plans step the whole env batch at once; disaggregated ones pipeline chunks."""
+        return 1 if self.mode == "collocated" else self.pipeline_chunks
+
+    def effective_staleness(self) -> int:
+        return 0 if self.mode == "collocated" else self.staleness
+
+
+class ReplayConfig(_Strict):
+    store: Literal["memory"] = "memory"
+    capacity_transitions: int = Field(1_000_000, ge=1)
+
+
+class StorageConfig(_Strict):
+    kind: Literal["filesystem"] = "filesystem"
+    root: str = Field("", description="object-store root; default: the run directory")
+
+
+class DataPlaneConfig(_Strict):
+    max_message_bytes: int = Field(256 * 2**20, ge=1024)
+    timeout_s: float = Field(30.0, gt=0, description="how long a data-plane request waits for its peer")
+    high_water_mark: int = Field(64, ge=1)
+
+
+class RuntimeConfig(_Strict):
+    torch_threads: int = Field(1, ge=1, le=256)
+    device: str = "cpu"
+    worker_wait_s: float = Field(60.0, gt=0, description="how long a run waits for workers to register")
+
+
+class RunConfig(_Strict):
+    name: str = "run"
+    seed: int = 0
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.env.num_envs % self.scheduling.chunks() != 0:
+            raise ValueError(
+                f"env.num_envs={self.env.num_envs} must be divisible by scheduling.pipeline_chunks="
+                f"{self.scheduling.pipeline_chunks}; pick a chunk count that divides the env count"
+            )
+        return self
+
+    def eval_seed(self) -> int:
+        """Evaluation envs are seeded apart from training envs; ``rlfabric eval`` reuses this by default."""
+        return self.seed + 100_000
+
+    def batch_env_steps(self) -> int:
+        return self.algorithm.ppo.n_steps * self.env.num_envs
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        try:
+            return cls.model_validate(json.loads(text))
+        except (ValidationError, json.JSONDecodeError) as exc:
+            raise ConfigError(_explain(exc, "config_json")) from None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Names valid at a location, to suggest the closest one for a typo."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return list(getattr(current, "model_fields", {}).keys())
+
+
+def _explain(exc: Exception, source: str) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{source}: not valid JSON ({exc}). Fix: send RunConfig.to_json() output"
+    assert isinstance(exc, ValidationError)
+    lines = [f"{source}: {exc.error_count()} invalid field(s)"]
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        field = ".".join(loc) or "(top level)"
+        got = err.get("input")
+        if err["type"] == "extra_forbidden":
+            valid = _fields_at(RunConfig, loc)
+            close = difflib.get_close_matches(loc[-1], valid, n=1)
+            hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else f"valid keys: {', '.join(valid)}"
+            lines.append(f"  {field}: unknown field. Fix: remove it; {hint}")
+        elif err["type"] == "literal_error":
+            lines.append(f"  {field}: {err['msg']} (got {got!r}). Fix: use one of the listed values")
+        elif err["type"] == "missing":
+            lines.append(f"  {field}: required. Fix: add it")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {field}: {msg} (got {got!r}). Fix: set {field} to a valid value")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` overrides (values parsed as YAML scalars) to a raw config dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set train.total_env_steps=50000")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"--set {item!r}: empty key. Fix: name a field, e.g. seed=1")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def parse_config(text: str, source: str = "config", overrides: list[str] | None = None) -> RunConfig:
+    """Parse YAML text into a RunConfig, raising ConfigError with the field, the problem and the fix."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(
+            f"{source}:{where}: malformed YAML ({problem}). Fix: check indentation and 'key: value' syntax there"
+        ) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections (env:, train:, ...), "
+                          f"got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file. Fix: pass a YAML run spec, e.g. examples/cartpole_ppo.yaml")
+    return parse_config(path.read_text(), str(path), overrides)
+
+
+def dump_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(json.loads(config.to_json()), sort_keys=False)

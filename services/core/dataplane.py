@@ -1,0 +1,202 @@
+"""ZeroMQ data plane: request/reply channels that move TensorBatches as ``[header, buffers...]`` frames.
+
+``DataServer`` (ROUTER, bound) answers requests in the thread that runs ``serve``; a handler may answer later
+(a parked long-poll) through the ``Reply`` it is given. ``DataClient`` (DEALER, connected) sends requests, can
+pipeline several, and matches answers by sequence number. High-water marks bound every queue (back-pressure);
+corrupt or oversized messages are answered with an error and logged, and the channel keeps working.
+Sockets are used only by the thread that made them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from services.core.batch import TensorBatch
+from services.core.codec import FrameError, decode, encode, message_bytes
+
+log = logging.getLogger(__name__)
+
+
+class RemoteError(RuntimeError):
+    """The peer received the request and refused it; the message is the peer's reason."""
+
+
+class PeerTimeout(TimeoutError):
+    """The peer did not answer in time: it is busy, dead or unreachable."""
+
+
+def _socket(kind: int, hwm: int, max_bytes: int) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    # Hard transport guard against memory exhaustion; messages between 1x and 2x the bound still arrive and are
+    # refused with an explicit error by the application-level check (so the sender learns why).
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_bytes)
+    return sock
+
+
+@dataclass
+class Reply:
+    """How a handler answers one request, now or later."""
+
+    server: DataServer
+    identity: bytes
+    seq: int
+
+    def send(self, kind: str, batch: TensorBatch | None = None) -> None:
+        batch = batch or TensorBatch()
+        batch.seq = self.seq
+        self.server._send(self.identity, encode(kind, batch))
+
+    def error(self, reason: str) -> None:
+        self.send("error", TensorBatch(meta={"reason": reason}))
+
+
+Handler = Callable[[str, TensorBatch, Reply], None]
+
+
+class DataServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_bytes: int, hwm: int = 64,
+                 name: str = "data", on_reject: Callable[[str], None] | None = None):
+        self.max_bytes = max_bytes
+        self.name = name
+        self.on_reject = on_reject
+        self.rejected = 0
+        self._sock = _socket(zmq.ROUTER, hwm, max_bytes)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+
+    def wake(self) -> None:
+        """Run ``tick`` soon; callable from any thread (e.g. when a new weight version is published)."""
+        os.write(self._wake_w, b"x")
+
+    def _send(self, identity: bytes, frames: list[Any]) -> None:
+        self._sock.send_multipart([identity, *frames], copy=False)
+
+    def _reject(self, identity: bytes, seq: int, reason: str) -> None:
+        self.rejected += 1
+        log.warning("%s: rejected message: %s", self.name, reason)
+        if self.on_reject:
+            self.on_reject(reason)
+        Reply(self, identity, seq).error(reason)
+
+    def serve(self, handler: Handler, tick: Callable[[], None] | None = None, poll_ms: int = 20) -> None:
+        """Answer requests until ``stop()``. ``tick`` runs after every poll (deadlines of parked requests)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(poll_ms))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._sock in events:
+                while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._handle(self._sock.recv_multipart(copy=False), handler)
+            if tick is not None:
+                tick()
+        self._sock.close(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _handle(self, frames: list[zmq.Frame], handler: Handler) -> None:
+        identity = frames[0].bytes
+        try:
+            kind, batch = decode(frames[1:], self.max_bytes)
+        except FrameError as exc:
+            self._reject(identity, 0, f"{self.name}: {exc}")
+            return
+        reply = Reply(self, identity, batch.seq)
+        try:
+            handler(kind, batch, reply)
+        except (ValueError, KeyError, FrameError) as exc:
+            self._reject(identity, batch.seq, f"{self.name}: '{kind}' refused: {exc}")
+        except Exception as exc:  # noqa: BLE001 — the peer must hear about any failure, and we keep serving
+            log.exception("%s: handler for '%s' failed", self.name, kind)
+            reply.error(f"{self.name}: '{kind}' failed inside the service: {exc.__class__.__name__}: {exc}")
+
+    def start(self, handler: Handler, tick: Callable[[], None] | None = None) -> threading.Thread:
+        self._thread = threading.Thread(target=self.serve, args=(handler, tick), name=f"{self.name}-data",
+                                        daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, join_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(join_s)
+
+
+class DataClient:
+    """Requests to one DataServer. Not thread-safe: one client per thread."""
+
+    def __init__(self, endpoint: str, *, max_bytes: int, timeout_s: float = 30.0, hwm: int = 64,
+                 peer: str = "peer"):
+        self.endpoint = endpoint
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.peer = peer
+        self._sock = _socket(zmq.DEALER, hwm, max_bytes)
+        self._sock.connect(endpoint)
+        self._seq = 0
+        self._rcvtimeo = -1
+
+    def send(self, kind: str, batch: TensorBatch | None = None) -> int:
+        batch = batch or TensorBatch()
+        self._seq += 1
+        batch.seq = self._seq
+        frames = encode(kind, batch)
+        size = message_bytes(frames)
+        if size > self.max_bytes:
+            raise FrameError(f"'{kind}' message of {size} bytes exceeds data_plane.max_message_bytes="
+                             f"{self.max_bytes}; send smaller batches or raise the bound")
+        self._sock.send_multipart(frames, copy=False)
+        return self._seq
+
+    def recv(self, seq: int, timeout_s: float | None = None) -> tuple[str, TensorBatch]:
+        """Wait for the answer to request ``seq``; answers to older (abandoned) requests are dropped."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            if left_ms != self._rcvtimeo:  # a blocking recv with a timeout: no poller per message
+                self._sock.setsockopt(zmq.RCVTIMEO, left_ms)
+                self._rcvtimeo = left_ms
+            try:
+                frames = self._sock.recv_multipart(copy=False)
+            except zmq.Again:
+                raise PeerTimeout(f"no answer from the {self.peer} at {self.endpoint} within {timeout:.1f}s "
+                                  f"(data_plane.timeout_s); is the {self.peer} service alive?") from None
+            kind, batch = decode(frames, self.max_bytes)
+            if batch.seq < seq:
+                continue
+            if kind == "error":
+                raise RemoteError(str(batch.meta.get("reason", "unspecified error")))
+            return kind, batch
+
+    def request(self, kind: str, batch: TensorBatch | None = None,
+                timeout_s: float | None = None) -> tuple[str, TensorBatch]:
+        return self.recv(self.send(kind, batch), timeout_s)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
