@@ -1,0 +1,1 @@
+"""The env service: a pool of vectorised simulators stepped over the data plane."""

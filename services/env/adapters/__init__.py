@@ -1,0 +1,1 @@
+"""Adapters from simulator libraries to vector envs the EnvPool can step."""

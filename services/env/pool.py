@@ -1,0 +1,96 @@
+"""EnvPool: the simulators of one run, split into chunks that are stepped one at a time.
+
+Chunks let the rollout pipeline: while the policy acts on chunk A, the env service steps chunk B. Every step
+validates the actions it receives, tracks episode return/length, and reports finished episodes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from services.env.adapters.gymnasium import describe_space, final_observations, make_vector_env
+
+
+class EnvPool:
+    def __init__(self, env_id: str, num_envs: int, chunks: int = 1, vectorization: str = "sync",
+                 kwargs: dict[str, Any] | None = None):
+        if num_envs % chunks:
+            raise ValueError(f"num_envs={num_envs} is not divisible into {chunks} chunks")
+        self.env_id = env_id
+        self.num_envs = num_envs
+        self.chunk_size = num_envs // chunks
+        self.envs = [make_vector_env(env_id, self.chunk_size, vectorization, kwargs) for _ in range(chunks)]
+        self.single_observation_space = self.envs[0].single_observation_space
+        self.single_action_space = self.envs[0].single_action_space
+        self.obs_spec = describe_space(self.single_observation_space)
+        self.act_spec = describe_space(self.single_action_space)
+        self._returns = [np.zeros(self.chunk_size) for _ in self.envs]
+        self._lengths = [np.zeros(self.chunk_size, dtype=np.int64) for _ in self.envs]
+        self.env_steps = 0
+        self.step_seconds = 0.0
+        self.finished_returns: list[float] = []
+        self.finished_lengths: list[int] = []
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.envs)
+
+    def reset(self, seed: int) -> list[np.ndarray]:
+        out = []
+        for c, env in enumerate(self.envs):
+            obs, _ = env.reset(seed=seed + c * self.chunk_size)
+            self._returns[c][:] = 0
+            self._lengths[c][:] = 0
+            out.append(obs)
+        return out
+
+    def check_actions(self, chunk: int, actions: np.ndarray) -> np.ndarray:
+        if not 0 <= chunk < self.num_chunks:
+            raise ValueError(f"chunk {chunk} out of range: the pool has {self.num_chunks} chunk(s)")
+        space = self.single_action_space
+        expected = (self.chunk_size, *space.shape)
+        if tuple(actions.shape) != expected:
+            raise ValueError(
+                f"actions for chunk {chunk} have shape {tuple(actions.shape)} but {self.env_id}'s action space "
+                f"{space} over {self.chunk_size} envs expects {expected}; fix the policy's action head")
+        if self.act_spec["kind"] == "discrete":
+            if actions.dtype.kind not in "iu":
+                raise ValueError(f"discrete actions must be integers, got dtype {actions.dtype}")
+            lo, n = self.act_spec["start"], self.act_spec["n"]
+            if actions.min() < lo or actions.max() >= lo + n:
+                raise ValueError(f"discrete actions must lie in [{lo}, {lo + n}), got {actions.min()}..{actions.max()}")
+            return actions.astype(np.int64, copy=False)
+        if not np.isfinite(actions).all():
+            raise ValueError("continuous actions contain NaN or inf; the policy diverged")
+        return actions.astype(space.dtype, copy=False)
+
+    def step(self, chunk: int, actions: np.ndarray) -> dict[str, np.ndarray]:
+        actions = self.check_actions(chunk, actions)
+        t0 = time.perf_counter()
+        obs, reward, terminated, truncated, info = self.envs[chunk].step(actions)
+        self.step_seconds += time.perf_counter() - t0
+        done = np.logical_or(terminated, truncated)
+        ret, length = self._returns[chunk], self._lengths[chunk]
+        ret += reward
+        length += 1
+        ep_return = np.where(done, ret, 0.0)
+        ep_length = np.where(done, length, 0)
+        for i in np.flatnonzero(done) if done.any() else ():
+            self.finished_returns.append(float(ret[i]))
+            self.finished_lengths.append(int(length[i]))
+        ret[done] = 0.0
+        length[done] = 0
+        self.env_steps += self.chunk_size
+        out = {"obs": obs, "reward": reward.astype(np.float32), "terminated": terminated, "truncated": truncated}
+        if done.any():  # most steps end no episode: keep those messages small
+            out["final_obs"] = final_observations(obs, info, done)
+            out["episode_return"] = ep_return.astype(np.float32)
+            out["episode_length"] = ep_length.astype(np.int64)
+        return out
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()

@@ -1,0 +1,139 @@
+"""The env service's faces: gRPC control (Configure, GetSpec, GetStats) and the data plane that steps envs.
+
+Data-plane requests (meta.pool is "train" or "eval"):
+  reset {seed}            -> obs [num_envs, ...]
+  step  {chunk} actions   -> obs, reward, terminated, truncated, final_obs, episode_return, episode_length
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+
+import grpc
+import numpy as np
+from prometheus_client import Counter
+
+from services.core.batch import TensorBatch
+from services.core.config import ConfigError, RunConfig
+from services.core.dataplane import DataServer, Reply
+from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
+from services.core.runtime import ServiceRuntime, run_service
+from services.core.stats import episode_stats
+from services.env.adapters.gymnasium import UnknownEnvError
+from services.env.pool import EnvPool
+
+log = logging.getLogger(__name__)
+ENV_STEPS = Counter("rlfabric_env_steps_total", "env steps simulated", ["pool"])
+REJECTED = Counter("rlfabric_env_rejected_messages_total", "data-plane messages refused")
+
+
+def _space(spec: dict) -> env_pb2.Space:
+    return env_pb2.Space(kind=spec["kind"], shape=spec["shape"], dtype=spec["dtype"], low=spec.get("low", []),
+                         high=spec.get("high", []), n=spec.get("n", 0))
+
+
+class EnvService(env_pb2_grpc.EnvServicer):
+    def __init__(self, runtime: ServiceRuntime, host: str):
+        self.runtime = runtime
+        self.pools: dict[str, EnvPool] = {}
+        self.config: RunConfig | None = None
+        self.lock = threading.Lock()
+        self.data = DataServer(host, max_bytes=RunConfig().data_plane.max_message_bytes, name="env",
+                               on_reject=lambda _r: REJECTED.inc())
+        runtime.data_endpoint = self.data.endpoint
+        self.data.start(self.handle)
+        runtime.on_shutdown(self.close)
+
+    # -- data plane (runs in the data thread) --------------------------------------------------------------
+    def handle(self, kind: str, batch: TensorBatch, reply: Reply) -> None:
+        pool_name = batch.meta.get("pool", "train")
+        with self.lock:
+            pool = self.pools.get(pool_name)
+            if pool is None:
+                raise ValueError(f"no env pool {pool_name!r}: call Configure first (pools: {sorted(self.pools)})")
+            if kind == "reset":
+                obs = np.concatenate(pool.reset(int(batch.meta.get("seed", 0))))
+                reply.send("obs", TensorBatch({"obs": obs}))
+            elif kind == "step":
+                if "actions" not in batch:
+                    raise ValueError("step needs an 'actions' tensor")
+                out = pool.step(int(batch.meta.get("chunk", 0)), np.asarray(batch["actions"]))
+                ENV_STEPS.labels(pool_name).inc(pool.chunk_size)
+                reply.send("stepped", TensorBatch(out))
+            else:
+                raise ValueError(f"unknown request kind {kind!r}; expected 'reset' or 'step'")
+
+    # -- control plane -------------------------------------------------------------------------------------
+    async def Configure(self, request, context):
+        try:
+            config = RunConfig.from_json(request.config_json)
+        except ConfigError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        env = config.env
+
+        def build() -> dict[str, EnvPool]:
+            return {
+                "train": EnvPool(env.id, env.num_envs, config.scheduling.chunks(), env.vectorization, env.kwargs),
+                "eval": EnvPool(env.id, env.eval_envs, 1, "sync", env.kwargs),
+            }
+
+        try:
+            pools = await asyncio.to_thread(build)
+        except (UnknownEnvError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001 — a simulator that fails to build is reported, not hidden
+            log.exception("env construction failed")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"env.id {env.id!r} failed to build: {exc.__class__.__name__}: {exc}")
+        with self.lock:
+            old, self.pools, self.config = self.pools, pools, config
+            self.data.max_bytes = config.data_plane.max_message_bytes
+        for pool in old.values():
+            pool.close()
+        self.runtime.state = f"busy:{request.run_id}"
+        log.info("configured", extra={"run_id": request.run_id, "env_id": env.id, "num_envs": env.num_envs})
+        return common_pb2.ConfigureReply(data_endpoint=self.data.endpoint, detail_json=json.dumps(self._spec_dict()))
+
+    def _spec_dict(self) -> dict:
+        train = self.pools["train"]
+        return {"env_id": train.env_id, "num_envs": train.num_envs, "num_chunks": train.num_chunks,
+                "eval_envs": self.pools["eval"].num_envs, "observation_space": train.obs_spec,
+                "action_space": train.act_spec}
+
+    async def GetSpec(self, request, context):
+        if "train" not in self.pools:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not configured: call Configure first")
+        d = self._spec_dict()
+        return env_pb2.EnvSpec(env_id=d["env_id"], num_envs=d["num_envs"], num_chunks=d["num_chunks"],
+                               eval_envs=d["eval_envs"], observation_space=_space(d["observation_space"]),
+                               action_space=_space(d["action_space"]))
+
+    async def GetStats(self, request, context):
+        pool = self.pools.get("train")
+        if pool is None:
+            return env_pb2.EnvStats(rejected_messages=self.data.rejected)
+        return env_pb2.EnvStats(env_steps=pool.env_steps, episodes=episode_stats(pool.finished_returns,
+                                                                                 pool.finished_lengths),
+                                rejected_messages=self.data.rejected, step_seconds=pool.step_seconds)
+
+    def close(self) -> None:
+        self.data.stop()
+        with self.lock:
+            for pool in self.pools.values():
+                pool.close()
+            self.pools = {}
+
+
+async def _build(runtime: ServiceRuntime, args) -> None:
+    env_pb2_grpc.add_EnvServicer_to_server(EnvService(runtime, args.host), runtime.server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("env", _build, argv)
+
+
+if __name__ == "__main__":
+    main()

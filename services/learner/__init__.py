@@ -1,0 +1,1 @@
+"""The learner service: algorithms, optimiser state, checkpoints and weight versions."""

@@ -1,0 +1,197 @@
+"""The learner service's gRPC face. Training runs on one dedicated thread (which also owns the replay client
+socket) so the control plane stays responsive while gradients are computed."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import torch
+from prometheus_client import Counter, Gauge
+
+from services.core.config import ConfigError, RunConfig
+from services.core.dataplane import DataClient, PeerTimeout, RemoteError
+from services.core.objectstore import ObjectStore, open_store
+from services.core.policy import ActorCritic
+from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
+from services.core.weights import WeightPublisher
+from services.learner import algorithms
+
+log = logging.getLogger(__name__)
+UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
+VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
+
+CHECKPOINT_FORMAT = "rlfabric-checkpoint-v1"
+
+
+def build_policy(config: RunConfig, env_spec: dict) -> ActorCritic:
+    return ActorCritic(env_spec["observation_space"], env_spec["action_space"], config.policy)
+
+
+def load_checkpoint(data: bytes) -> dict:
+    """Checkpoints load with weights_only=True: tensors and plain containers, never arbitrary objects."""
+    ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"not an rlfabric checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+    return ckpt
+
+
+class LearnerService(learner_pb2_grpc.LearnerServicer):
+    def __init__(self, runtime: ServiceRuntime, host: str, torch_threads: int):
+        self.runtime = runtime
+        self.host = host
+        self.torch_threads = torch_threads
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        self.executor.submit(set_torch_threads, torch_threads).result()
+        # Building the first optimiser imports torch._dynamo (~1 s). Do it now, while the run is not yet
+        # configured, instead of on the critical path of Configure.
+        self.executor.submit(_warm_up)
+        self.config: RunConfig | None = None
+        self.algo = None
+        self.policy: ActorCritic | None = None
+        self.publisher: WeightPublisher | None = None
+        self.replay: DataClient | None = None
+        self.store: ObjectStore | None = None
+        self.version = -1
+        self.env_spec: dict = {}
+        runtime.on_shutdown(self.close)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str) -> str:
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
+        self.policy = build_policy(config, env_spec)
+        generator = torch.Generator().manual_seed(config.seed + 7)
+        self.algo = algorithms.build(config.algorithm.name, self.policy, config, generator)
+        if self.replay is not None:
+            self.replay.close()
+        self.replay = DataClient(replay_endpoint, max_bytes=config.data_plane.max_message_bytes,
+                                 timeout_s=config.data_plane.timeout_s, peer="replay")
+        if self.publisher is None:
+            self.publisher = WeightPublisher(self.host, config.data_plane.max_message_bytes)
+        self.store = open_store(config.storage, run_dir)
+        self.config, self.env_spec = config, env_spec
+        self.version = self.publisher.version + 1  # versions only grow, even across runs on this worker
+        self.first_version = self.version
+        self.publisher.publish(self.version, self.policy.state_dict())
+        VERSION.set(self.version)
+        return self.publisher.endpoint
+
+    async def Configure(self, request, context):
+        try:
+            config = RunConfig.from_json(request.config_json)
+            context_info = json.loads(request.context_json or "{}")
+            env_spec = context_info["env_spec"]
+            replay_endpoint = request.peers["replay"]
+        except (ConfigError, KeyError, json.JSONDecodeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Configure needs config_json, context_json.env_spec and peers.replay: {exc}")
+        set_torch_threads(config.runtime.torch_threads)
+        try:
+            endpoint = await self._run(self._configure, config, env_spec, replay_endpoint,
+                                       context_info.get("run_dir", "."))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.runtime.state = f"busy:{request.run_id}"
+        log.info("configured", extra={"run_id": request.run_id, "version": self.version})
+        return common_pb2.ConfigureReply(data_endpoint=endpoint,
+                                         detail_json=json.dumps({"weight_version": self.version}))
+
+    def _train(self, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
+        t0 = time.perf_counter()
+        kind, batch = self.replay.request("get", meta_batch(min_version=min_version, wait_s=timeout_s),
+                                          timeout_s=timeout_s + 5)
+        if kind != "batch":
+            raise PeerTimeout(f"no trajectory batch with version >= {min_version} arrived in replay within "
+                              f"{timeout_s:.1f}s; is the rollout service producing?")
+        waited = time.perf_counter() - t0
+        tensors = batch.to_torch()
+        stats = self.algo.update(tensors)
+        self.version += 1
+        self.publisher.publish(self.version, self.policy.state_dict())
+        UPDATES.inc()
+        VERSION.set(self.version)
+        return learner_pb2.TrainReply(
+            weight_version=self.version, batch_version=batch.version, env_steps=self.algo.env_steps,
+            optimizer_steps=self.algo.optimizer_steps, stats={k: float(v) for k, v in stats.items()},
+            train_seconds=time.perf_counter() - t0 - waited, wait_seconds=waited)
+
+    async def Train(self, request, context):
+        if self.algo is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
+        timeout = request.timeout_s or self.config.data_plane.timeout_s
+        try:
+            return await self._run(self._train, request.min_version, timeout)
+        except PeerTimeout as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except RemoteError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay refused: {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")
+
+    def _checkpoint(self, key: str) -> learner_pb2.CheckpointReply:
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "config_json": self.config.to_json(),
+            "env_spec_json": json.dumps(self.env_spec),
+            "policy": self.policy.state_dict(),
+            "algorithm": self.algo.state_dict(),
+            "weight_version": self.version,
+            "torch_rng": torch.get_rng_state(),
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        uri = self.store.put_bytes(key, data)
+        return learner_pb2.CheckpointReply(uri=uri, bytes=len(data), weight_version=self.version)
+
+    async def SaveCheckpoint(self, request, context):
+        if self.algo is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
+        try:
+            return await self._run(self._checkpoint, request.key or self.config.train.checkpoint_key)
+        except (ValueError, OSError) as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
+
+    async def GetState(self, request, context):
+        return learner_pb2.LearnerState(
+            weight_version=self.version, optimizer_steps=getattr(self.algo, "optimizer_steps", 0),
+            env_steps=getattr(self.algo, "env_steps", 0),
+            algorithm=self.config.algorithm.name if self.config else "")
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_up() -> None:
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], fused=True)
+
+
+def meta_batch(**meta):
+    from services.core.batch import TensorBatch
+
+    return TensorBatch(meta=meta)
+
+
+async def _build(runtime: ServiceRuntime, args) -> None:
+    learner_pb2_grpc.add_LearnerServicer_to_server(LearnerService(runtime, args.host, args.torch_threads),
+                                                   runtime.server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("learner", _build, argv)
+
+
+if __name__ == "__main__":
+    main()

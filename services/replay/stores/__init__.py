@@ -1,0 +1,1 @@
+"""Replay stores behind one interface (memory now; Redis joins by config)."""

@@ -1,0 +1,1 @@
+"""Inference backends. ``torch`` serves MLP actor-critics; LLM backends (hf, vllm, sglang) join by config."""

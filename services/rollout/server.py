@@ -1,0 +1,155 @@
+"""The rollout service's gRPC face: Configure, Collect (one batch), Produce (a stream of batches under a
+staleness bound), Evaluate, GetState. Acting runs on the RolloutWorker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from concurrent.futures import Future
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from services.core.config import ConfigError, RunConfig
+from services.core.dataplane import PeerTimeout, RemoteError
+from services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.core.runtime import ServiceRuntime, run_service
+from services.core.stats import episode_stats
+from services.rollout.worker import CollectResult, RolloutWorker, Stopped
+
+log = logging.getLogger(__name__)
+BATCHES = Counter("rlfabric_rollout_batches_total", "trajectory batches produced")
+SERVING = Gauge("rlfabric_rollout_weight_version", "weight version this rollout worker serves")
+
+
+def _reply(r: CollectResult) -> rollout_pb2.CollectReply:
+    return rollout_pb2.CollectReply(
+        batch_index=r.batch_index, env_steps=r.env_steps, weight_version=r.weight_version,
+        episodes=episode_stats(r.returns, r.lengths), collect_seconds=r.collect_seconds,
+        env_seconds=r.env_seconds, policy_seconds=r.policy_seconds, weight_wait_seconds=r.weight_wait_seconds,
+        episode_returns=r.returns)
+
+
+class RolloutService(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, runtime: ServiceRuntime):
+        self.runtime = runtime
+        self.worker: RolloutWorker | None = None
+        self.producing: threading.Event | None = None
+        runtime.on_shutdown(self.close)
+
+    async def _call(self, context, fut: Future):
+        """Await a worker job, mapping failures to gRPC codes with the worker's own message."""
+        try:
+            return await asyncio.wrap_future(fut)
+        except (PeerTimeout, TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RemoteError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Stopped as exc:
+            await context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _require(self, context) -> RolloutWorker:
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rollout not configured: call Configure")
+        return self.worker
+
+    async def Configure(self, request, context):
+        try:
+            config = RunConfig.from_json(request.config_json)
+            info = json.loads(request.context_json or "{}")
+            env_spec, peers = info["env_spec"], dict(request.peers)
+            for role in ("env", "replay", "learner"):
+                if role not in peers:
+                    raise KeyError(f"peers.{role}")
+        except (ConfigError, KeyError, json.JSONDecodeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Configure needs config_json, context_json.env_spec and peers env/replay/learner: {exc}")
+        self.close()
+        base = int(info.get("base_version", 0))
+        try:
+            self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base)
+            await self._call(context, self.worker.submit(self.worker.sync_weights, base,
+                                                         config.data_plane.timeout_s))
+        except (PeerTimeout, RemoteError, TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout could not reach its peers: {exc}")
+        SERVING.set(self.worker.version)
+        self.runtime.state = f"busy:{request.run_id}"
+        log.info("configured", extra={"run_id": request.run_id, "version": self.worker.version})
+        return common_pb2.ConfigureReply(detail_json=json.dumps({"weight_version": self.worker.version}))
+
+    async def Collect(self, request, context):
+        worker = await self._require(context)
+        result = await self._call(context, worker.submit(worker.collect, request.batch_index, request.min_version))
+        BATCHES.inc()
+        SERVING.set(worker.version)
+        return _reply(result)
+
+    async def Produce(self, request, context):
+        worker = await self._require(context)
+        stop = threading.Event()
+        self.producing = stop
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+
+        def emit(r: CollectResult) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, r)
+
+        fut = worker.submit(worker.produce, request.first_batch_index, request.max_batches, request.staleness,
+                            emit, stop)
+        done = asyncio.wrap_future(fut)
+        try:
+            while True:
+                getter = asyncio.ensure_future(out.get())
+                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in finished:
+                    BATCHES.inc()
+                    SERVING.set(worker.version)
+                    yield _reply(getter.result())
+                    continue
+                getter.cancel()
+                while not out.empty():
+                    yield _reply(out.get_nowait())
+                await self._call(context, fut)  # raises the worker's error, if any
+                return
+        finally:
+            stop.set()  # cancelled by the client or finished: the worker discards its in-flight batch
+
+    async def Evaluate(self, request, context):
+        worker = await self._require(context)
+        episodes = request.episodes or worker.config.train.eval_episodes
+        seed = request.seed or worker.config.eval_seed()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        returns = await self._call(context, worker.submit(worker.evaluate, episodes, not request.stochastic, seed))
+        return rollout_pb2.EvaluateReply(episodes=episode_stats(returns), weight_version=worker.version,
+                                         returns=returns, seconds=loop.time() - t0)
+
+    async def GetState(self, request, context):
+        w = self.worker
+        if w is None:
+            return rollout_pb2.RolloutState(weight_version=-1)
+        return rollout_pb2.RolloutState(weight_version=w.version, batches=w.batches, env_steps=w.env_steps,
+                                        discarded_batches=w.discarded)
+
+    def close(self) -> None:
+        if self.producing is not None:
+            self.producing.set()
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+async def _build(runtime: ServiceRuntime, args) -> None:
+    rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutService(runtime), runtime.server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("rollout", _build, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""RolloutWorker: the acting loop, on its own thread with its own sockets (env, replay, learner weights).
+
+Collecting pipelines env chunks: actions for chunk c are sent to the env service, and while it simulates them
+the policy acts on the next chunk's fresh observations. With one chunk this is the plain act/step loop.
+Jobs (collect, produce, evaluate) run one at a time; a long ``produce`` runs queued evaluations between batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from services.core.batch import TensorBatch
+from services.core.config import RunConfig
+from services.core.dataplane import DataClient
+from services.core.runtime import set_torch_threads
+from services.core.weights import WeightSubscriber
+from services.rollout.backends.torch import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """A job was stopped before it finished; its partial data was discarded."""
+
+
+@dataclass
+class CollectResult:
+    batch_index: int
+    env_steps: int
+    weight_version: int
+    returns: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    collect_seconds: float = 0.0
+    env_seconds: float = 0.0
+    policy_seconds: float = 0.0
+    weight_wait_seconds: float = 0.0
+
+
+class RolloutWorker:
+    def __init__(self, config: RunConfig, env_spec: dict, peers: dict[str, str], base_version: int = 0):
+        self.config = config
+        self.base_version = base_version  # the learner's first version for this run
+        self.env_spec = env_spec
+        self.peers = peers
+        self.jobs: queue.Queue = queue.Queue()
+        self.batches = 0
+        self.env_steps = 0
+        self.discarded = 0
+        self.version = -1
+        self._closed = False
+        self._ready = Future()
+        self.thread = threading.Thread(target=self._main, name="rollout-worker", daemon=True)
+        self.thread.start()
+        self._ready.result()
+
+    # -- thread plumbing -----------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            cfg = self.config
+            set_torch_threads(cfg.runtime.torch_threads)
+            dp = cfg.data_plane
+            self.backend = TorchBackend(cfg, self.env_spec)
+            self.env = DataClient(self.peers["env"], max_bytes=dp.max_message_bytes, timeout_s=dp.timeout_s,
+                                  hwm=dp.high_water_mark, peer="env")
+            self.replay = DataClient(self.peers["replay"], max_bytes=dp.max_message_bytes,
+                                     timeout_s=dp.timeout_s, hwm=dp.high_water_mark, peer="replay")
+            self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s)
+            self.chunks = cfg.scheduling.chunks()
+            self.chunk_size = cfg.env.num_envs // self.chunks
+            self.obs = self._reset("train", cfg.seed)
+        except BaseException as exc:  # noqa: BLE001 — surfaced to Configure
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(True)
+        while not self._closed:
+            try:
+                fn, args, fut = self.jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._run_job(fn, args, fut)
+        for sock in (self.env, self.replay):
+            sock.close()
+        self.weights.close()
+
+    def _run_job(self, fn, args, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 — delivered to the caller
+            fut.set_exception(exc)
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        fut: Future = Future()
+        self.jobs.put((fn, args, fut))
+        return fut
+
+    def _run_queued(self) -> None:
+        """Run jobs queued while a long job (produce) holds the thread, e.g. evaluations."""
+        while True:
+            try:
+                fn, args, fut = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            self._run_job(fn, args, fut)
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- acting --------------------------------------------------------------------------------------------
+    def _reset(self, pool: str, seed: int) -> np.ndarray:
+        _, reply = self.env.request("reset", TensorBatch(meta={"pool": pool, "seed": seed}))
+        return np.array(reply["obs"])
+
+    def sync_weights(self, min_version: int, timeout_s: float, stop: threading.Event | None = None) -> float:
+        """Load the newest version; wait (bounded) until it is at least min_version. Returns seconds waited."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait = 0.0 if self.version >= min_version else min(0.25, max(0.0, deadline - time.monotonic()))
+            version, tensors = self.weights.fetch(self.version, min_version if wait else 0, wait)
+            if tensors is not None:
+                self.backend.load(version, tensors)
+                self.version = version
+            if self.version >= min_version:
+                return time.perf_counter() - t0
+            if stop is not None and stop.is_set():
+                raise Stopped(f"stopped while waiting for weight version {min_version}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"weight version {min_version} was not published within {timeout_s:.1f}s "
+                                   f"(newest: {version}); is the learner training?")
+            self._run_queued()
+
+    def collect(self, batch_index: int, min_version: int, stop: threading.Event | None = None) -> CollectResult:
+        cfg = self.config
+        waited = self.sync_weights(min_version, cfg.data_plane.timeout_s, stop)
+        t_start = time.perf_counter()
+        T, N, C, S = cfg.algorithm.ppo.n_steps, cfg.env.num_envs, self.chunks, self.chunk_size
+        gamma = cfg.algorithm.ppo.gamma
+        obs_buf = np.zeros((T, N, *self.obs.shape[1:]), dtype=np.float32)
+        act_shape = tuple(self.env_spec["action_space"]["shape"])
+        discrete = self.env_spec["action_space"]["kind"] == "discrete"
+        act_buf = np.zeros((T, N, *act_shape), dtype=np.int64 if discrete else np.float32)
+        logp_buf = np.zeros((T, N), dtype=np.float32)
+        val_buf = np.zeros((T, N), dtype=np.float32)
+        rew_buf = np.zeros((T, N), dtype=np.float32)
+        done_buf = np.zeros((T, N), dtype=np.float32)
+        result = CollectResult(batch_index, T * N, self.version)
+        policy_s = env_s = 0.0
+
+        def act(c: int, t: int) -> int:
+            nonlocal policy_s
+            sl = slice(c * S, (c + 1) * S)
+            p0 = time.perf_counter()
+            raw, env_actions, logp, values = self.backend.act(self.obs[sl])
+            policy_s += time.perf_counter() - p0
+            obs_buf[t, sl], act_buf[t, sl], logp_buf[t, sl], val_buf[t, sl] = self.obs[sl], raw, logp, values
+            return self.env.send("step", TensorBatch({"actions": env_actions}, meta={"pool": "train", "chunk": c}))
+
+        pending = [act(c, 0) for c in range(C)]
+        for t in range(T):
+            for c in range(C):
+                if stop is not None and stop.is_set():
+                    self.discarded += 1
+                    log.warning("discarding in-flight batch %d at step %d/%d on stop", batch_index, t, T)
+                    raise Stopped(f"batch {batch_index} discarded at step {t}/{T}")
+                e0 = time.perf_counter()
+                _, out = self.env.recv(pending[c])
+                env_s += time.perf_counter() - e0
+                sl = slice(c * S, (c + 1) * S)
+                reward = np.array(out["reward"], dtype=np.float32)
+                terminated, truncated = np.asarray(out["terminated"]), np.asarray(out["truncated"])
+                bootstrap = np.logical_and(truncated, np.logical_not(terminated))
+                if bootstrap.any():  # a time limit is not a failure: add the value of where the episode stopped
+                    idx = np.flatnonzero(bootstrap)
+                    reward[idx] += gamma * self.backend.value(np.asarray(out["final_obs"])[idx])
+                rew_buf[t, sl] = reward
+                done = np.logical_or(terminated, truncated)
+                done_buf[t, sl] = done
+                for i in np.flatnonzero(done):
+                    result.returns.append(float(out["episode_return"][i]))
+                    result.lengths.append(int(out["episode_length"][i]))
+                self.obs[sl] = out["obs"]
+                if t + 1 < T:
+                    pending[c] = act(c, t + 1)
+        last_values = self.backend.value(self.obs)
+        batch = TensorBatch(
+            {"obs": obs_buf, "actions": act_buf, "logp": logp_buf, "values": val_buf, "rewards": rew_buf,
+             "dones": done_buf, "last_values": last_values.astype(np.float32)},
+            meta={"batch_index": batch_index, "env_steps": T * N},
+            version=self.version,
+        )
+        self.replay.request("put", batch)  # acknowledged: only now does the batch count
+        self.batches += 1
+        self.env_steps += T * N
+        result.collect_seconds = time.perf_counter() - t_start
+        result.env_seconds, result.policy_seconds, result.weight_wait_seconds = env_s, policy_s, waited
+        return result
+
+    def produce(self, first: int, max_batches: int, staleness: int, emit: Callable[[CollectResult], None],
+                stop: threading.Event) -> int:
+        """Collect batch after batch; batch i uses a weight version >= i - staleness."""
+        i = first
+        while not stop.is_set() and (max_batches <= 0 or i < first + max_batches):
+            self._run_queued()
+            try:
+                emit(self.collect(i, self.base_version + max(0, i - staleness), stop))
+            except Stopped:
+                break
+            i += 1
+        return i - first
+
+    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
+        """Play ``episodes`` episodes on the eval pool, spread evenly over its envs (no short-episode bias),
+        with the newest published weight version (what a checkpoint taken now would hold)."""
+        self.sync_weights(0, self.config.data_plane.timeout_s)
+        E = self.config.env.eval_envs
+        quota = np.full(E, episodes // E) + (np.arange(E) < episodes % E)
+        got: list[list[float]] = [[] for _ in range(E)]
+        obs = self._reset("eval", seed)
+        while any(len(g) < q for g, q in zip(got, quota, strict=True)):
+            _, env_actions, _, _ = self.backend.act(obs, deterministic)
+            _, out = self.env.request("step", TensorBatch({"actions": env_actions}, meta={"pool": "eval", "chunk": 0}))
+            obs = np.array(out["obs"])
+            done = np.logical_or(out["terminated"], out["truncated"])
+            for i in np.flatnonzero(done):
+                if len(got[i]) < quota[i]:
+                    got[i].append(float(out["episode_return"][i]))
+        return [r for g in got for r in g]
