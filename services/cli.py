@@ -1,0 +1,234 @@
+"""rlfabric command line.
+
+  rlfabric train CONFIG [--run-dir DIR] [--set key=value ...] [--coordinator HOST:PORT]
+  rlfabric up [--runs-root DIR]                       start every service locally and keep serving
+  rlfabric serve SERVICE --coordinator HOST:PORT      one service (for multi-host deployments)
+  rlfabric status --coordinator HOST:PORT             workers and runs
+  rlfabric stop RUN_ID --coordinator HOST:PORT
+  rlfabric eval CHECKPOINT [--episodes N]             play episodes with a saved policy
+
+Exit codes: 0 success, 2 bad input (reason on stderr), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape as rich_escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from services.core.config import ConfigError, load_config
+
+console = Console(stderr=True)
+SERVICES = ("coordinator", "learner", "rollout", "env", "replay")
+
+
+def _fail(message: str, code: int) -> int:
+    console.print(f"[bold red]error:[/] {rich_escape(message)}", highlight=False, soft_wrap=True)
+    return code
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
+        f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.coordinator:
+        return _follow(args.coordinator, args, run_dir, None)
+    from services.launcher import LocalStack
+
+    stack = LocalStack(log_dir=run_dir / "logs", runs_root=args.runs_root, torch_threads=config.runtime.torch_threads)
+    try:
+        with console.status("starting services (coordinator, env, replay, learner, rollout)..."):
+            stack.start()
+        return _follow(stack.address, args, run_dir, stack)
+    except RuntimeError as exc:
+        return _fail(str(exc), 1)
+    finally:
+        stack.stop()
+
+
+def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack) -> int:
+    import grpc
+
+    from services.coordinator.client import STATE_NAMES, CoordinatorClient
+
+    client = CoordinatorClient(address)
+    try:
+        client.wait_ready(30)
+        status = client.submit(Path(args.config), args.set, run_dir)
+    except grpc.RpcError as exc:
+        code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+        return _fail(exc.details() or str(exc), code)
+    run_id = status.run_id
+    console.print(f"run [bold]{run_id}[/] -> {run_dir}  (coordinator {address})", soft_wrap=True)
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True) or client.stop(run_id))
+    total = None
+    final = None
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("return {task.fields[ret]}  eval {task.fields[eval]}  {task.fields[fps]} steps/s  "
+                          "v{task.fields[version]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False, disable=args.quiet) as progress:
+        task = progress.add_task("env steps", total=None, ret="-", eval="-", fps="-", version=0)
+        for event in client.watch(run_id):
+            kind = event.WhichOneof("event")
+            if kind == "metrics":
+                m = event.metrics
+                v = m.values
+                if total is None:
+                    total = _total_steps(args)
+                    progress.update(task, total=total)
+                progress.update(task, completed=m.env_steps, version=m.weight_version,
+                                ret=f"{v['train_return_mean']:.1f}" if "train_return_mean" in v else "-",
+                                eval=f"{v['eval_return_mean']:.1f}" if "eval_return_mean" in v else
+                                progress.tasks[0].fields["eval"],
+                                fps=f"{v.get('fps', 0):.0f}")
+            elif kind == "log":
+                progress.console.print(f"[dim]{rich_escape(event.log.message)}[/]", highlight=False, soft_wrap=True)
+            elif kind == "status":
+                final = event.status
+    signal.signal(signal.SIGINT, previous)
+    final = client.status(run_id) if final is None else final
+    state = STATE_NAMES.get(final.state, str(final.state))
+    if stack is not None and stack.dead():
+        console.print(f"[yellow]services that exited during the run: {stack.dead()} (logs in {run_dir / 'logs'})")
+    if final.state == 3:  # SUCCEEDED
+        console.print(f"[bold green]{state}[/] {rich_escape(final.reason)}\n  metrics: {run_dir / 'metrics.csv'}  "
+                      f"curve: {run_dir / 'curve.png'}  checkpoint: {run_dir / 'checkpoints'}", soft_wrap=True)
+        return 0
+    return _fail(f"run {state}: {final.reason}", 2 if final.bad_input else 1)
+
+
+def _total_steps(args: argparse.Namespace) -> int:
+    return load_config(args.config, args.set).train.total_env_steps
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher import LocalStack
+
+    stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        address = stack.start()
+        console.print(f"rlfabric is up: coordinator at [bold]{address}[/]; logs in {stack.log_dir}. Ctrl-C stops.")
+        print(address, flush=True)
+        while not stop:
+            dead = stack.dead()
+            if dead:
+                return _fail(f"services exited: {dead}; see {stack.log_dir}", 1)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stack.stop()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    if args.service != "coordinator" and "--coordinator" not in rest:
+        return _fail(f"serve {args.service} needs --coordinator HOST:PORT", 2)
+    importlib.import_module(f"services.{args.service}.server").main(rest)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from services.coordinator.client import STATE_NAMES, CoordinatorClient
+    from services.core.runtime import ROLE_NAMES
+
+    with CoordinatorClient(args.coordinator) as client:
+        workers, runs = client.workers(), client.runs()
+    table = Table(title=f"workers at {args.coordinator}")
+    for col in ("id", "role", "grpc", "data", "pid", "alive", "run"):
+        table.add_column(col)
+    for w in workers:
+        table.add_row(w.worker_id, ROLE_NAMES.get(w.role, "?"), w.endpoint.grpc, w.endpoint.data, str(w.pid),
+                      "yes" if w.alive else "NO", w.run_id)
+    Console().print(table)
+    runs_table = Table(title="runs")
+    for col in ("run", "state", "mode", "env steps", "version", "reason"):
+        runs_table.add_column(col)
+    for r in runs:
+        runs_table.add_row(r.run_id, STATE_NAMES.get(r.state, "?"), r.mode, str(r.env_steps),
+                           str(r.weight_version), r.reason)
+    Console().print(runs_table)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from services.coordinator.client import STATE_NAMES, CoordinatorClient
+
+    with CoordinatorClient(args.coordinator) as client:
+        status = client.stop(args.run_id)
+    console.print(f"{status.run_id}: {STATE_NAMES.get(status.state)} {status.reason}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from services.core.evaluate import evaluate_checkpoint
+
+    try:
+        returns = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, not args.stochastic)
+    except (FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc), 2)
+    mean = sum(returns) / len(returns)
+    std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
+    console.print(f"{len(returns)} episodes: mean return {mean:.2f} +/- {std:.2f} "
+                  f"(min {min(returns):.1f}, max {max(returns):.1f})")
+    print(f"{mean:.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfabric", description="RL post-training as independent services")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train from a run spec (starts local services unless --coordinator)")
+    p.add_argument("config")
+    p.add_argument("--run-dir", default="")
+    p.add_argument("--runs-root", default="runs")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--coordinator", default="", help="submit to a running coordinator instead")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("up", help="start every service locally and keep serving")
+    p.add_argument("--runs-root", default="runs")
+    p.add_argument("--host", default="127.0.0.1")
+    p = sub.add_parser("serve", help="run one service (its own flags follow)", add_help=False)
+    p.add_argument("service", choices=SERVICES)
+    p = sub.add_parser("status", help="workers and runs of a coordinator")
+    p.add_argument("--coordinator", required=True)
+    p = sub.add_parser("stop", help="stop a run")
+    p.add_argument("run_id")
+    p.add_argument("--coordinator", required=True)
+    p = sub.add_parser("eval", help="play episodes with a checkpoint's policy")
+    p.add_argument("checkpoint")
+    p.add_argument("--episodes", type=int, default=10)
+    p.add_argument("--seed", type=int, default=None, help="default: the run's own evaluation seed")
+    p.add_argument("--stochastic", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] == "serve":
+        args, rest = parser.parse_known_args(argv)
+        sys.exit(cmd_serve(args, rest))
+    args = parser.parse_args(argv)
+    handlers = {"train": cmd_train, "up": cmd_up, "status": cmd_status, "stop": cmd_stop, "eval": cmd_eval}
+    sys.exit(handlers[args.command](args))
+
+
+if __name__ == "__main__":
+    main()

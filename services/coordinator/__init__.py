@@ -1,0 +1,1 @@
+"""The coordinator: runs, the macro workflow, placement, the worker registry and the public API."""

@@ -1,0 +1,68 @@
+"""CoordinatorClient: the thin, synchronous Python client over the coordinator's gRPC API (for notebooks,
+scripts and the CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from services.core.config import RunConfig, dump_yaml
+from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.core.runtime import GRPC_OPTIONS
+
+STATE_NAMES = {v: k for k, v in coordinator_pb2.RunState.items()}
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, timeout_s: float = 10.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
+    def submit(self, config: str | Path | RunConfig, overrides: list[str] | None = None,
+               run_dir: str | Path | None = None) -> coordinator_pb2.RunStatus:
+        """Submit a run spec: a RunConfig, a YAML path, or YAML text."""
+        if isinstance(config, RunConfig):
+            text = dump_yaml(config)
+        elif isinstance(config, Path) or (isinstance(config, str) and "\n" not in config and Path(config).is_file()):
+            text = Path(config).read_text()
+        else:
+            text = str(config)
+        return self.stub.SubmitRun(coordinator_pb2.SubmitRunRequest(
+            config_yaml=text, overrides=overrides or [], run_dir=str(run_dir or "")), timeout=self.timeout_s)
+
+    def status(self, run_id: str) -> coordinator_pb2.RunStatus:
+        return self.stub.GetRun(coordinator_pb2.RunRef(run_id=run_id), timeout=self.timeout_s)
+
+    def runs(self) -> list[coordinator_pb2.RunStatus]:
+        return list(self.stub.ListRuns(common_pb2.Empty(), timeout=self.timeout_s).runs)
+
+    def workers(self) -> list[coordinator_pb2.WorkerStatus]:
+        return list(self.stub.ListWorkers(common_pb2.Empty(), timeout=self.timeout_s).workers)
+
+    def watch(self, run_id: str) -> Iterator[coordinator_pb2.RunEvent]:
+        """Every event of the run (history first), until it ends."""
+        yield from self.stub.WatchRun(coordinator_pb2.RunRef(run_id=run_id))
+
+    def wait(self, run_id: str) -> coordinator_pb2.RunStatus:
+        for _ in self.watch(run_id):
+            pass
+        return self.status(run_id)
+
+    def stop(self, run_id: str) -> coordinator_pb2.RunStatus:
+        return self.stub.StopRun(coordinator_pb2.RunRef(run_id=run_id), timeout=60)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

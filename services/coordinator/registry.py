@@ -1,0 +1,92 @@
+"""WorkerRegistry: who is registered, who is alive (heartbeats), and which run holds which worker."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+from services.core.runtime import ROLE_NAMES
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str
+    grpc: str
+    data: str
+    metrics: str
+    pid: int
+    host: str
+    labels: dict[str, str] = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    run_id: str = ""
+
+    def describe(self) -> str:
+        return f"{self.role} worker {self.worker_id} (pid {self.pid} on {self.host}, {self.grpc})"
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0):
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.workers: dict[str, Worker] = {}
+        self._ids = itertools.count()
+
+    def register(self, req: coordinator_pb2.RegisterWorkerRequest) -> Worker:
+        role = ROLE_NAMES.get(req.role)
+        if role is None or req.role == common_pb2.COORDINATOR:
+            raise ValueError(f"role {req.role} cannot register as a worker")
+        if not req.endpoint.grpc:
+            raise ValueError("endpoint.grpc is required (host:port of the worker's control plane)")
+        # a worker that registers again from the same address replaces its old entry (it restarted)
+        for old in [w for w in self.workers.values() if w.grpc == req.endpoint.grpc]:
+            del self.workers[old.worker_id]
+        worker = Worker(f"{role}-{next(self._ids)}", role, req.endpoint.grpc, req.endpoint.data,
+                        req.endpoint.metrics, req.pid, req.host, dict(req.labels))
+        self.workers[worker.worker_id] = worker
+        return worker
+
+    def heartbeat(self, worker_id: str) -> bool:
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return False
+        worker.last_seen = time.monotonic()
+        return True
+
+    def deregister(self, worker_id: str) -> Worker | None:
+        return self.workers.pop(worker_id, None)
+
+    def reap(self) -> list[Worker]:
+        """Mark workers whose heartbeats stopped as dead and return them (once)."""
+        now = time.monotonic()
+        dead = [w for w in self.workers.values() if w.alive and now - w.last_seen > self.heartbeat_timeout_s]
+        for w in dead:
+            w.alive = False
+        return dead
+
+    def idle(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.alive and not w.run_id]
+
+    def acquire(self, role: str, run_id: str) -> Worker | None:
+        free = self.idle(role)
+        if not free:
+            return None
+        free[0].run_id = run_id
+        return free[0]
+
+    def release(self, run_id: str) -> None:
+        for w in self.workers.values():
+            if w.run_id == run_id:
+                w.run_id = ""
+
+    def status(self, worker: Worker) -> coordinator_pb2.WorkerStatus:
+        from services.core.runtime import ROLES
+
+        return coordinator_pb2.WorkerStatus(
+            worker_id=worker.worker_id, role=ROLES[worker.role],
+            endpoint=common_pb2.Endpoint(grpc=worker.grpc, data=worker.data, metrics=worker.metrics),
+            pid=worker.pid, host=worker.host, alive=worker.alive,
+            seconds_since_heartbeat=time.monotonic() - worker.last_seen, run_id=worker.run_id)

@@ -1,0 +1,81 @@
+"""Run: the state of one submitted run — its lifecycle, its event history and the watchers that follow it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from services.core.config import RunConfig
+from services.core.proto.rlfabric.v1 import coordinator_pb2
+
+TERMINAL = {coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED}
+
+
+class RunFailed(Exception):
+    """The run cannot continue. ``bad_input`` marks failures caused by the user's input."""
+
+    def __init__(self, reason: str, bad_input: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.bad_input = bad_input
+
+
+class Run:
+    def __init__(self, run_id: str, config: RunConfig, run_dir: Path):
+        self.run_id = run_id
+        self.config = config
+        self.run_dir = run_dir
+        self.state = coordinator_pb2.PENDING
+        self.reason = ""
+        self.bad_input = False
+        self.env_steps = 0
+        self.weight_version = 0
+        self.iteration = 0
+        self.latest: dict[str, float] = {}
+        self.started = time.time()
+        self.history: list[coordinator_pb2.RunEvent] = []
+        self.watchers: set[asyncio.Queue] = set()
+        self.task: asyncio.Task | None = None
+        self.failure: RunFailed | None = None
+
+    def status(self) -> coordinator_pb2.RunStatus:
+        return coordinator_pb2.RunStatus(
+            run_id=self.run_id, state=self.state, reason=self.reason, bad_input=self.bad_input,
+            run_dir=str(self.run_dir), env_steps=self.env_steps, weight_version=self.weight_version,
+            iteration=self.iteration, latest=self.latest, mode=self.config.scheduling.mode)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    def _emit(self, event: coordinator_pb2.RunEvent) -> None:
+        self.history.append(event)
+        for q in self.watchers:
+            q.put_nowait(event)
+
+    def set_state(self, state: int, reason: str = "", bad_input: bool = False) -> None:
+        self.state, self.reason, self.bad_input = state, reason, bad_input
+        self._emit(coordinator_pb2.RunEvent(status=self.status()))
+
+    def log(self, message: str, level: str = "info") -> None:
+        self._emit(coordinator_pb2.RunEvent(log=coordinator_pb2.LogEvent(level=level, message=message,
+                                                                         time=time.time())))
+
+    def metrics(self, row: dict[str, float]) -> None:
+        self.iteration = int(row.get("iteration", self.iteration))
+        self.env_steps = int(row.get("env_steps", self.env_steps))
+        self.weight_version = int(row.get("weight_version", self.weight_version))
+        values = {k: float(v) for k, v in row.items() if k not in ("iteration", "env_steps", "weight_version")}
+        self.latest.update(values)
+        self._emit(coordinator_pb2.RunEvent(metrics=coordinator_pb2.MetricRow(
+            iteration=self.iteration, env_steps=self.env_steps, wall_time_s=time.time() - self.started,
+            weight_version=self.weight_version, values=values)))
+
+    def fail(self, failure: RunFailed) -> None:
+        """Fail from outside the workflow (e.g. a worker died): record why, then cancel the workflow."""
+        if self.finished or self.failure is not None:
+            return
+        self.failure = failure
+        if self.task is not None:
+            self.task.cancel()

@@ -1,0 +1,214 @@
+"""The coordinator's gRPC face: the worker registry (register, heartbeats, reaping) and the run API
+(submit, get, list, watch, stop). Runs execute as asyncio tasks driving workers over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from services.coordinator.registry import WorkerRegistry
+from services.coordinator.run import Run, RunFailed
+from services.coordinator.workflow import PPOWorkflow
+from services.core.config import ConfigError, parse_config
+from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.core.runtime import ServiceRuntime, run_service
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, runtime: ServiceRuntime, runs_root: str, heartbeat_timeout_s: float):
+        self.runtime = runtime
+        self.runs_root = Path(runs_root)
+        self.registry = WorkerRegistry(heartbeat_interval_s=min(0.5, heartbeat_timeout_s / 4),
+                                       heartbeat_timeout_s=heartbeat_timeout_s)
+        self.runs: dict[str, Run] = {}
+        self.reaper = asyncio.get_event_loop().create_task(self._reap())
+        runtime.on_shutdown(self.shutdown)
+
+    # -- registry ------------------------------------------------------------------------------------------
+    async def RegisterWorker(self, request, context):
+        try:
+            worker = self.registry.register(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("worker registered", extra={"worker_id": worker.worker_id, "grpc": worker.grpc})
+        return coordinator_pb2.RegisterWorkerReply(worker_id=worker.worker_id,
+                                                   heartbeat_interval_s=self.registry.heartbeat_interval_s)
+
+    async def Heartbeat(self, request, context):
+        return coordinator_pb2.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+
+    async def DeregisterWorker(self, request, context):
+        worker = self.registry.deregister(request.worker_id)
+        if worker is not None:
+            log.info("worker left", extra={"worker_id": worker.worker_id, "reason": request.reason})
+            self._worker_lost(worker, f"left ({request.reason or 'no reason given'})")
+        return common_pb2.Empty()
+
+    async def ListWorkers(self, request, context):
+        return coordinator_pb2.ListWorkersReply(
+            workers=[self.registry.status(w) for w in self.registry.workers.values()])
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            for worker in self.registry.reap():
+                log.warning("worker missed heartbeats", extra={"worker_id": worker.worker_id})
+                self._worker_lost(worker, f"stopped sending heartbeats for {self.registry.heartbeat_timeout_s:.1f}s "
+                                          f"(crashed or unreachable)")
+
+    def _worker_lost(self, worker, why: str) -> None:
+        run = self.runs.get(worker.run_id)
+        if run is not None and not run.finished:
+            run.fail(RunFailed(f"{worker.describe()} {why}; its in-flight work was discarded and the run "
+                               f"cannot continue without a {worker.role} worker"))
+
+    # -- runs ----------------------------------------------------------------------------------------------
+    async def SubmitRun(self, request, context):
+        try:
+            config = parse_config(request.config_yaml, "config_yaml", list(request.overrides))
+        except ConfigError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.run_dir:
+            run_dir = Path(request.run_dir)
+            run_id = run_dir.name
+        else:
+            name = re.sub(r"[^A-Za-z0-9_.-]", "-", config.name)
+            run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+            run_dir = self.runs_root / run_id
+        if run_id in self.runs and not self.runs[run_id].finished:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"run {run_id} is already running")
+        run = Run(run_id, config, run_dir)
+        self.runs[run_id] = run
+        run.task = asyncio.create_task(self._execute(run))
+        return run.status()
+
+    async def _acquire(self, run: Run, roles: tuple[str, ...]) -> dict:
+        deadline = time.monotonic() + run.config.runtime.worker_wait_s
+        workers: dict = {}
+        while True:
+            for role in roles:
+                if role not in workers:
+                    w = self.registry.acquire(role, run.run_id)
+                    if w is not None:
+                        workers[role] = w
+            if len(workers) == len(roles):
+                return workers
+            if time.monotonic() > deadline:
+                missing = [r for r in roles if r not in workers]
+                raise RunFailed(f"no idle {', '.join(missing)} worker registered within "
+                                f"runtime.worker_wait_s={run.config.runtime.worker_wait_s:g}s; start one with "
+                                f"`rlfabric serve {missing[0]} --coordinator {self.runtime.address}`")
+            await asyncio.sleep(0.1)
+
+    async def _execute(self, run: Run) -> None:
+        """Run the workflow; the terminal state is published only after artefacts are written and workers freed,
+        so anyone who sees SUCCEEDED can read curve.png and the checkpoint."""
+        workflow = None
+        outcome: tuple[int, str, bool]
+        try:
+            workers = await self._acquire(run, PPOWorkflow.roles)
+            run.set_state(coordinator_pb2.RUNNING, "workers: " + ", ".join(w.worker_id for w in workers.values()))
+            workflow = PPOWorkflow(run, workers)
+            outcome = (coordinator_pb2.SUCCEEDED, await workflow.execute(), False)
+        except RunFailed as exc:
+            outcome = (coordinator_pb2.FAILED, exc.reason, exc.bad_input)
+        except asyncio.CancelledError:
+            if run.failure is not None:
+                outcome = (coordinator_pb2.FAILED, run.failure.reason, run.failure.bad_input)
+            else:
+                outcome = (coordinator_pb2.STOPPED, "stopped by request; in-flight batches were discarded", False)
+        except Exception as exc:  # noqa: BLE001 — a bug must fail the run loudly, not hang it
+            log.exception("run %s crashed", run.run_id)
+            outcome = (coordinator_pb2.FAILED, f"coordinator error: {exc.__class__.__name__}: {exc}", False)
+        if workflow is not None:
+            try:
+                await asyncio.shield(workflow.close())
+            except Exception:  # noqa: BLE001 — a failed plot must not hide the run's outcome
+                log.exception("closing run %s failed", run.run_id)
+        self.registry.release(run.run_id)
+        run.set_state(*outcome)
+        log.info("run finished", extra={"run_id": run.run_id, "state": run.state, "reason": run.reason})
+
+    async def _run(self, request, context) -> Run:
+        run = self.runs.get(request.run_id)
+        if run is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}; ListRuns shows the known ones")
+        return run
+
+    async def GetRun(self, request, context):
+        return (await self._run(request, context)).status()
+
+    async def ListRuns(self, request, context):
+        return coordinator_pb2.ListRunsReply(runs=[r.status() for r in self.runs.values()])
+
+    async def WatchRun(self, request, context):
+        run = await self._run(request, context)
+        queue: asyncio.Queue = asyncio.Queue()
+        history = list(run.history)
+        run.watchers.add(queue)
+        try:
+            for event in history:
+                yield event
+            if run.finished:
+                return
+            while True:
+                event = await queue.get()
+                yield event
+                if event.HasField("status") and event.status.state in (
+                        coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED):
+                    return
+        finally:
+            run.watchers.discard(queue)
+
+    async def StopRun(self, request, context):
+        run = await self._run(request, context)
+        if run.task is not None and not run.finished:
+            run.task.cancel()
+            try:
+                await run.task
+            except asyncio.CancelledError:
+                pass
+        return run.status()
+
+    async def shutdown(self) -> None:
+        self.reaper.cancel()
+        for run in self.runs.values():
+            if run.task is not None and not run.finished:
+                run.task.cancel()
+        await asyncio.gather(*(r.task for r in self.runs.values() if r.task), return_exceptions=True)
+
+
+def _extra(parser) -> None:
+    parser.add_argument("--runs-root", default="runs", help="where run directories are created")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                        help="seconds without a heartbeat before a worker is declared dead")
+
+
+def _warm_up() -> None:
+    """Import the TensorBoard writer before the first run asks for it."""
+    from services.coordinator.runlog import import_tensorboardx
+
+    import_tensorboardx()
+
+
+async def _build(runtime: ServiceRuntime, args) -> None:
+    threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+    service = CoordinatorService(runtime, args.runs_root, args.heartbeat_timeout)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, runtime.server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("coordinator", _build, argv, _extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The PPO macro workflow, written once as plain code:
+
+    rollout (env <-> policy) -> advantages -> train -> publish weights (epoch N+1)
+
+and executed under one of two plans:
+  collocated     stages take turns: Collect batch i with version N, Train on it, repeat.
+  disaggregated  the rollout produces a stream of batches (env chunks pipelined against inference) while the
+                 learner trains; batch i uses a version >= i - staleness (0 = strictly on-policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from services.coordinator.registry import Worker
+from services.coordinator.run import Run, RunFailed
+from services.coordinator.runlog import RunLog
+from services.core.proto.rlfabric.v1 import (
+    common_pb2,
+    env_pb2_grpc,
+    learner_pb2,
+    learner_pb2_grpc,
+    replay_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+from services.core.runtime import channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stage:
+    """A worker taking part in a run and the stub the coordinator drives it with."""
+
+    worker: Worker
+    channel: grpc.aio.Channel
+    stub: object
+
+
+async def rpc(stage: Stage, method: str, request, timeout: float | None = None):
+    """Call a worker; any failure becomes a RunFailed that names the worker, the call and the cause."""
+    try:
+        return await getattr(stage.stub, method)(request, timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        detail = exc.details() or exc.code().name
+        raise RunFailed(f"{stage.worker.describe()}: {method} failed: {detail}",
+                        bad_input=exc.code() == grpc.StatusCode.INVALID_ARGUMENT) from None
+
+
+STUBS = {
+    "env": env_pb2_grpc.EnvStub, "replay": replay_pb2_grpc.ReplayStub,
+    "learner": learner_pb2_grpc.LearnerStub, "rollout": rollout_pb2_grpc.RolloutStub,
+}
+
+
+class PPOWorkflow:
+    roles = ("env", "replay", "learner", "rollout")
+
+    def __init__(self, run: Run, workers: dict[str, Worker]):
+        self.run = run
+        self.cfg = run.config
+        self.stages = {}
+        for role, w in workers.items():
+            ch = channel(w.grpc)
+            self.stages[role] = Stage(w, ch, STUBS[role](ch))
+        self.recent_returns: deque[float] = deque(maxlen=100)
+        self.runlog = RunLog(run.run_dir, run.config)
+        self.t0 = time.time()
+        self.best_eval = -math.inf
+
+    async def close(self) -> None:
+        for s in self.stages.values():
+            await s.channel.close()
+        await asyncio.to_thread(self.runlog.close)
+
+    async def configure(self) -> None:
+        cfg, run = self.cfg, self.run
+        req = dict(run_id=run.run_id, config_json=cfg.to_json())
+        env = await rpc(self.stages["env"], "Configure", common_pb2.ConfigureRequest(**req), 120)
+        env_spec = json.loads(env.detail_json)
+        replay = await rpc(self.stages["replay"], "Configure", common_pb2.ConfigureRequest(**req), 30)
+        ctx = {"env_spec": env_spec, "run_dir": str(run.run_dir.resolve())}
+        learner = await rpc(self.stages["learner"], "Configure", common_pb2.ConfigureRequest(
+            **req, peers={"replay": replay.data_endpoint}, context_json=json.dumps(ctx)), 120)
+        self.base_version = json.loads(learner.detail_json)["weight_version"]
+        await rpc(self.stages["rollout"], "Configure", common_pb2.ConfigureRequest(
+            **req, peers={"env": env.data_endpoint, "replay": replay.data_endpoint,
+                          "learner": learner.data_endpoint},
+            context_json=json.dumps({**ctx, "base_version": self.base_version})), 120)
+        run.log(f"configured {env_spec['env_id']} x{env_spec['num_envs']} "
+                f"(obs {env_spec['observation_space']['shape']}, actions {env_spec['action_space']['kind']}); "
+                f"plan {cfg.scheduling.mode}, chunks {cfg.scheduling.chunks()}, "
+                f"staleness {cfg.scheduling.effective_staleness()}")
+
+    async def evaluate(self) -> rollout_pb2.EvaluateReply:
+        return await rpc(self.stages["rollout"], "Evaluate",
+                         rollout_pb2.EvaluateRequest(episodes=self.cfg.train.eval_episodes))
+
+    def record(self, i: int, c: rollout_pb2.CollectReply, t: learner_pb2.TrainReply,
+               ev: rollout_pb2.EvaluateReply | None) -> None:
+        self.recent_returns.extend(c.episode_returns)
+        run = self.run
+        wall = time.time() - self.t0
+        env_steps = run.env_steps + c.env_steps
+        row: dict[str, float] = {
+            "iteration": i + 1, "env_steps": env_steps, "wall_time_s": wall,
+            "weight_version": t.weight_version - self.base_version,
+            "batch_version": t.batch_version - self.base_version,
+            "train_episodes": len(c.episode_returns), "fps": env_steps / max(wall, 1e-9),
+            "collect_seconds": c.collect_seconds, "train_seconds": t.train_seconds,
+            "env_seconds": c.env_seconds, "policy_seconds": c.policy_seconds,
+            "weight_wait_seconds": c.weight_wait_seconds, "train_wait_seconds": t.wait_seconds,
+            **dict(t.stats),
+        }
+        if self.recent_returns:
+            row["train_return_mean"] = sum(self.recent_returns) / len(self.recent_returns)
+        if ev is not None:
+            row["eval_return_mean"] = ev.episodes.return_mean
+            row["eval_return_std"] = ev.episodes.return_std
+            row["eval_weight_version"] = ev.weight_version - self.base_version
+            self.best_eval = max(self.best_eval, ev.episodes.return_mean)
+        self.runlog.write(row)
+        run.metrics(row)
+
+    def eval_due(self, i: int, n_iters: int) -> bool:
+        every = self.cfg.train.eval_every_iterations
+        return i + 1 == n_iters or (every > 0 and (i + 1) % every == 0)
+
+    def reached(self, ev: rollout_pb2.EvaluateReply | None) -> bool:
+        target = self.cfg.train.stop_at_eval_return
+        return ev is not None and target is not None and ev.episodes.return_mean >= target
+
+    async def execute(self) -> str:
+        await self.configure()
+        n_iters = math.ceil(self.cfg.train.total_env_steps / self.cfg.batch_env_steps())
+        if self.cfg.scheduling.mode == "collocated":
+            summary = await self._collocated(n_iters)
+        else:
+            summary = await self._disaggregated(n_iters)
+        ckpt = await rpc(self.stages["learner"], "SaveCheckpoint",
+                         learner_pb2.CheckpointRequest(key=self.cfg.train.checkpoint_key), 120)
+        self.run.log(f"checkpoint {ckpt.uri} ({ckpt.bytes} bytes, weight version "
+                     f"{ckpt.weight_version - self.base_version})")
+        return summary
+
+    def _summary(self, stopped_early: bool) -> str:
+        best = f"best eval mean return {self.best_eval:.1f}" if self.best_eval > -math.inf else "no eval"
+        target = self.cfg.train.stop_at_eval_return
+        if stopped_early:
+            return f"reached eval return >= {target:g} at {self.run.env_steps} env steps ({best})"
+        return f"finished {self.run.env_steps} env steps ({best})"
+
+    async def _collocated(self, n_iters: int) -> str:
+        learner, rollout = self.stages["learner"], self.stages["rollout"]
+        for i in range(n_iters):
+            version = self.base_version + i
+            c = await rpc(rollout, "Collect", rollout_pb2.CollectRequest(batch_index=i, min_version=version))
+            t = await rpc(learner, "Train", learner_pb2.TrainRequest(batch_index=i, min_version=version))
+            ev = await self.evaluate() if self.eval_due(i, n_iters) else None
+            self.record(i, c, t, ev)
+            if self.reached(ev):
+                return self._summary(True)
+        return self._summary(False)
+
+    async def _disaggregated(self, n_iters: int) -> str:
+        learner, rollout = self.stages["learner"], self.stages["rollout"]
+        k = self.cfg.scheduling.staleness
+        call = rollout.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=0, max_batches=n_iters,
+                                                               staleness=k))
+        collected: dict[int, rollout_pb2.CollectReply] = {}
+        arrived = asyncio.Event()
+        failure: list[RunFailed] = []
+
+        async def consume() -> None:
+            try:
+                async for reply in call:
+                    collected[reply.batch_index] = reply
+                    arrived.set()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    failure.append(RunFailed(f"{rollout.worker.describe()}: Produce failed: {exc.details()}",
+                                             exc.code() == grpc.StatusCode.INVALID_ARGUMENT))
+            arrived.set()
+
+        consumer = asyncio.create_task(consume())
+        try:
+            for i in range(n_iters):
+                train = asyncio.create_task(rpc(learner, "Train", learner_pb2.TrainRequest(
+                    batch_index=i, min_version=self.base_version + i - k)))
+                while not train.done():
+                    await asyncio.wait({train, asyncio.ensure_future(arrived.wait())},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    arrived.clear()
+                    if failure:
+                        train.cancel()
+                        raise failure[0]
+                t = train.result()
+                while i not in collected:  # the put was acknowledged before the stats were emitted
+                    if failure:
+                        raise failure[0]
+                    if consumer.done():
+                        raise RunFailed(f"{rollout.worker.describe()}: produce stream ended before batch {i}")
+                    await arrived.wait()
+                    arrived.clear()
+                ev = await self.evaluate() if self.eval_due(i, n_iters) else None
+                self.record(i, collected.pop(i), t, ev)
+                if self.reached(ev):
+                    return self._summary(True)
+            return self._summary(False)
+        finally:
+            call.cancel()
+            consumer.cancel()

@@ -1,0 +1,100 @@
+"""LocalStack: every service as its own local process on loopback, on free ports, shut down cleanly.
+
+The coordinator writes its bound port to a file; workers register with it and report their own ports, so no
+port is ever guessed. Children die with the parent (PR_SET_PDEATHSIG) so a crashed CLI leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKER_ROLES = ("env", "replay", "learner", "rollout")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalStack:
+    def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
+                 heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1):
+        self.log_dir = Path(log_dir)
+        self.runs_root = Path(runs_root)
+        self.roles = roles
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.host = host
+        self.torch_threads = torch_threads
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address = ""
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.torch_threads))
+        cmd = [sys.executable, "-m", module, "--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
+               "--torch-threads", str(self.torch_threads), *args]
+        stderr = open(self.log_dir / f"{name}.stderr", "w")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stderr, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_die_with_parent)
+        self.procs[name] = proc
+        return proc
+
+    def start_coordinator(self, timeout_s: float = 60.0, workers: tuple[str, ...] = ()) -> str:
+        """Start the coordinator (and, at the same moment, ``workers`` that register once it is up)."""
+        port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
+        self.port_file = port_file
+        proc = self._spawn("coordinator", "services.coordinator.server",
+                           ["--port-file", str(port_file), "--runs-root", str(self.runs_root),
+                            "--heartbeat-timeout", str(self.heartbeat_timeout_s)])
+        for role in workers:
+            self._spawn(role, f"services.{role}.server", ["--coordinator-file", str(port_file)])
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with code {proc.returncode} at start-up; see "
+                                   f"{self.log_dir / 'coordinator.stderr'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"coordinator did not start within {timeout_s:.0f}s")
+            time.sleep(0.02)
+        self.address = port_file.read_text().strip()
+        return self.address
+
+    def start_worker(self, role: str, name: str | None = None) -> subprocess.Popen:
+        return self._spawn(name or role, f"services.{role}.server", ["--coordinator", self.address])
+
+    def start(self) -> str:
+        return self.start_coordinator(workers=self.roles)
+
+    def dead(self) -> dict[str, int]:
+        return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every service (workers first), wait, then SIGKILL whatever is left."""
+        order = [n for n in self.procs if n != "coordinator"] + (["coordinator"] if "coordinator" in self.procs else [])
+        for name in order:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name in order:
+            proc = self.procs[name]
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
