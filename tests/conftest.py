@@ -1,0 +1,62 @@
+"""Shared fixtures: real service processes on loopback (LocalStack) and small run configs."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from services.core.config import RunConfig
+from services.launcher import LocalStack
+
+
+def short_config(**overrides) -> RunConfig:
+    """A small CartPole run for API tests (not for learning thresholds)."""
+    data = {
+        "name": "test", "env": {"num_envs": 4, "eval_envs": 2},
+        "algorithm": {"ppo": {"n_steps": 16, "batch_size": 64, "n_epochs": 2}},
+        "train": {"total_env_steps": 640, "eval_every_iterations": 5, "eval_episodes": 2},
+        "data_plane": {"timeout_s": 10},
+        "runtime": {"worker_wait_s": 30},
+    }
+    for key, value in overrides.items():
+        node = data
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return RunConfig.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Coordinator + env + replay + learner + rollout as real processes, registered and alive."""
+    root = tmp_path_factory.mktemp("stack")
+    s = LocalStack(log_dir=root / "logs", runs_root=root / "runs", heartbeat_timeout_s=3.0)
+    s.start()
+    from services.coordinator.client import CoordinatorClient
+
+    client = CoordinatorClient(s.address)
+    client.wait_ready(30)
+    import time
+
+    deadline = time.monotonic() + 60
+    while len([w for w in client.workers() if w.alive]) < 4:
+        assert time.monotonic() < deadline, f"workers did not register; logs in {root / 'logs'}"
+        assert not s.dead(), f"service exited at start-up: {s.dead()}; logs in {root / 'logs'}"
+        time.sleep(0.1)
+    s.client = client
+    s.root = root
+    yield s
+    client.close()
+    s.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,72 @@
+"""Injected failures and bad input: each gives a clear message, nothing hangs, the run reports why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from services.coordinator.client import CoordinatorClient
+from services.core.proto.rlfabric.v1 import coordinator_pb2
+from services.launcher import LocalStack
+from tests.conftest import short_config
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_sigkilled_env_worker_fails_the_run_with_the_reason(tmp_path):
+    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", heartbeat_timeout_s=1.5)
+    stack.start()
+    try:
+        client = CoordinatorClient(stack.address)
+        client.wait_ready(30)
+        cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
+                           data_plane={"timeout_s": 20})
+        status = client.submit(cfg)
+        deadline = time.monotonic() + 60
+        while client.status(status.run_id).env_steps < 1000:
+            assert time.monotonic() < deadline, client.status(status.run_id)
+            time.sleep(0.05)
+        os.kill(stack.procs["env"].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        final = client.wait(status.run_id)
+        took = time.monotonic() - killed_at
+        assert final.state == coordinator_pb2.FAILED and not final.bad_input
+        assert "env worker" in final.reason and "heartbeats" in final.reason and "discarded" in final.reason
+        assert took < 10, f"failure took {took:.1f}s to surface (heartbeat timeout 1.5s)"
+        workers = {w.worker_id: w for w in client.workers()}
+        assert not [w for w in workers.values() if w.worker_id.startswith("env")][0].alive
+        assert all(not w.run_id for w in workers.values())  # survivors are released for the next run
+        client.close()
+    finally:
+        stack.stop()
+
+
+def test_cli_malformed_yaml_exits_2_with_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("env:\n  id: CartPole-v1\n   num_envs: 8\n")
+    proc = _cli("train", str(bad), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2
+    assert "line 3" in proc.stderr and "malformed YAML" in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started for bad input
+
+
+def test_cli_bad_field_and_override_exit_2(tmp_path):
+    proc = _cli("train", "examples/cartpole_ppo.yaml", "--set", "algorithm.ppo.n_epoch=3")
+    assert proc.returncode == 2 and "did you mean 'algorithm.ppo.n_epochs'" in proc.stderr
+    proc = _cli("eval", str(tmp_path / "missing.pt"))
+    assert proc.returncode == 2 and "no such checkpoint" in proc.stderr
+
+
+def test_cli_unknown_env_id_exits_2_and_shuts_everything_down(tmp_path):
+    proc = _cli("train", "examples/cartpole_ppo.yaml", "--run-dir", str(tmp_path / "run"), "--quiet",
+                "--set", "env.id=CartPol-v1")
+    assert proc.returncode == 2, proc.stderr
+    assert "did you mean 'CartPole-v1'" in proc.stderr
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout
+    assert not left.strip(), f"service processes left running: {left}"

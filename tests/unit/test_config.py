@@ -1,0 +1,66 @@
+import pytest
+
+from services.core.config import ConfigError, RunConfig, load_config, parse_config
+
+
+def test_defaults_and_examples_are_valid():
+    assert RunConfig().algorithm.ppo.n_steps == 32
+    for name in ("cartpole_ppo.yaml", "pendulum_ppo.yaml"):
+        cfg = load_config(f"examples/{name}")
+        assert cfg.train.total_env_steps > 0
+
+
+def test_malformed_yaml_names_line_and_fix():
+    with pytest.raises(ConfigError, match=r"bad.yaml: line 4, column 1: malformed YAML.*Fix: check indentation"):
+        parse_config("env:\n  id: CartPole-v1\n  num_envs: [8\n", "bad.yaml")
+
+
+def test_unknown_field_suggests_the_closest_name():
+    with pytest.raises(ConfigError) as info:
+        parse_config("env:\n  num_env: 8\nalgo: {}\n")
+    msg = str(info.value)
+    assert "env.num_env: unknown field" in msg and "did you mean 'env.num_envs'" in msg
+    assert "did you mean 'algorithm'" in msg
+
+
+def test_bad_values_name_field_value_and_fix():
+    with pytest.raises(ConfigError) as info:
+        parse_config("train: {total_env_steps: -5}\nscheduling: {mode: warp}\nalgorithm: {ppo: {gamma: abc}}")
+    msg = str(info.value)
+    assert "train.total_env_steps" in msg and "(got -5)" in msg and "Fix" in msg
+    assert "scheduling.mode" in msg and "'collocated' or 'disaggregated'" in msg
+    assert "algorithm.ppo.gamma" in msg
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="divisible by scheduling.pipeline_chunks"):
+        parse_config("env: {num_envs: 6}\nscheduling: {mode: disaggregated, pipeline_chunks: 4}")
+    # collocated plans do not chunk, so any env count is fine
+    assert parse_config("env: {num_envs: 6}\nscheduling: {pipeline_chunks: 4}").scheduling.chunks() == 1
+
+
+def test_overrides_parse_yaml_scalars():
+    cfg = parse_config("seed: 1", overrides=["train.total_env_steps=5000", "algorithm.ppo.clip_range_vf=0.3",
+                                              "env.kwargs={max_episode_steps: 50}", "name=x"])
+    assert cfg.train.total_env_steps == 5000 and cfg.algorithm.ppo.clip_range_vf == 0.3
+    assert cfg.env.kwargs == {"max_episode_steps": 50} and cfg.name == "x"
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        parse_config("", overrides=["seed"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        parse_config("seed: 1", overrides=["seed.x=1"])
+
+
+def test_top_level_must_be_mapping_and_file_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        parse_config("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_json_round_trip_and_bad_json():
+    cfg = parse_config("seed: 3\nenv: {id: Pendulum-v1}")
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        RunConfig.from_json("{")
+    with pytest.raises(ConfigError, match="seed"):
+        RunConfig.from_json('{"seed": "x"}')

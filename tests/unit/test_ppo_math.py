@@ -1,0 +1,131 @@
+"""PPO's math against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from services.core.config import RunConfig
+from services.core.policy import ActorCritic
+from services.learner.algorithms import ALGORITHMS, build
+from services.learner.algorithms.ppo import PPO, compute_gae, ppo_loss
+
+
+def test_gae_matches_hand_computation():
+    # one env, three steps, episode ends after step 1 (index 1)
+    r = torch.tensor([[1.0], [2.0], [3.0]])
+    v = torch.tensor([[0.5], [1.0], [1.5]])
+    d = torch.tensor([[0.0], [1.0], [0.0]])
+    last = torch.tensor([2.0])
+    g, lam = 0.9, 0.8
+    # by hand:
+    d2 = 3 + g * 2.0 - 1.5           # t=2 bootstraps from last value: 3.3
+    a2 = d2                           # 3.3
+    d1 = 2 + 0 - 1.0                  # t=1 is terminal: 1.0
+    a1 = d1                           # no carry across the episode end
+    d0 = 1 + g * 1.0 - 0.5            # 1.4
+    a0 = d0 + g * lam * a1            # 1.4 + 0.72 = 2.12
+    adv, ret = compute_gae(r, v, d, last, g, lam)
+    assert adv.squeeze(-1).tolist() == pytest.approx([a0, a1, a2])
+    assert ret.squeeze(-1).tolist() == pytest.approx([a0 + 0.5, a1 + 1.0, a2 + 1.5])
+
+
+def test_gae_lambda_one_is_discounted_return_minus_value():
+    r = torch.ones(4, 2)
+    v = torch.zeros(4, 2)
+    adv, _ = compute_gae(r, v, torch.zeros(4, 2), torch.zeros(2), 0.5, 1.0)
+    assert adv[0].tolist() == pytest.approx([1 + 0.5 + 0.25 + 0.125] * 2)
+
+
+def test_clipped_surrogate_matches_hand_values():
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    new = torch.log(torch.tensor([0.8, 0.8, 0.3, 0.3]))   # ratios 1.6, 1.6, 0.6, 0.6
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    z = torch.zeros(4)
+    loss, stats = ppo_loss(new, old, adv, z, z, z, torch.zeros(4), clip=0.2, clip_vf=None, vf_coef=0.0,
+                           ent_coef=0.0)
+    # min(r*A, clip(r)*A): A>0,r=1.6 -> 1.2 ; A<0,r=1.6 -> -1.6 ; A>0,r=0.6 -> 0.6 ; A<0,r=0.6 -> -0.8
+    expected = -(1.2 - 1.6 + 0.6 - 0.8) / 4
+    assert loss.item() == pytest.approx(expected)
+    assert stats["clip_fraction"].item() == pytest.approx(1.0)
+    ratio = torch.tensor([1.6, 1.6, 0.6, 0.6])
+    assert stats["approx_kl"].item() == pytest.approx(((ratio - 1) - ratio.log()).mean().item(), rel=1e-5)
+
+
+def test_value_clipping_and_entropy_terms():
+    z = torch.zeros(2)
+    new_v, old_v, ret = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([3.0, 1.0])
+    # unclipped errors: (2-3)^2=1, (0-1)^2=1 ; clipped (0.5 max move): (0.5-3)^2=6.25, (0-1)^2=1 -> max: 6.25, 1
+    loss, stats = ppo_loss(z, z, z, new_v, old_v, ret, torch.tensor([0.7, 0.3]), clip=0.2, clip_vf=0.5,
+                           vf_coef=0.5, ent_coef=0.1)
+    assert stats["value_loss"].item() == pytest.approx((6.25 + 1) / 2)
+    assert loss.item() == pytest.approx(0.5 * 3.625 - 0.1 * 0.5)
+
+
+SPACES = {
+    "discrete": {"kind": "discrete", "shape": [], "dtype": "int64", "n": 3},
+    "box": {"kind": "box", "shape": [2], "dtype": "float32", "low": [-1, -1], "high": [1, 1]},
+}
+
+
+@pytest.mark.parametrize("kind", ["discrete", "box"])
+def test_act_fast_path_agrees_with_distributions(kind):
+    torch.manual_seed(0)
+    policy = ActorCritic({"kind": "box", "shape": [4]}, SPACES[kind], RunConfig().policy)
+    with torch.no_grad():
+        policy.pi_head.weight.normal_()
+    obs = torch.randn(16, 4)
+    actions, logp, value = policy.act(obs, generator=torch.Generator().manual_seed(1))
+    logp2, entropy, value2 = policy.evaluate(obs, actions)
+    assert torch.allclose(logp, logp2, atol=1e-5) and torch.allclose(value, value2)
+    det, _, _ = policy.act(obs, deterministic=True)
+    if kind == "discrete":
+        assert torch.equal(det, policy.distribution(obs).probs.argmax(-1))
+    else:
+        assert torch.allclose(det, policy.distribution(obs).mean)
+        assert policy.env_actions(det * 100).max() <= 1.0  # clipped to the Box bounds
+
+
+def test_update_moves_policy_towards_advantageous_actions():
+    torch.manual_seed(0)
+    cfg = RunConfig.model_validate({"algorithm": {"ppo": {"n_epochs": 10, "batch_size": 64,
+                                                          "lr_schedule": "constant"}}})
+    policy = ActorCritic({"kind": "box", "shape": [4]}, SPACES["discrete"], cfg.policy)
+    algo = build("ppo", policy, cfg, torch.Generator().manual_seed(0))
+    assert isinstance(algo, PPO) and "ppo" in ALGORITHMS
+    T, N = 16, 8
+    obs = torch.randn(T, N, 4)
+    actions = torch.randint(0, 3, (T, N))
+    with torch.no_grad():
+        logp, _, values = policy.evaluate(obs.reshape(-1, 4), actions.reshape(-1))
+    rewards = (actions == 2).float()  # action 2 is the good one
+    batch = {"obs": obs, "actions": actions, "logp": logp.reshape(T, N), "values": values.reshape(T, N),
+             "rewards": rewards, "dones": torch.ones(T, N), "last_values": torch.zeros(N)}
+    before = policy.distribution(obs.reshape(-1, 4)).probs[:, 2].mean().item()
+    stats = algo.update(batch)
+    after = policy.distribution(obs.reshape(-1, 4)).probs[:, 2].mean().item()
+    assert after > before + 0.02  # clipping bounds how far one update may move (ratio within 1 +- 0.2)
+    assert after < before * 1.25
+    assert algo.optimizer_steps == 10 * math.ceil(T * N / 64)
+    assert algo.env_steps == T * N and stats["learning_rate"] == pytest.approx(1e-3)
+    state = algo.state_dict()
+    fresh = build("ppo", policy, cfg)
+    fresh.load_state_dict(state)
+    assert fresh.optimizer_steps == algo.optimizer_steps
+
+
+def test_linear_schedules_follow_env_steps():
+    cfg = RunConfig.model_validate({"train": {"total_env_steps": 1024}})
+    policy = ActorCritic({"kind": "box", "shape": [4]}, SPACES["discrete"], cfg.policy)
+    algo = PPO(policy, cfg)
+    T, N = 32, 8
+    batch = {"obs": torch.randn(T, N, 4), "actions": torch.zeros(T, N, dtype=torch.long),
+             "logp": torch.full((T, N), -1.1), "values": torch.zeros(T, N), "rewards": torch.ones(T, N),
+             "dones": torch.zeros(T, N), "last_values": torch.zeros(N)}
+    stats = algo.update(batch)  # 256 of 1024 steps consumed: 75% remaining
+    assert stats["learning_rate"] == pytest.approx(0.75e-3) and stats["clip_range"] == pytest.approx(0.15)
+
+
+def test_unknown_algorithm_is_a_clear_error():
+    with pytest.raises(ValueError, match="not registered"):
+        build("nope", None, RunConfig())
