@@ -86,13 +86,28 @@ class SchedulingConfig(_Strict):
 
 
 class ReplayConfig(_Strict):
-    store: Literal["memory"] = "memory"
+    store: Literal["memory", "redis"] = "memory"
     capacity_transitions: int = Field(1_000_000, ge=1)
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when store is redis")
+    key_prefix: str = Field("rlfabric", description="Redis keys live under <key_prefix>:<run_id>:")
+    connect_timeout_s: float = Field(5.0, gt=0)
+    retry_attempts: int = Field(5, ge=0, description="bounded retries when Redis is lost mid-run")
+    retry_backoff_s: float = Field(0.2, ge=0)
+    offload_bytes: int = Field(1 << 20, ge=1024,
+                               description="tensors larger than this go to the object store by reference")
 
 
 class StorageConfig(_Strict):
-    kind: Literal["filesystem"] = "filesystem"
-    root: str = Field("", description="object-store root; default: the run directory")
+    kind: Literal["filesystem", "s3"] = "filesystem"
+    root: str = Field("", description="filesystem root; default: the run directory")
+    endpoint: str = Field("", description="S3/MinIO host:port, e.g. minio:9000")
+    bucket: str = Field("rlfabric", min_length=3, max_length=63)
+    prefix: str = Field("", description="key prefix inside the bucket")
+    access_key: str = Field("", description="default: $RLFABRIC_S3_ACCESS_KEY")
+    secret_key: str = Field("", description="default: $RLFABRIC_S3_SECRET_KEY")
+    region: str = "us-east-1"
+    secure: bool = False
+    create_bucket: bool = Field(True, description="create a missing bucket (else: a clear error)")
 
 
 class DataPlaneConfig(_Strict):

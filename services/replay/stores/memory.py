@@ -103,6 +103,9 @@ class MemoryStore:
         self._pending.clear()
         self.transitions = self.bytes = 0
 
+    def close(self) -> None:
+        self.clear()
+
     @property
     def pending(self) -> int:
         return len(self._pending)
