@@ -87,8 +87,9 @@ class PPOWorkflow:
         req = dict(run_id=run.run_id, config_json=cfg.to_json())
         env = await rpc(self.stages["env"], "Configure", common_pb2.ConfigureRequest(**req), 120)
         env_spec = json.loads(env.detail_json)
-        replay = await rpc(self.stages["replay"], "Configure", common_pb2.ConfigureRequest(**req), 30)
         ctx = {"env_spec": env_spec, "run_dir": str(run.run_dir.resolve())}
+        replay = await rpc(self.stages["replay"], "Configure",
+                           common_pb2.ConfigureRequest(**req, context_json=json.dumps(ctx)), 30)
         learner = await rpc(self.stages["learner"], "Configure", common_pb2.ConfigureRequest(
             **req, peers={"replay": replay.data_endpoint}, context_json=json.dumps(ctx)), 120)
         self.base_version = json.loads(learner.detail_json)["weight_version"]
