@@ -1,6 +1,7 @@
 """rlfabric command line.
 
   rlfabric train CONFIG [--run-dir DIR] [--set key=value ...] [--coordinator HOST:PORT]
+  rlfabric resume RUN_DIR [--coordinator HOST:PORT]   continue a run from its newest valid checkpoint
   rlfabric up [--runs-root DIR]                       start every service locally and keep serving
   rlfabric serve SERVICE --coordinator HOST:PORT      one service (for multi-host deployments)
   rlfabric status --coordinator HOST:PORT             workers and runs
@@ -16,6 +17,7 @@ import argparse
 import math
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,7 +59,30 @@ def cmd_train(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack) -> int:
+def cmd_resume(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    try:
+        config = load_config(run_dir / "config.yaml")
+    except ConfigError as exc:
+        return _fail(f"cannot resume {run_dir}: {exc}", 2)
+    args.config, args.set = str(run_dir / "config.yaml"), []
+    if args.coordinator:
+        return _follow(args.coordinator, args, run_dir, None, resume=True)
+    from services.launcher import LocalStack
+
+    stack = LocalStack(log_dir=run_dir / "logs" / time.strftime("resume-%Y%m%d-%H%M%S"),
+                       runs_root=run_dir.parent, torch_threads=config.runtime.torch_threads)
+    try:
+        with console.status("starting services to resume the run..."):
+            stack.start()
+        return _follow(stack.address, args, run_dir, stack, resume=True)
+    except RuntimeError as exc:
+        return _fail(str(exc), 1)
+    finally:
+        stack.stop()
+
+
+def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, resume: bool = False) -> int:
     import grpc
 
     from services.coordinator.client import STATE_NAMES, CoordinatorClient
@@ -65,14 +90,20 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack) -> int
     client = CoordinatorClient(address)
     try:
         client.wait_ready(30)
-        status = client.submit(Path(args.config), args.set, run_dir)
+        status = client.resume(run_dir) if resume else client.submit(Path(args.config), args.set, run_dir)
     except grpc.RpcError as exc:
         code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
         return _fail(exc.details() or str(exc), code)
     run_id = status.run_id
     console.print(f"run [bold]{run_id}[/] -> {run_dir}  (coordinator {address})", soft_wrap=True)
-    interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True) or client.stop(run_id))
+    stopping: list[bool] = []
+
+    def stop(*_) -> None:  # Ctrl-C or SIGTERM: stop the run (it checkpoints) and report, don't just die
+        if not stopping:
+            stopping.append(True)
+            threading.Thread(target=client.stop, args=(run_id,), daemon=True).start()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     total = None
     final = None
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -97,7 +128,8 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack) -> int
                 progress.console.print(f"[dim]{rich_escape(event.log.message)}[/]", highlight=False, soft_wrap=True)
             elif kind == "status":
                 final = event.status
-    signal.signal(signal.SIGINT, previous)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     final = client.status(run_id) if final is None else final
     state = STATE_NAMES.get(final.state, str(final.state))
     if stack is not None and stack.dead():
@@ -201,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--coordinator", default="", help="submit to a running coordinator instead")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("resume", help="continue a run from its newest valid checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--coordinator", default="")
+    p.add_argument("--quiet", action="store_true")
     p = sub.add_parser("up", help="start every service locally and keep serving")
     p.add_argument("--runs-root", default="runs")
     p.add_argument("--host", default="127.0.0.1")
@@ -226,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         args, rest = parser.parse_known_args(argv)
         sys.exit(cmd_serve(args, rest))
     args = parser.parse_args(argv)
-    handlers = {"train": cmd_train, "up": cmd_up, "status": cmd_status, "stop": cmd_stop, "eval": cmd_eval}
+    handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop, "eval": cmd_eval}
     sys.exit(handlers[args.command](args))
 
 

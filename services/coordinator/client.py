@@ -37,6 +37,13 @@ class CoordinatorClient:
         return self.stub.SubmitRun(coordinator_pb2.SubmitRunRequest(
             config_yaml=text, overrides=overrides or [], run_dir=str(run_dir or "")), timeout=self.timeout_s)
 
+    def resume(self, run_dir: str | Path, overrides: list[str] | None = None) -> coordinator_pb2.RunStatus:
+        """Continue the run in ``run_dir`` (same run id) from its newest valid checkpoint; ``overrides`` may
+        change its saved config (e.g. a larger ``train.total_env_steps``)."""
+        return self.stub.SubmitRun(coordinator_pb2.SubmitRunRequest(run_dir=str(run_dir), resume=True,
+                                                                    overrides=overrides or []),
+                                   timeout=self.timeout_s)
+
     def status(self, run_id: str) -> coordinator_pb2.RunStatus:
         return self.stub.GetRun(coordinator_pb2.RunRef(run_id=run_id), timeout=self.timeout_s)
 

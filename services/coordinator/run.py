@@ -21,6 +21,10 @@ class RunFailed(Exception):
         self.bad_input = bad_input
 
 
+class StopRequested(Exception):
+    """Raised by a workflow at an iteration boundary after StopRun: everything recorded so far is consistent."""
+
+
 class Run:
     def __init__(self, run_id: str, config: RunConfig, run_dir: Path):
         self.run_id = run_id
@@ -38,6 +42,7 @@ class Run:
         self.watchers: set[asyncio.Queue] = set()
         self.task: asyncio.Task | None = None
         self.failure: RunFailed | None = None
+        self.stop_requested = asyncio.Event()
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(

@@ -12,7 +12,8 @@ from services.core.config import RunConfig, dump_yaml
 
 COLUMNS = [
     "iteration", "env_steps", "time", "wall_time_s", "weight_version", "batch_version",
-    "train_return_mean", "train_episodes", "eval_return_mean", "eval_return_std", "eval_weight_version", "fps",
+    "train_return_mean", "train_episodes", "eval_return_mean", "eval_return_std", "eval_weight_version",
+    "optimizer_steps", "fps",
     "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance",
     "learning_rate", "clip_range", "collect_seconds", "train_seconds", "env_seconds", "policy_seconds",
     "weight_wait_seconds", "train_wait_seconds",
@@ -35,16 +36,29 @@ def import_tensorboardx():
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, config: RunConfig):
+    def __init__(self, run_dir: Path, config: RunConfig, resume_iteration: int | None = None, resume_env_steps: int = 0):
+        """A fresh run log, or (``resume_iteration``) the existing one cut back to the checkpoint: rows after it
+        were produced by work the resumed run repeats, so the curve continues without a jump back."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_yaml(config))
-        self._csv_file = open(run_dir / "metrics.csv", "w", newline="")
+        self.rows: list[dict[str, float]] = []
+        path = run_dir / "metrics.csv"
+        kept: list[dict[str, str]] = []
+        if resume_iteration is not None and path.exists():
+            with open(path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if int(float(r["iteration"])) <= resume_iteration]
+            self.rows = [{k: float(v) for k, v in r.items() if k in COLUMNS and v not in ("", None)} for r in kept]
+        else:
+            (run_dir / "config.yaml").write_text(dump_yaml(config))
+        self._csv_file = open(path, "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
         self._csv.writeheader()
+        for row in kept:  # verbatim: the resumed file reads exactly as it did before the stop
+            self._csv.writerow(row)
         self._csv_file.flush()
-        self._tb = import_tensorboardx().SummaryWriter(str(run_dir), flush_secs=5)
-        self.rows: list[dict[str, float]] = []
+        # purge_step drops TensorBoard events at or after it, written before the run stopped
+        purge = resume_env_steps + 1 if resume_iteration is not None else None
+        self._tb = import_tensorboardx().SummaryWriter(str(run_dir), flush_secs=5, purge_step=purge)
 
     def write(self, row: dict[str, float]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}

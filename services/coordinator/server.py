@@ -14,13 +14,14 @@ from pathlib import Path
 import grpc
 
 from services.coordinator.registry import WorkerRegistry
-from services.coordinator.run import Run, RunFailed
+from services.coordinator.run import Run, RunFailed, StopRequested
 from services.coordinator.workflow import PPOWorkflow
 from services.core.config import ConfigError, parse_config
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 60.0  # a stop waits this long for an iteration boundary before cancelling
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -73,8 +74,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- runs ----------------------------------------------------------------------------------------------
     async def SubmitRun(self, request, context):
+        config_yaml = request.config_yaml
+        if request.resume:
+            if not request.run_dir:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume needs run_dir (the run to continue)")
+            saved = Path(request.run_dir) / "config.yaml"
+            if not config_yaml and not saved.is_file():
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"cannot resume {request.run_dir}: no config.yaml there (is it a run directory?)")
+            config_yaml = config_yaml or saved.read_text()
         try:
-            config = parse_config(request.config_yaml, "config_yaml", list(request.overrides))
+            config = parse_config(config_yaml, "config_yaml", list(request.overrides))
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.run_dir:
@@ -88,7 +98,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"run {run_id} is already running")
         run = Run(run_id, config, run_dir)
         self.runs[run_id] = run
-        run.task = asyncio.create_task(self._execute(run))
+        run.task = asyncio.create_task(self._execute(run, request.resume))
         return run.status()
 
     async def _acquire(self, run: Run, roles: tuple[str, ...]) -> dict:
@@ -109,7 +119,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                 f"`rlfabric serve {missing[0]} --coordinator {self.runtime.address}`")
             await asyncio.sleep(0.1)
 
-    async def _execute(self, run: Run) -> None:
+    async def _execute(self, run: Run, resume: bool = False) -> None:
         """Run the workflow; the terminal state is published only after artefacts are written and workers freed,
         so anyone who sees SUCCEEDED can read curve.png and the checkpoint."""
         workflow = None
@@ -117,15 +127,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             workers = await self._acquire(run, PPOWorkflow.roles)
             run.set_state(coordinator_pb2.RUNNING, "workers: " + ", ".join(w.worker_id for w in workers.values()))
-            workflow = PPOWorkflow(run, workers)
+            workflow = PPOWorkflow(run, workers, resume)
             outcome = (coordinator_pb2.SUCCEEDED, await workflow.execute(), False)
         except RunFailed as exc:
             outcome = (coordinator_pb2.FAILED, exc.reason, exc.bad_input)
+        except StopRequested:
+            outcome = (coordinator_pb2.STOPPED, "stopped by request at an iteration boundary", False)
+            try:
+                reply = await workflow.save_checkpoint()
+                outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; checkpoint {reply.uri} "
+                           f"(continue with `rlfabric resume {run.run_dir}`)", False)
+            except RunFailed as exc:
+                outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; no checkpoint on stop: {exc.reason}", False)
         except asyncio.CancelledError:
             if run.failure is not None:
                 outcome = (coordinator_pb2.FAILED, run.failure.reason, run.failure.bad_input)
             else:
-                outcome = (coordinator_pb2.STOPPED, "stopped by request; in-flight batches were discarded", False)
+                outcome = (coordinator_pb2.STOPPED, "stopped by force (no iteration boundary in time); in-flight "
+                           "work was discarded; resume continues from the last periodic checkpoint", False)
         except Exception as exc:  # noqa: BLE001 — a bug must fail the run loudly, not hang it
             log.exception("run %s crashed", run.run_id)
             outcome = (coordinator_pb2.FAILED, f"coordinator error: {exc.__class__.__name__}: {exc}", False)
@@ -170,13 +189,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run.watchers.discard(queue)
 
     async def StopRun(self, request, context):
+        """Stop at the next iteration boundary (checkpointed, resumable); cancel if none comes in time."""
         run = await self._run(request, context)
         if run.task is not None and not run.finished:
-            run.task.cancel()
-            try:
-                await run.task
-            except asyncio.CancelledError:
-                pass
+            run.stop_requested.set()
+            done, _ = await asyncio.wait({run.task}, timeout=STOP_GRACE_S)
+            if not done:
+                run.task.cancel()
+                await asyncio.gather(run.task, return_exceptions=True)
         return run.status()
 
     async def shutdown(self) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.coordinator.registry import Worker
-from services.coordinator.run import Run, RunFailed
+from services.coordinator.run import Run, RunFailed, StopRequested
 from services.coordinator.runlog import RunLog
 from services.core.proto.rlfabric.v1 import (
     common_pb2,
@@ -52,6 +52,10 @@ async def rpc(stage: Stage, method: str, request, timeout: float | None = None):
         return await getattr(stage.stub, method)(request, timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         detail = exc.details() or exc.code().name
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in detail.lower():
+            # unreachable control plane: never place work on it again; if it lives, its next heartbeat is
+            # refused and it registers anew
+            stage.worker.alive = False
         raise RunFailed(f"{stage.worker.describe()}: {method} failed: {detail}",
                         bad_input=exc.code() == grpc.StatusCode.INVALID_ARGUMENT) from None
 
@@ -65,22 +69,25 @@ STUBS = {
 class PPOWorkflow:
     roles = ("env", "replay", "learner", "rollout")
 
-    def __init__(self, run: Run, workers: dict[str, Worker]):
+    def __init__(self, run: Run, workers: dict[str, Worker], resume: bool = False):
         self.run = run
         self.cfg = run.config
+        self.resume = resume
+        self.start = 0  # first iteration to run (> 0 when resumed from a checkpoint)
         self.stages = {}
         for role, w in workers.items():
             ch = channel(w.grpc)
             self.stages[role] = Stage(w, ch, STUBS[role](ch))
         self.recent_returns: deque[float] = deque(maxlen=100)
-        self.runlog = RunLog(run.run_dir, run.config)
+        self.runlog: RunLog | None = None
         self.t0 = time.time()
         self.best_eval = -math.inf
 
     async def close(self) -> None:
         for s in self.stages.values():
             await s.channel.close()
-        await asyncio.to_thread(self.runlog.close)
+        if self.runlog is not None:
+            await asyncio.to_thread(self.runlog.close)
 
     async def configure(self) -> None:
         cfg, run = self.cfg, self.run
@@ -91,16 +98,59 @@ class PPOWorkflow:
         replay = await rpc(self.stages["replay"], "Configure",
                            common_pb2.ConfigureRequest(**req, context_json=json.dumps(ctx)), 30)
         learner = await rpc(self.stages["learner"], "Configure", common_pb2.ConfigureRequest(
-            **req, peers={"replay": replay.data_endpoint}, context_json=json.dumps(ctx)), 120)
-        self.base_version = json.loads(learner.detail_json)["weight_version"]
+            **req, peers={"replay": replay.data_endpoint}, context_json=json.dumps({**ctx, "resume": self.resume})),
+            120)
+        detail = json.loads(learner.detail_json)
+        self.base_version = detail["weight_version"]
+        if self.resume:
+            self._restore(detail)
+        self.runlog = await asyncio.to_thread(RunLog, run.run_dir, cfg, self.start if self.resume else None,
+                                              run.env_steps)
         await rpc(self.stages["rollout"], "Configure", common_pb2.ConfigureRequest(
             **req, peers={"env": env.data_endpoint, "replay": replay.data_endpoint,
                           "learner": learner.data_endpoint},
-            context_json=json.dumps({**ctx, "base_version": self.base_version})), 120)
+            context_json=json.dumps({**ctx, "base_version": self.base_version, "start_iteration": self.start})), 120)
         run.log(f"configured {env_spec['env_id']} x{env_spec['num_envs']} "
                 f"(obs {env_spec['observation_space']['shape']}, actions {env_spec['action_space']['kind']}); "
                 f"plan {cfg.scheduling.mode}, chunks {cfg.scheduling.chunks()}, "
                 f"staleness {cfg.scheduling.effective_staleness()}")
+
+    def _restore(self, detail: dict) -> None:
+        """Continue where the checkpoint was: iteration, env steps, versions, returns history, wall clock."""
+        extra = detail.get("extra", {})
+        version = detail["weight_version"]
+        self.base_version = int(extra.get("base_version", 0))
+        self.start = version - self.base_version
+        self.run.env_steps = int(detail.get("env_steps", 0))
+        self.run.weight_version = self.start
+        self.recent_returns.extend(extra.get("recent_returns", []))
+        best = extra.get("best_eval")
+        self.best_eval = -math.inf if best is None else float(best)
+        self.t0 = time.time() - float(extra.get("wall_time_s", 0.0))
+        for reason in detail.get("skipped", []):
+            self.run.log(f"skipped checkpoint {reason}; using an older one", level="warning")
+        self.run.log(f"resumed from {detail['resumed_from']} at iteration {self.start}, "
+                     f"{self.run.env_steps} env steps, weight version {self.start}, "
+                     f"{detail.get('optimizer_steps', 0)} optimiser steps")
+
+    async def save_checkpoint(self, key: str = "", periodic: bool = True) -> learner_pb2.CheckpointReply:
+        extra = {"base_version": self.base_version, "recent_returns": list(self.recent_returns),
+                 "best_eval": self.best_eval if self.best_eval > -math.inf else None,
+                 "wall_time_s": time.time() - self.t0}
+        reply = await rpc(self.stages["learner"], "SaveCheckpoint", learner_pb2.CheckpointRequest(
+            key=key, extra_json=json.dumps(extra), periodic=periodic), 120)
+        self.run.log(f"checkpoint {reply.uri} ({reply.bytes} bytes, weight version "
+                     f"{reply.weight_version - self.base_version})")
+        return reply
+
+    def boundary(self) -> None:
+        """End of an iteration: the one place a requested stop takes effect, so no update goes unrecorded."""
+        if self.run.stop_requested.is_set():
+            raise StopRequested()
+
+    def checkpoint_due(self, i: int, n_iters: int) -> bool:
+        every = self.cfg.checkpoint.every_iterations
+        return every > 0 and (i + 1) % every == 0 and i + 1 < n_iters
 
     async def evaluate(self) -> rollout_pb2.EvaluateReply:
         return await rpc(self.stages["rollout"], "Evaluate",
@@ -116,7 +166,8 @@ class PPOWorkflow:
             "iteration": i + 1, "env_steps": env_steps, "wall_time_s": wall,
             "weight_version": t.weight_version - self.base_version,
             "batch_version": t.batch_version - self.base_version,
-            "train_episodes": len(c.episode_returns), "fps": env_steps / max(wall, 1e-9),
+            "train_episodes": len(c.episode_returns), "optimizer_steps": t.optimizer_steps,
+            "fps": c.env_steps / max(c.collect_seconds + t.train_seconds, 1e-9),
             "collect_seconds": c.collect_seconds, "train_seconds": t.train_seconds,
             "env_seconds": c.env_seconds, "policy_seconds": c.policy_seconds,
             "weight_wait_seconds": c.weight_wait_seconds, "train_wait_seconds": t.wait_seconds,
@@ -143,14 +194,13 @@ class PPOWorkflow:
     async def execute(self) -> str:
         await self.configure()
         n_iters = math.ceil(self.cfg.train.total_env_steps / self.cfg.batch_env_steps())
+        if self.start >= n_iters:
+            raise RunFailed(f"nothing to resume: the checkpoint is at iteration {self.start} of {n_iters}", True)
         if self.cfg.scheduling.mode == "collocated":
             summary = await self._collocated(n_iters)
         else:
             summary = await self._disaggregated(n_iters)
-        ckpt = await rpc(self.stages["learner"], "SaveCheckpoint",
-                         learner_pb2.CheckpointRequest(key=self.cfg.train.checkpoint_key), 120)
-        self.run.log(f"checkpoint {ckpt.uri} ({ckpt.bytes} bytes, weight version "
-                     f"{ckpt.weight_version - self.base_version})")
+        await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
         return summary
 
     def _summary(self, stopped_early: bool) -> str:
@@ -162,7 +212,7 @@ class PPOWorkflow:
 
     async def _collocated(self, n_iters: int) -> str:
         learner, rollout = self.stages["learner"], self.stages["rollout"]
-        for i in range(n_iters):
+        for i in range(self.start, n_iters):
             version = self.base_version + i
             c = await rpc(rollout, "Collect", rollout_pb2.CollectRequest(batch_index=i, min_version=version))
             t = await rpc(learner, "Train", learner_pb2.TrainRequest(batch_index=i, min_version=version))
@@ -170,13 +220,16 @@ class PPOWorkflow:
             self.record(i, c, t, ev)
             if self.reached(ev):
                 return self._summary(True)
+            if self.checkpoint_due(i, n_iters):
+                await self.save_checkpoint()
+            self.boundary()
         return self._summary(False)
 
     async def _disaggregated(self, n_iters: int) -> str:
         learner, rollout = self.stages["learner"], self.stages["rollout"]
         k = self.cfg.scheduling.staleness
-        call = rollout.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=0, max_batches=n_iters,
-                                                               staleness=k))
+        call = rollout.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=self.start,
+                                                               max_batches=n_iters - self.start, staleness=k))
         collected: dict[int, rollout_pb2.CollectReply] = {}
         arrived = asyncio.Event()
         failure: list[RunFailed] = []
@@ -194,7 +247,7 @@ class PPOWorkflow:
 
         consumer = asyncio.create_task(consume())
         try:
-            for i in range(n_iters):
+            for i in range(self.start, n_iters):
                 train = asyncio.create_task(rpc(learner, "Train", learner_pb2.TrainRequest(
                     batch_index=i, min_version=self.base_version + i - k)))
                 while not train.done():
@@ -216,6 +269,9 @@ class PPOWorkflow:
                 self.record(i, collected.pop(i), t, ev)
                 if self.reached(ev):
                     return self._summary(True)
+                if self.checkpoint_due(i, n_iters):
+                    await self.save_checkpoint()
+                self.boundary()
             return self._summary(False)
         finally:
             call.cancel()

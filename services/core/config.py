@@ -72,6 +72,11 @@ class TrainConfig(_Strict):
     checkpoint_key: str = "checkpoints/final.pt"
 
 
+class CheckpointConfig(_Strict):
+    every_iterations: int = Field(10, ge=0, description="periodic checkpoints; 0 = only final and on-stop")
+    keep: int = Field(3, ge=1, description="periodic checkpoints kept; older ones are deleted")
+
+
 class SchedulingConfig(_Strict):
     mode: Literal["collocated", "disaggregated"] = "collocated"
     pipeline_chunks: int = Field(2, ge=1, le=64, description="env chunks pipelined against inference")
@@ -129,6 +134,7 @@ class RunConfig(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)

@@ -66,7 +66,7 @@ Handler = Callable[[str, TensorBatch, Reply], None]
 
 class DataServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_bytes: int, hwm: int = 64,
-                 name: str = "data", on_reject: Callable[[str], None] | None = None):
+                 name: str = "data", on_reject: Callable[[str], None] | None = None, advertise_host: str = ""):
         self.max_bytes = max_bytes
         self.name = name
         self.on_reject = on_reject
@@ -78,7 +78,8 @@ class DataServer:
             self.port = port
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{self.port}"
+        # peers dial the advertised name: binding 0.0.0.0 (all interfaces) is not an address anyone can reach
+        self.endpoint = f"tcp://{advertise_host or host}:{self.port}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()

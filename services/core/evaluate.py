@@ -16,12 +16,12 @@ def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None
                         deterministic: bool = True) -> list[float]:
     """Returns of ``episodes`` episodes; by default on the run's own eval seeds, so it reproduces the run's eval."""
     from services.env.adapters.gymnasium import make_vector_env
-    from services.learner.server import load_checkpoint
+    from services.learner.checkpoint import unpack
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint (runs leave one at runs/<id>/checkpoints/final.pt)")
-    ckpt = load_checkpoint(path.read_bytes())
+    ckpt = unpack(path.read_bytes(), str(path))
     config = RunConfig.from_json(ckpt["config_json"])
     spec = json.loads(ckpt["env_spec_json"])
     policy = ActorCritic(spec["observation_space"], spec["action_space"], config.policy)

@@ -29,8 +29,8 @@ class _Parked:
 
 
 class WeightPublisher:
-    def __init__(self, host: str, max_bytes: int):
-        self.server = DataServer(host, max_bytes=max_bytes, name="weights")
+    def __init__(self, host: str, max_bytes: int, advertise_host: str = ""):
+        self.server = DataServer(host, max_bytes=max_bytes, name="weights", advertise_host=advertise_host)
         self.endpoint = self.server.endpoint
         self._lock = threading.Lock()
         self._version = -1
@@ -44,11 +44,18 @@ class WeightPublisher:
 
     def publish(self, version: int, state: dict[str, Any]) -> None:
         """Snapshot a state dict as ``version`` (copied, so training can keep mutating the live one)."""
+        if version <= self._version:
+            raise ValueError(f"weight version must increase: {version} <= {self._version}")
+        self._set(version, state)
+
+    def reset(self, version: int, state: dict[str, Any]) -> None:
+        """Start a run's version sequence (a new run, or a resumed one at its checkpoint's version)."""
+        self._set(version, state)
+
+    def _set(self, version: int, state: dict[str, Any]) -> None:
         snapshot = {k: v.detach().to("cpu").clone().numpy() if hasattr(v, "detach") else np.array(v)
                     for k, v in state.items()}
         with self._lock:
-            if version <= self._version:
-                raise ValueError(f"weight version must increase: {version} <= {self._version}")
             self._version, self._tensors = version, snapshot
         self.server.wake()
 

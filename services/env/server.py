@@ -42,7 +42,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
         self.config: RunConfig | None = None
         self.lock = threading.Lock()
         self.data = DataServer(host, max_bytes=RunConfig().data_plane.max_message_bytes, name="env",
-                               on_reject=lambda _r: REJECTED.inc())
+                               on_reject=lambda _r: REJECTED.inc(), advertise_host=runtime.advertise_host)
         runtime.data_endpoint = self.data.endpoint
         self.data.start(self.handle)
         runtime.on_shutdown(self.close)

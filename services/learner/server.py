@@ -4,7 +4,6 @@ socket) so the control plane stays responsive while gradients are computed."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import time
@@ -23,24 +22,14 @@ from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher
 from services.learner import algorithms
+from services.learner import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
-CHECKPOINT_FORMAT = "rlfabric-checkpoint-v1"
-
-
 def build_policy(config: RunConfig, env_spec: dict) -> ActorCritic:
     return ActorCritic(env_spec["observation_space"], env_spec["action_space"], config.policy)
-
-
-def load_checkpoint(data: bytes) -> dict:
-    """Checkpoints load with weights_only=True: tensors and plain containers, never arbitrary objects."""
-    ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"not an rlfabric checkpoint (expected format {CHECKPOINT_FORMAT!r})")
-    return ckpt
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
@@ -66,25 +55,42 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str) -> str:
+    def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str,
+                   resume: bool) -> dict:
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         self.policy = build_policy(config, env_spec)
-        generator = torch.Generator().manual_seed(config.seed + 7)
-        self.algo = algorithms.build(config.algorithm.name, self.policy, config, generator)
+        self.generator = torch.Generator().manual_seed(config.seed + 7)
+        self.algo = algorithms.build(config.algorithm.name, self.policy, config, self.generator)
         if self.replay is not None:
             self.replay.close()
         self.replay = DataClient(replay_endpoint, max_bytes=config.data_plane.max_message_bytes,
                                  timeout_s=config.data_plane.timeout_s, peer="replay")
         if self.publisher is None:
-            self.publisher = WeightPublisher(self.host, config.data_plane.max_message_bytes)
+            self.publisher = WeightPublisher(self.host, config.data_plane.max_message_bytes,
+                                             self.runtime.advertise_host)
         self.store = open_store(config.storage, run_dir)
         self.config, self.env_spec = config, env_spec
-        self.version = self.publisher.version + 1  # versions only grow, even across runs on this worker
-        self.first_version = self.version
-        self.publisher.publish(self.version, self.policy.state_dict())
+        detail: dict = {}
+        self.version = 0
+        if resume:
+            key, state, skipped = ckpt.load_latest(self.store)
+            self._restore(state)
+            detail = {"resumed_from": key, "skipped": skipped, "extra": json.loads(state.get("extra_json", "{}"))}
+        self.publisher.reset(self.version, self.policy.state_dict())
         VERSION.set(self.version)
-        return self.publisher.endpoint
+        return {"weight_version": self.version, "weights_endpoint": self.publisher.endpoint,
+                "env_steps": self.algo.env_steps, "optimizer_steps": self.algo.optimizer_steps, **detail}
+
+    def _restore(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.algo.load_state_dict(state["algorithm"])
+        self.version = int(state["weight_version"])
+        torch.set_rng_state(state["torch_rng"])
+        self.generator.set_state(state["generator"])
+        pos, has_gauss, cached = state["numpy_rng_pos"].tolist()
+        np.random.set_state(("MT19937", state["numpy_rng"].numpy().astype(np.uint32), int(pos), int(has_gauss),
+                             float(cached)))
 
     async def Configure(self, request, context):
         try:
@@ -97,14 +103,18 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                                 f"Configure needs config_json, context_json.env_spec and peers.replay: {exc}")
         set_torch_threads(config.runtime.torch_threads)
         try:
-            endpoint = await self._run(self._configure, config, env_spec, replay_endpoint,
-                                       context_info.get("run_dir", "."))
+            detail = await self._run(self._configure, config, env_spec, replay_endpoint,
+                                     context_info.get("run_dir", "."), bool(context_info.get("resume")))
+        except FileNotFoundError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        for reason in detail.get("skipped", []):
+            log.warning("skipped checkpoint", extra={"reason": reason})
         self.runtime.state = f"busy:{request.run_id}"
-        log.info("configured", extra={"run_id": request.run_id, "version": self.version})
-        return common_pb2.ConfigureReply(data_endpoint=endpoint,
-                                         detail_json=json.dumps({"weight_version": self.version}))
+        log.info("configured", extra={"run_id": request.run_id, "version": self.version,
+                                      "resumed_from": detail.get("resumed_from", "")})
+        return common_pb2.ConfigureReply(data_endpoint=detail["weights_endpoint"], detail_json=json.dumps(detail))
 
     def _train(self, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
         t0 = time.perf_counter()
@@ -138,27 +148,33 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")
 
-    def _checkpoint(self, key: str) -> learner_pb2.CheckpointReply:
+    def _checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
+        np_state = np.random.get_state()
         state = {
-            "format": CHECKPOINT_FORMAT,
             "config_json": self.config.to_json(),
             "env_spec_json": json.dumps(self.env_spec),
+            "extra_json": extra_json or "{}",
             "policy": self.policy.state_dict(),
             "algorithm": self.algo.state_dict(),
             "weight_version": self.version,
             "torch_rng": torch.get_rng_state(),
+            "generator": self.generator.get_state(),
+            "numpy_rng": torch.from_numpy(np_state[1].astype(np.int64)),
+            "numpy_rng_pos": torch.tensor(list(np_state[2:4]) + [float(np_state[4])], dtype=torch.float64),
         }
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = buf.getvalue()
+        key = key or ckpt.periodic_key(self.version)
+        data = ckpt.pack(state)
         uri = self.store.put_bytes(key, data)
+        if periodic:
+            for old in ckpt.prune(self.store, self.config.checkpoint.keep):
+                log.info("pruned checkpoint", extra={"key": old})
         return learner_pb2.CheckpointReply(uri=uri, bytes=len(data), weight_version=self.version)
 
     async def SaveCheckpoint(self, request, context):
         if self.algo is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
         try:
-            return await self._run(self._checkpoint, request.key or self.config.train.checkpoint_key)
+            return await self._run(self._checkpoint, request.key, request.extra_json, request.periodic)
         except (ValueError, OSError) as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
 

@@ -70,9 +70,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                                 f"Configure needs config_json, context_json.env_spec and peers env/replay/learner: {exc}")
         self.close()
         base = int(info.get("base_version", 0))
+        start = int(info.get("start_iteration", 0))
         try:
-            self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base)
-            await self._call(context, self.worker.submit(self.worker.sync_weights, base,
+            self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start)
+            await self._call(context, self.worker.submit(self.worker.sync_weights, base + start,
                                                          config.data_plane.timeout_s))
         except (PeerTimeout, RemoteError, TimeoutError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout could not reach its peers: {exc}")

@@ -46,9 +46,11 @@ class CollectResult:
 
 
 class RolloutWorker:
-    def __init__(self, config: RunConfig, env_spec: dict, peers: dict[str, str], base_version: int = 0):
+    def __init__(self, config: RunConfig, env_spec: dict, peers: dict[str, str], base_version: int = 0,
+                 start_iteration: int = 0):
         self.config = config
-        self.base_version = base_version  # the learner's first version for this run
+        self.base_version = base_version  # weight version of iteration 0 of this run
+        self.start_iteration = start_iteration  # > 0 when the run resumed from a checkpoint
         self.env_spec = env_spec
         self.peers = peers
         self.jobs: queue.Queue = queue.Queue()
@@ -69,6 +71,8 @@ class RolloutWorker:
             set_torch_threads(cfg.runtime.torch_threads)
             dp = cfg.data_plane
             self.backend = TorchBackend(cfg, self.env_spec)
+            if self.start_iteration:  # a resumed run must not replay the episodes and samples of its start
+                self.backend.generator.manual_seed(cfg.seed + 1 + 7919 * self.start_iteration)
             self.env = DataClient(self.peers["env"], max_bytes=dp.max_message_bytes, timeout_s=dp.timeout_s,
                                   hwm=dp.high_water_mark, peer="env")
             self.replay = DataClient(self.peers["replay"], max_bytes=dp.max_message_bytes,
@@ -76,7 +80,7 @@ class RolloutWorker:
             self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s)
             self.chunks = cfg.scheduling.chunks()
             self.chunk_size = cfg.env.num_envs // self.chunks
-            self.obs = self._reset("train", cfg.seed)
+            self.obs = self._reset("train", cfg.seed + 7919 * self.start_iteration)
         except BaseException as exc:  # noqa: BLE001 — surfaced to Configure
             self._ready.set_exception(exc)
             return

@@ -49,7 +49,7 @@ def test_run_lifecycle_metrics_and_artefacts(stack, tmp_path, mode, staleness):
         assert max(lags) >= 1  # and the rollout really ran ahead
 
 
-def test_stop_discards_in_flight_work(stack):
+def test_stop_takes_effect_at_an_iteration_boundary(stack):
     _wait_idle(stack.client)
     cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
                        scheduling={"mode": "disaggregated", "staleness": 1})
@@ -59,7 +59,8 @@ def test_stop_discards_in_flight_work(stack):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     stopped = stack.client.stop(status.run_id)
-    assert stopped.state == coordinator_pb2.STOPPED and "discarded" in stopped.reason
+    assert stopped.state == coordinator_pb2.STOPPED and "at an iteration boundary" in stopped.reason
+    assert stack.client.status(status.run_id).env_steps % 64 == 0  # whole batches only, nothing half-counted
     _wait_idle(stack.client)  # workers are released for the next run
 
 

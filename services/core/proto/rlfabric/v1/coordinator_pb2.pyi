@@ -101,14 +101,16 @@ class ListWorkersReply(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
-    __slots__ = ("config_yaml", "overrides", "run_dir")
+    __slots__ = ("config_yaml", "overrides", "run_dir", "resume")
     CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     config_yaml: str
     overrides: _containers.RepeatedScalarFieldContainer[str]
     run_dir: str
-    def __init__(self, config_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., run_dir: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, config_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., run_dir: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class RunRef(_message.Message):
     __slots__ = ("run_id",)

@@ -43,10 +43,14 @@ class TrainReply(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., batch_version: _Optional[int] = ..., env_steps: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., train_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "extra_json", "periodic")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
+    PERIODIC_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    extra_json: str
+    periodic: bool
+    def __init__(self, key: _Optional[str] = ..., extra_json: _Optional[str] = ..., periodic: _Optional[bool] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
     __slots__ = ("uri", "bytes", "weight_version")

@@ -1,0 +1,89 @@
+"""Kill a training run for real, resume it, and it still solves CartPole with every counter continuing."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.coordinator.client import CoordinatorClient
+from services.core.proto.rlfabric.v1 import coordinator_pb2
+from services.launcher import LocalStack
+
+CKPT_EVERY = 5
+
+
+def _rows(run_dir):
+    if not (run_dir / "metrics.csv").exists():
+        return []
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _assert_resumed_and_solved(rows, resumed_from: int):
+    iters = [int(r["iteration"]) for r in rows]
+    assert iters == list(range(1, len(rows) + 1)), "the curve must continue without a jump back"
+    first = rows[resumed_from]  # the first row written by the resumed run
+    assert int(first["iteration"]) == resumed_from + 1
+    assert int(first["env_steps"]) == 256 * (resumed_from + 1)       # env steps continue
+    assert int(first["weight_version"]) == resumed_from + 1          # weight versions continue
+    assert int(first["optimizer_steps"]) == 20 * (resumed_from + 1)  # optimiser steps continue
+    assert float(rows[-1]["eval_return_mean"]) >= 475
+
+
+@pytest.mark.slow
+def test_sigkill_learner_then_resume_solves(tmp_path):
+    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", heartbeat_timeout_s=1.5)
+    stack.start()
+    try:
+        client = CoordinatorClient(stack.address)
+        client.wait_ready(30)
+        run_dir = tmp_path / "run"
+        status = client.submit("examples/cartpole_ppo.yaml", [f"checkpoint.every_iterations={CKPT_EVERY}"],
+                               run_dir=run_dir)
+        deadline = time.monotonic() + 120
+        while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
+            assert time.monotonic() < deadline and not client.status(status.run_id).reason.startswith("reached")
+            time.sleep(0.05)
+        os.kill(stack.procs["learner"].pid, signal.SIGKILL)
+        failed = client.wait(status.run_id)
+        assert failed.state == coordinator_pb2.FAILED and "learner worker" in failed.reason
+        replacement = stack.start_worker("learner", name="learner-2")  # a replacement registers
+        assert not [w for w in client.workers() if w.alive and w.worker_id.startswith("learner")]
+        deadline = time.monotonic() + 60
+        while not [w for w in client.workers() if w.alive and w.pid == replacement.pid]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        resumed_from = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+        final = client.wait(client.resume(run_dir).run_id)
+        assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+        _assert_resumed_and_solved(_rows(run_dir), resumed_from)
+        client.close()
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow
+def test_sigkill_whole_run_then_cli_resume_solves(tmp_path):
+    run_dir = tmp_path / "run"
+    train = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml",
+                              "--run-dir", str(run_dir), "--quiet", "--set", f"checkpoint.every_iterations={CKPT_EVERY}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
+        assert train.poll() is None and time.monotonic() < deadline, train.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.killpg(train.pid, signal.SIGKILL)  # the CLI and every service it started, no chance to clean up
+    train.wait()
+    resumed_from = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "resume", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from checkpoints/ckpt-{resumed_from:010d}.pt" in proc.stderr
+    _assert_resumed_and_solved(_rows(run_dir), resumed_from)
