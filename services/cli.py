@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
@@ -170,8 +171,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
-    if args.service != "coordinator" and "--coordinator" not in rest:
-        return _fail(f"serve {args.service} needs --coordinator HOST:PORT", 2)
+    if args.service != "coordinator" and "--coordinator" not in rest and not os.environ.get("RLFABRIC_COORDINATOR"):
+        return _fail(f"serve {args.service} needs --coordinator HOST:PORT (or RLFABRIC_COORDINATOR)", 2)
     importlib.import_module(f"services.{args.service}.server").main(rest)
     return 0
 

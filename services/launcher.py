@@ -39,7 +39,10 @@ class LocalStack:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.torch_threads))
+        # RLFABRIC_* variables configure deployed services (compose); a local stack sets everything by flags,
+        # and an inherited RLFABRIC_PORT would make every local service bind the same port
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.torch_threads))
         cmd = [sys.executable, "-m", module, "--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
                "--torch-threads", str(self.torch_threads), *args]
         stderr = open(self.log_dir / f"{name}.stderr", "w")

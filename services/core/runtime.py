@@ -60,16 +60,112 @@ class ServiceOptions:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The flags every service shares. Each one can also come from RLFABRIC_<FLAG> (see run_service), so a
+        container is configured by its environment alone; a flag on the command line wins over the variable."""
         parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for every host)")
-        parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
-        parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = free one)")
-        parser.add_argument("--coordinator", default="", help="host:port of the coordinator to register with")
+        parser.add_argument("--port", type=_port, default=0, help="gRPC port (0 = pick a free one)")
+        parser.add_argument("--metrics-port", type=_port, default=0, help="Prometheus port (0 = free one)")
+        parser.add_argument("--coordinator", type=_address, default="",
+                            help="host:port of the coordinator to register with")
         parser.add_argument("--advertise-host", default="", help="host name peers use to reach this service")
         parser.add_argument("--port-file", default="", help="write host:port here once serving")
         parser.add_argument("--coordinator-file", default="",
                             help="wait for this file (a coordinator's --port-file) and register with that address")
         parser.add_argument("--log-file", default="", help="JSON-lines log file (default stderr)")
-        parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
+        parser.add_argument("--torch-threads", type=_positive_int, default=1, help="torch intra-op threads")
+
+
+ENV_PREFIX = "RLFABRIC_"
+
+
+def env_var(option: str) -> str:
+    """--metrics-port -> RLFABRIC_METRICS_PORT: the one naming rule for configuration by environment."""
+    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected an integer port 0-65535 (0 = pick a free one), got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _address(text: str) -> str:
+    """host:port, checked at start-up so a typo fails now instead of as an endless registration retry."""
+    if not text:
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, e.g. coordinator:50051, got {text!r}")
+    return text
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None,
+                       ignore: tuple[str, ...] = ()) -> None:
+    """Take every long flag's default from RLFABRIC_<FLAG> when that variable is non-empty (``ignore`` excepted).
+
+    Values are converted and checked here rather than by argparse so that a malformed one exits with code 2 and
+    names the variable (argparse would blame the flag, which the user never typed)."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        options = [o for o in action.option_strings if o.startswith("--")]
+        if not options or options[0] in ignore or not _single_valued(action):
+            continue  # positionals, --help, append/count flags: the command line only
+        name = env_var(options[0])
+        action.help = f"{action.help or ''} [env {name}]".strip()
+        raw = environ.get(name, "").strip()
+        if not raw:  # unset and empty alike: compose writes `VAR: ${UNSET}` as an empty string
+            continue
+        try:
+            value = _convert(action, raw)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            parser.exit(2, f"{parser.prog}: error: environment variable {name}={raw!r} is invalid for "
+                           f"{options[0]}: {exc}\n")
+        action.default = value
+        action.required = False
+
+
+def _single_valued(action: argparse.Action) -> bool:
+    if isinstance(action, argparse._StoreConstAction | argparse.BooleanOptionalAction):
+        return True
+    return isinstance(action, argparse._StoreAction) and action.nargs in (None, "?")
+
+
+def _convert(action: argparse.Action, raw: str):
+    if isinstance(action, argparse._StoreConstAction | argparse.BooleanOptionalAction):
+        on, off = (action.const, action.default) if isinstance(action, argparse._StoreConstAction) else (True, False)
+        if raw.lower() in _TRUE:
+            return on
+        if raw.lower() in _FALSE:
+            return off
+        raise ValueError("expected a boolean: 1/true/yes/on or 0/false/no/off")
+    value = raw
+    if action.type is not None:
+        try:
+            value = action.type(raw)
+        except (TypeError, ValueError):
+            kind = getattr(action.type, "__name__", "value")
+            expected = {"int": "an integer", "float": "a number"}.get(kind, f"a valid {kind}")
+            raise ValueError(f"expected {expected}, got {raw!r}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 ROLES = {
@@ -199,11 +295,15 @@ class ServiceRuntime:
 def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace], Awaitable[None]],
                 argv: list[str] | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None
                 ) -> None:
-    """Entry point of a service process: parse the shared flags, set up logs and torch threads, serve."""
+    """Entry point of a service process: parse the shared flags (command line over RLFABRIC_* environment over
+    built-in defaults), set up logs and torch threads, serve."""
     parser = argparse.ArgumentParser(prog=f"rlfabric serve {role}")
     ServiceOptions.add_arguments(parser)
     if extra_args:
         extra_args(parser)
+    # After extra_args, so a service's own flags are configurable the same way. The coordinator registers with
+    # no one: it ignores RLFABRIC_COORDINATOR, so one value can be exported on every host, its own included.
+    apply_env_defaults(parser, ignore=("--coordinator",) if role == "coordinator" else ())
     args = parser.parse_args(argv)
     setup_logging(role, args.log_file or None)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))

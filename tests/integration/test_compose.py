@@ -1,0 +1,273 @@
+"""The compose deployment: the file validates, its structure holds what the services need, and the services really
+are configurable by RLFABRIC_* environment variables alone (what the containers rely on)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.core.config import load_config
+from services.core.proto.rlfabric.v1 import common_pb2
+from services.core.runtime import ServiceOptions, apply_env_defaults, env_var
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+DOCKERFILE = ROOT / "compose" / "Dockerfile"
+ENV_EXAMPLE = ROOT / "compose" / ".env.example"
+RUN_SPEC = ROOT / "examples" / "cartpole_ppo_compose.yaml"
+RLFABRIC = ("coordinator", "env", "replay", "learner", "rollout")
+BACKING = ("redis", "minio")
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """The test's own environment without RLFABRIC_* settings a developer may have exported."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())  # SafeLoader resolves the `<<:` merges the file uses
+
+
+# -- (a) the file validates ------------------------------------------------------------------------------------
+
+def test_compose_file_validates_with_docker_compose(tmp_path):
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("neither docker-compose nor `docker compose` is installed (CI installs docker-compose)")
+    env = _clean_env()
+    result = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    normalised = yaml.safe_load(result.stdout)
+    assert set(normalised["services"]) == set(RLFABRIC) | set(BACKING)
+    assert normalised["services"]["coordinator"]["environment"]["RLFABRIC_PORT"] == "50051"
+
+    # The same command must reject a schema error, or the check above proves nothing.
+    broken = tmp_path / "broken.yml"
+    broken.write_text("services:\n  x:\n    image: busybox\n    healthcheck:\n      tset: [CMD, 'true']\n")
+    result = subprocess.run([*cli, "-f", str(broken), "config"], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.returncode != 0 and "tset" in result.stderr
+
+
+# -- (b) structure ---------------------------------------------------------------------------------------------
+
+def test_every_service_has_a_healthcheck(compose):
+    services = compose["services"]
+    assert set(services) == set(RLFABRIC) | set(BACKING)
+    for name, svc in services.items():
+        test = svc.get("healthcheck", {}).get("test")
+        assert test and test[0] in ("CMD", "CMD-SHELL"), f"{name}: no healthcheck"
+    assert "redis-cli ping" in " ".join(services["redis"]["healthcheck"]["test"])
+    assert "/minio/health/live" in " ".join(services["minio"]["healthcheck"]["test"])
+
+
+def test_redis_and_minio_keep_data_in_named_volumes(compose):
+    named = set(compose["volumes"])
+    for name, target in (("redis", "/data"), ("minio", "/data")):
+        mounts = [v.split(":") for v in compose["services"][name]["volumes"]]
+        assert any(src in named and dst == target for src, dst, *_ in mounts), f"{name}: no named volume"
+    redis_cmd = compose["services"]["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
+    minio_env = compose["services"]["minio"]["environment"]
+    assert minio_env["MINIO_ROOT_USER"].startswith("${RLFABRIC_S3_ACCESS_KEY:-")
+    assert minio_env["MINIO_ROOT_PASSWORD"].startswith("${RLFABRIC_S3_SECRET_KEY:-")
+
+
+def _service_flags(role: str) -> set[str]:
+    """The RLFABRIC_* names `rlfabric serve ROLE` understands, from the real parsers."""
+    parser = argparse.ArgumentParser()
+    ServiceOptions.add_arguments(parser)
+    if role == "coordinator":
+        from services.coordinator.server import _extra
+
+        _extra(parser)
+    return {env_var(o) for a in parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+def test_rlfabric_services_share_one_image_and_are_configured_by_environment(compose):
+    services = compose["services"]
+    images = {services[r]["image"] for r in RLFABRIC}
+    builds = {(services[r]["build"]["context"], services[r]["build"]["dockerfile"]) for r in RLFABRIC}
+    assert len(images) == 1 and len(builds) == 1
+    context, dockerfile = builds.pop()
+    assert (COMPOSE.parent / context / dockerfile).resolve() == DOCKERFILE
+    ports = set()
+    for role in RLFABRIC:
+        svc = services[role]
+        env = svc["environment"]
+        assert svc["command"][:2] == ["serve", role]
+        assert env["RLFABRIC_HOST"] == "0.0.0.0" and env["RLFABRIC_ADVERTISE_HOST"] == role
+        port = env["RLFABRIC_PORT"]
+        ports.add(port)
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.core.healthcheck", f"{role}:{port}"]
+        unknown = {k for k in env if k.startswith("RLFABRIC_") and not k.startswith("RLFABRIC_S3_")}
+        unknown -= _service_flags(role)
+        assert not unknown, f"{role}: {sorted(unknown)} are not flags of `rlfabric serve {role}`"
+        if role == "coordinator":
+            assert "RLFABRIC_COORDINATOR" not in env
+            assert any(p.endswith(":50051") for p in svc["ports"])
+        else:
+            assert env["RLFABRIC_COORDINATOR"] == "coordinator:50051"
+            assert svc["depends_on"]["coordinator"]["condition"] == "service_healthy"
+    assert len(ports) == len(RLFABRIC)
+    for role, backing in (("replay", "redis"), ("replay", "minio"), ("learner", "minio")):
+        assert services[role]["depends_on"][backing]["condition"] == "service_healthy"
+
+
+def test_env_example_documents_exactly_the_variables_compose_reads():
+    used = set(re.findall(r"\$\{(\w+)(?::?-[^}]*)?\}", COMPOSE.read_text()))
+    documented = {line.split("=", 1)[0] for line in ENV_EXAMPLE.read_text().splitlines()
+                  if line and not line.startswith("#")}
+    assert used == documented
+
+
+def test_dockerfile_is_slim_cpu_non_root_with_the_cli_as_entrypoint():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert "torch==2.13.0" in text and "https://download.pytorch.org/whl/cpu" in text
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r'^ENTRYPOINT \["rlfabric"\]', text, re.M)
+
+
+def test_compose_run_spec_uses_redis_and_minio_by_service_name():
+    config = load_config(RUN_SPEC)
+    assert config.replay.store == "redis" and config.replay.redis_url == "redis://redis:6379/0"
+    assert config.storage.kind == "s3" and config.storage.endpoint == "minio:9000"
+    assert not config.storage.access_key and not config.storage.secret_key  # from the workers' environment
+
+
+# -- (c) configuration by environment, for real --------------------------------------------------------------
+
+def _health(address: str, timeout: float = 3.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.core.healthcheck", address, "--timeout", str(timeout)],
+                          capture_output=True, text=True, env=_clean_env(), timeout=30)
+
+
+def _wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> subprocess.CompletedProcess:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = _health(address, 2.0)
+        if result.returncode == 0:
+            return result
+        assert proc.poll() is None, f"service exited with {proc.returncode}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"not healthy within {timeout_s:.0f}s: {result.stderr}"
+        time.sleep(0.3)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_service_configured_only_by_environment_and_healthcheck_follows_it(tmp_path):
+    port, metrics_port = free_port(), free_port()
+    log_file = tmp_path / "env.log"
+    env = _clean_env(RLFABRIC_HOST="127.0.0.1", RLFABRIC_PORT=str(port), RLFABRIC_METRICS_PORT=str(metrics_port),
+                     RLFABRIC_LOG_FILE=str(log_file))
+    proc = subprocess.Popen([sys.executable, "-m", "services.env.server"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        result = _wait_healthy(address, proc)
+        assert result.stdout.strip() == f"{address}: SERVING"
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert "rlfabric_rpcs_total" in body
+        assert f'"grpc": "{address}"' in log_file.read_text()
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+    result = _health(address)
+    assert result.returncode == 1
+    reason = result.stderr.strip()
+    assert "\n" not in reason and reason.startswith(f"{address}: UNAVAILABLE")
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [
+    ("RLFABRIC_PORT", "fifty", "integer port"),
+    ("RLFABRIC_METRICS_PORT", "70000", "integer port"),
+    ("RLFABRIC_COORDINATOR", "coordinator", "HOST:PORT"),
+])
+def test_malformed_environment_value_exits_2_naming_the_variable(name, value, expected):
+    result = subprocess.run([sys.executable, "-m", "services.env.server"], env=_clean_env(**{name: value}),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert name in result.stderr and expected in result.stderr and repr(value) in result.stderr
+
+
+def test_coordinator_ignores_rlfabric_coordinator_and_reads_its_own_flags_from_environment(tmp_path):
+    """One RLFABRIC_COORDINATOR exported on every host must not make the coordinator register with itself."""
+    port = free_port()
+    log_file = tmp_path / "coordinator.log"
+    env = _clean_env(RLFABRIC_HOST="127.0.0.1", RLFABRIC_PORT=str(port), RLFABRIC_COORDINATOR=f"127.0.0.1:{port}",
+                     RLFABRIC_LOG_FILE=str(log_file), RLFABRIC_HEARTBEAT_TIMEOUT="5")
+    proc = subprocess.Popen([sys.executable, "-m", "services.coordinator.server"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_healthy(f"127.0.0.1:{port}", proc)
+        time.sleep(1.0)  # registration would follow SERVING at once
+        from services.coordinator.client import CoordinatorClient
+
+        with CoordinatorClient(f"127.0.0.1:{port}") as client:
+            assert [w for w in client.workers() if w.role == common_pb2.COORDINATOR] == []
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+    assert '"registered"' not in log_file.read_text()
+
+
+def test_command_line_wins_over_environment_which_wins_over_defaults():
+    parser = argparse.ArgumentParser()
+    ServiceOptions.add_arguments(parser)
+    apply_env_defaults(parser, {"RLFABRIC_PORT": "6000", "RLFABRIC_HOST": "0.0.0.0", "RLFABRIC_TORCH_THREADS": ""})
+    args = parser.parse_args(["--port", "7000"])
+    assert (args.port, args.host, args.torch_threads, args.metrics_port) == (7000, "0.0.0.0", 1, 0)
+    assert "[env RLFABRIC_METRICS_PORT]" in " ".join(parser.format_help().split())  # help names the variables
+
+
+def test_healthcheck_reports_not_serving_with_exit_1():
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        result = _health(f"127.0.0.1:{port}")
+        assert result.returncode == 1 and result.stderr.strip() == f"127.0.0.1:{port}: NOT_SERVING"
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert _health(f"127.0.0.1:{port}").returncode == 0
+    finally:
+        server.stop(0)
