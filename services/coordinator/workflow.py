@@ -113,7 +113,8 @@ class PPOWorkflow:
         run.log(f"configured {env_spec['env_id']} x{env_spec['num_envs']} "
                 f"(obs {env_spec['observation_space']['shape']}, actions {env_spec['action_space']['kind']}); "
                 f"plan {cfg.scheduling.mode}, chunks {cfg.scheduling.chunks()}, "
-                f"staleness {cfg.scheduling.effective_staleness()}")
+                f"staleness {cfg.scheduling.effective_staleness()}, env pool in "
+                f"{'the rollout worker' if cfg.scheduling.env_in_rollout() else 'the env service'}")
 
     def _restore(self, detail: dict) -> None:
         """Continue where the checkpoint was: iteration, env steps, versions, returns history, wall clock."""

@@ -81,6 +81,14 @@ class SchedulingConfig(_Strict):
     mode: Literal["collocated", "disaggregated"] = "collocated"
     pipeline_chunks: int = Field(2, ge=1, le=64, description="env chunks pipelined against inference")
     staleness: int = Field(0, ge=0, le=64, description="max weight versions a batch may lag (0 = on-policy)")
+    env_placement: Literal["auto", "env_service", "rollout"] = Field(
+        "auto", description="where the env pool runs: its own service, or inside the rollout worker (no IPC per "
+                            "step); auto = rollout for collocated plans, env_service for disaggregated ones")
+
+    def env_in_rollout(self) -> bool:
+        if self.env_placement == "auto":
+            return self.mode == "collocated"
+        return self.env_placement == "rollout"
 
     def chunks(self) -> int:
         """Collocated plans step the whole env batch at once; disaggregated ones pipeline chunks."""

@@ -84,10 +84,27 @@ class DataServer:
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._fd_lock = threading.Lock()
+        self._closed = False
 
     def wake(self) -> None:
         """Run ``tick`` soon; callable from any thread (e.g. when a new weight version is published)."""
-        os.write(self._wake_w, b"x")
+        with self._fd_lock:  # never write to a closed descriptor: its number may belong to someone else now
+            if not self._closed:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:
+                    pass  # the pipe is full of wake-ups already
+
+    def _close(self) -> None:
+        with self._fd_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close(linger=0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
         self._sock.send_multipart([identity, *frames], copy=False)
@@ -116,9 +133,7 @@ class DataServer:
                     self._handle(self._sock.recv_multipart(copy=False), handler)
             if tick is not None:
                 tick()
-        self._sock.close(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._close()
 
     def _handle(self, frames: list[zmq.Frame], handler: Handler) -> None:
         identity = frames[0].bytes
@@ -146,6 +161,8 @@ class DataServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(join_s)
+        elif not self._closed:  # never served: nobody else will close it
+            self._close()
 
 
 class DataClient:

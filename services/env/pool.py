@@ -94,3 +94,42 @@ class EnvPool:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+class EnvPools:
+    """The pools of one run ("train" chunked for pipelining, "eval" one episode per env) and the request
+    protocol both the env service's data plane and an in-process channel speak."""
+
+    def __init__(self, config) -> None:
+        env = config.env
+        self.pools = {
+            "train": EnvPool(env.id, env.num_envs, config.scheduling.chunks(), env.vectorization, env.kwargs),
+            "eval": EnvPool(env.id, env.eval_envs, 1, "sync", env.kwargs),
+        }
+
+    def __getitem__(self, name: str) -> EnvPool:
+        return self.pools[name]
+
+    def get(self, name: str) -> EnvPool | None:
+        return self.pools.get(name)
+
+    def values(self):
+        return self.pools.values()
+
+    def handle(self, kind: str, meta: dict, tensors: dict) -> tuple[str, dict]:
+        """reset {pool, seed} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, truncated, ..."""
+        pool_name = meta.get("pool", "train")
+        pool = self.pools.get(pool_name)
+        if pool is None:
+            raise ValueError(f"no env pool {pool_name!r}: call Configure first (pools: {sorted(self.pools)})")
+        if kind == "reset":
+            return "obs", {"obs": np.concatenate(pool.reset(int(meta.get("seed", 0))))}
+        if kind == "step":
+            if "actions" not in tensors:
+                raise ValueError("step needs an 'actions' tensor")
+            return "stepped", pool.step(int(meta.get("chunk", 0)), np.asarray(tensors["actions"]))
+        raise ValueError(f"unknown request kind {kind!r}; expected 'reset' or 'step'")
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()

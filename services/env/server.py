@@ -13,7 +13,6 @@ import logging
 import threading
 
 import grpc
-import numpy as np
 from prometheus_client import Counter
 
 from services.core.batch import TensorBatch
@@ -23,7 +22,7 @@ from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
 from services.env.adapters.gymnasium import UnknownEnvError
-from services.env.pool import EnvPool
+from services.env.pool import EnvPools
 
 log = logging.getLogger(__name__)
 ENV_STEPS = Counter("rlfabric_env_steps_total", "env steps simulated", ["pool"])
@@ -38,7 +37,7 @@ def _space(spec: dict) -> env_pb2.Space:
 class EnvService(env_pb2_grpc.EnvServicer):
     def __init__(self, runtime: ServiceRuntime, host: str):
         self.runtime = runtime
-        self.pools: dict[str, EnvPool] = {}
+        self.pools: EnvPools | None = None
         self.config: RunConfig | None = None
         self.lock = threading.Lock()
         self.data = DataServer(host, max_bytes=RunConfig().data_plane.max_message_bytes, name="env",
@@ -49,22 +48,13 @@ class EnvService(env_pb2_grpc.EnvServicer):
 
     # -- data plane (runs in the data thread) --------------------------------------------------------------
     def handle(self, kind: str, batch: TensorBatch, reply: Reply) -> None:
-        pool_name = batch.meta.get("pool", "train")
         with self.lock:
-            pool = self.pools.get(pool_name)
-            if pool is None:
-                raise ValueError(f"no env pool {pool_name!r}: call Configure first (pools: {sorted(self.pools)})")
-            if kind == "reset":
-                obs = np.concatenate(pool.reset(int(batch.meta.get("seed", 0))))
-                reply.send("obs", TensorBatch({"obs": obs}))
-            elif kind == "step":
-                if "actions" not in batch:
-                    raise ValueError("step needs an 'actions' tensor")
-                out = pool.step(int(batch.meta.get("chunk", 0)), np.asarray(batch["actions"]))
-                ENV_STEPS.labels(pool_name).inc(pool.chunk_size)
-                reply.send("stepped", TensorBatch(out))
-            else:
-                raise ValueError(f"unknown request kind {kind!r}; expected 'reset' or 'step'")
+            if self.pools is None:
+                raise ValueError("no env pools: call Configure first")
+            out_kind, tensors = self.pools.handle(kind, batch.meta, batch.tensors)
+        if out_kind == "stepped":
+            ENV_STEPS.labels(batch.meta.get("pool", "train")).inc(len(tensors["reward"]))
+        reply.send(out_kind, TensorBatch(tensors))
 
     # -- control plane -------------------------------------------------------------------------------------
     async def Configure(self, request, context):
@@ -73,15 +63,8 @@ class EnvService(env_pb2_grpc.EnvServicer):
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         env = config.env
-
-        def build() -> dict[str, EnvPool]:
-            return {
-                "train": EnvPool(env.id, env.num_envs, config.scheduling.chunks(), env.vectorization, env.kwargs),
-                "eval": EnvPool(env.id, env.eval_envs, 1, "sync", env.kwargs),
-            }
-
         try:
-            pools = await asyncio.to_thread(build)
+            pools = await asyncio.to_thread(EnvPools, config)
         except (UnknownEnvError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 — a simulator that fails to build is reported, not hidden
@@ -91,8 +74,8 @@ class EnvService(env_pb2_grpc.EnvServicer):
         with self.lock:
             old, self.pools, self.config = self.pools, pools, config
             self.data.max_bytes = config.data_plane.max_message_bytes
-        for pool in old.values():
-            pool.close()
+        if old is not None:
+            old.close()
         self.runtime.state = f"busy:{request.run_id}"
         log.info("configured", extra={"run_id": request.run_id, "env_id": env.id, "num_envs": env.num_envs})
         return common_pb2.ConfigureReply(data_endpoint=self.data.endpoint, detail_json=json.dumps(self._spec_dict()))
@@ -104,7 +87,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
                 "action_space": train.act_spec}
 
     async def GetSpec(self, request, context):
-        if "train" not in self.pools:
+        if self.pools is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not configured: call Configure first")
         d = self._spec_dict()
         return env_pb2.EnvSpec(env_id=d["env_id"], num_envs=d["num_envs"], num_chunks=d["num_chunks"],
@@ -112,7 +95,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
                                action_space=_space(d["action_space"]))
 
     async def GetStats(self, request, context):
-        pool = self.pools.get("train")
+        pool = self.pools.get("train") if self.pools is not None else None
         if pool is None:
             return env_pb2.EnvStats(rejected_messages=self.data.rejected)
         return env_pb2.EnvStats(env_steps=pool.env_steps, episodes=episode_stats(pool.finished_returns,
@@ -122,9 +105,9 @@ class EnvService(env_pb2_grpc.EnvServicer):
     def close(self) -> None:
         self.data.stop()
         with self.lock:
-            for pool in self.pools.values():
-                pool.close()
-            self.pools = {}
+            if self.pools is not None:
+                self.pools.close()
+            self.pools = None
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:

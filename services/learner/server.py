@@ -20,7 +20,7 @@ from services.core.objectstore import ObjectStore, open_store
 from services.core.policy import ActorCritic
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
-from services.core.weights import WeightPublisher
+from services.core.weights import WeightPublisher, save_weights
 from services.learner import algorithms
 from services.learner import checkpoint as ckpt
 
@@ -56,7 +56,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str,
-                   resume: bool) -> dict:
+                   resume: bool, run_id: str) -> dict:
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         self.policy = build_policy(config, env_spec)
@@ -69,7 +69,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if self.publisher is None:
             self.publisher = WeightPublisher(self.host, config.data_plane.max_message_bytes,
                                              self.runtime.advertise_host)
-        self.store = open_store(config.storage, run_dir)
+        self.store = open_store(config.storage, run_dir, run_id)
         self.config, self.env_spec = config, env_spec
         detail: dict = {}
         self.version = 0
@@ -78,6 +78,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self._restore(state)
             detail = {"resumed_from": key, "skipped": skipped, "extra": json.loads(state.get("extra_json", "{}"))}
         self.publisher.reset(self.version, self.policy.state_dict())
+        save_weights(self.store, self.version, self.policy.state_dict())  # cold starts read it from here
         VERSION.set(self.version)
         return {"weight_version": self.version, "weights_endpoint": self.publisher.endpoint,
                 "env_steps": self.algo.env_steps, "optimizer_steps": self.algo.optimizer_steps, **detail}
@@ -104,7 +105,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         set_torch_threads(config.runtime.torch_threads)
         try:
             detail = await self._run(self._configure, config, env_spec, replay_endpoint,
-                                     context_info.get("run_dir", "."), bool(context_info.get("resume")))
+                                     context_info.get("run_dir", "."), bool(context_info.get("resume")),
+                                     request.run_id)
         except FileNotFoundError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {exc}")
         except ValueError as exc:
@@ -165,6 +167,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         key = key or ckpt.periodic_key(self.version)
         data = ckpt.pack(state)
         uri = self.store.put_bytes(key, data)
+        save_weights(self.store, self.version, self.policy.state_dict())
         if periodic:
             for old in ckpt.prune(self.store, self.config.checkpoint.keep):
                 log.info("pruned checkpoint", extra={"key": old})

@@ -73,10 +73,19 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         start = int(info.get("start_iteration", 0))
         try:
             self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start)
-            await self._call(context, self.worker.submit(self.worker.sync_weights, base + start,
-                                                         config.data_plane.timeout_s))
+            stored = await self._call(context, self.worker.submit(self.worker.cold_start, info.get("run_dir", "."),
+                                                                 request.run_id))
+            try:
+                await asyncio.wrap_future(self.worker.submit(self.worker.sync_weights, base + start,
+                                                             config.data_plane.timeout_s))
+            except (PeerTimeout, TimeoutError):
+                if stored < base + start:
+                    raise
+                log.warning("learner unreachable; serving weight version %d from the object store", stored)
         except (PeerTimeout, RemoteError, TimeoutError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout could not reach its peers: {exc}")
+        except (ValueError, OSError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout cold start failed: {exc}")
         SERVING.set(self.worker.version)
         self.runtime.state = f"busy:{request.run_id}"
         log.info("configured", extra={"run_id": request.run_id, "version": self.worker.version})

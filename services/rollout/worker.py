@@ -21,8 +21,9 @@ import numpy as np
 from services.core.batch import TensorBatch
 from services.core.config import RunConfig
 from services.core.dataplane import DataClient
+from services.core.objectstore import open_store
 from services.core.runtime import set_torch_threads
-from services.core.weights import WeightSubscriber
+from services.core.weights import WeightSubscriber, load_weights
 from services.rollout.backends.torch import TorchBackend
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,13 @@ class RolloutWorker:
             self.backend = TorchBackend(cfg, self.env_spec)
             if self.start_iteration:  # a resumed run must not replay the episodes and samples of its start
                 self.backend.generator.manual_seed(cfg.seed + 1 + 7919 * self.start_iteration)
-            self.env = DataClient(self.peers["env"], max_bytes=dp.max_message_bytes, timeout_s=dp.timeout_s,
-                                  hwm=dp.high_water_mark, peer="env")
+            if cfg.scheduling.env_in_rollout():  # stages share this worker: no hop per env step
+                from services.env.local import LocalEnvChannel
+
+                self.env = LocalEnvChannel(cfg)
+            else:
+                self.env = DataClient(self.peers["env"], max_bytes=dp.max_message_bytes, timeout_s=dp.timeout_s,
+                                      hwm=dp.high_water_mark, peer="env")
             self.replay = DataClient(self.peers["replay"], max_bytes=dp.max_message_bytes,
                                      timeout_s=dp.timeout_s, hwm=dp.high_water_mark, peer="replay")
             self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s)
@@ -124,6 +130,19 @@ class RolloutWorker:
     def _reset(self, pool: str, seed: int) -> np.ndarray:
         _, reply = self.env.request("reset", TensorBatch(meta={"pool": pool, "seed": seed}))
         return np.array(reply["obs"])
+
+    def cold_start(self, run_dir: str, run_id: str) -> int:
+        """Load the newest weights written to the object store (a worker that joins late or restarted),
+        before asking the learner for anything newer. Returns the version loaded, or -1."""
+        store = open_store(self.config.storage, run_dir, run_id)
+        found = load_weights(store, self.config.data_plane.max_message_bytes)
+        if found is None:
+            return -1
+        version, tensors = found
+        if version > self.version:
+            self.backend.load(version, tensors)
+            self.version = version
+        return version
 
     def sync_weights(self, min_version: int, timeout_s: float, stop: threading.Event | None = None) -> float:
         """Load the newest version; wait (bounded) until it is at least min_version. Returns seconds waited."""

@@ -26,7 +26,7 @@ def test_sigkilled_env_worker_fails_the_run_with_the_reason(tmp_path):
         client = CoordinatorClient(stack.address)
         client.wait_ready(30)
         cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
-                           data_plane={"timeout_s": 20})
+                           data_plane={"timeout_s": 20}, scheduling={"mode": "disaggregated"})  # env in its service
         status = client.submit(cfg)
         deadline = time.monotonic() + 60
         while client.status(status.run_id).env_steps < 1000:

@@ -47,3 +47,21 @@ def test_prune_keeps_the_newest(tmp_path):
 def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="none written yet"):
         ckpt.load_latest(FilesystemObjectStore(tmp_path))
+
+
+def test_weights_container_round_trip_and_corruption(tmp_path):
+    from services.core.codec import FrameError
+    from services.core.weights import load_weights, save_weights
+
+    store = FilesystemObjectStore(tmp_path)
+    assert load_weights(store, 1 << 20) is None
+    save_weights(store, 7, {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(1, dtype=torch.bfloat16)})
+    version, tensors = load_weights(store, 1 << 20)
+    assert version == 7 and tensors["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    raw = store.get_bytes("weights/latest")
+    store.put_bytes("weights/latest", raw[:-3])
+    with pytest.raises(FrameError, match="truncated"):
+        load_weights(store, 1 << 20)
+    store.put_bytes("weights/latest", b"PK" + raw[2:])
+    with pytest.raises(FrameError, match="not an rlfabric weights object"):
+        load_weights(store, 1 << 20)

@@ -17,7 +17,7 @@ class TorchBackend:
         self.generator = torch.Generator().manual_seed(config.seed + 1)
 
     def load(self, version: int, tensors: dict[str, np.ndarray]) -> None:
-        state = {k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}
+        state = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in tensors.items()}
         missing = set(self.policy.state_dict()) - set(state)
         if missing:
             raise ValueError(f"weight version {version} lacks tensors {sorted(missing)}; learner and rollout "
