@@ -150,6 +150,9 @@ def s3_server():
         server = S3Server(external, os.environ.get("RLFABRIC_TEST_S3_ACCESS_KEY", "minioadmin"),
                           os.environ.get("RLFABRIC_TEST_S3_SECRET_KEY", "minioadmin"))
         server.enforces_auth = _probe_auth(server)
+        if os.environ.get("RLFABRIC_TEST_S3_UNPRIVILEGED_KEY"):
+            server.unprivileged_key = (os.environ["RLFABRIC_TEST_S3_UNPRIVILEGED_KEY"],
+                                       os.environ["RLFABRIC_TEST_S3_UNPRIVILEGED_SECRET"])
         yield server
         return
     log_dir = Path(tempfile.mkdtemp(prefix="rlfabric-moto-"))
@@ -159,3 +162,25 @@ def s3_server():
     finally:
         _stop(proc)
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def main() -> None:
+    """``python -m tests.support_s3 ENV_FILE``: start an auth-enforcing S3 server for a whole CI run, write the
+    variables the fixture reads to ENV_FILE (shell syntax), and serve until killed."""
+    env_file = Path(sys.argv[1])
+    log_dir = Path(tempfile.mkdtemp(prefix="rlfabric-moto-ci-"))
+    proc, server = start_moto(log_dir)
+    lines = {ENDPOINT_ENV: server.endpoint, "RLFABRIC_TEST_S3_ACCESS_KEY": server.access_key,
+             "RLFABRIC_TEST_S3_SECRET_KEY": server.secret_key}
+    if server.unprivileged_key:
+        lines["RLFABRIC_TEST_S3_UNPRIVILEGED_KEY"], lines["RLFABRIC_TEST_S3_UNPRIVILEGED_SECRET"] = server.unprivileged_key
+    env_file.write_text("".join(f"export {k}={v}\n" for k, v in lines.items()))
+    print(f"S3 (moto, auth enforced) at {server.endpoint}", flush=True)
+    try:
+        proc.wait()
+    finally:
+        _stop(proc)
+
+
+if __name__ == "__main__":
+    main()

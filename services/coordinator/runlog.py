@@ -15,7 +15,8 @@ COLUMNS = [
     "train_return_mean", "train_episodes", "eval_return_mean", "eval_return_std", "eval_weight_version",
     "optimizer_steps", "fps",
     "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance",
-    "learning_rate", "clip_range", "collect_seconds", "train_seconds", "env_seconds", "policy_seconds",
+    "learning_rate", "clip_range", "collect_seconds", "train_seconds", "update_seconds", "publish_seconds",
+    "env_seconds", "policy_seconds",
     "weight_wait_seconds", "train_wait_seconds",
 ]
 

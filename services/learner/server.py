@@ -127,9 +127,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                               f"{timeout_s:.1f}s; is the rollout service producing?")
         waited = time.perf_counter() - t0
         tensors = batch.to_torch()
+        u0 = time.perf_counter()
         stats = self.algo.update(tensors)
+        stats["update_seconds"] = time.perf_counter() - u0
         self.version += 1
+        p0 = time.perf_counter()
         self.publisher.publish(self.version, self.policy.state_dict())
+        stats["publish_seconds"] = time.perf_counter() - p0
         UPDATES.inc()
         VERSION.set(self.version)
         return learner_pb2.TrainReply(

@@ -92,7 +92,7 @@ class PPO:
         }
         size = T * N
         mb = min(cfg.batch_size, size)
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         count = 0
         stop = False
         for _ in range(cfg.n_epochs):
@@ -114,12 +114,12 @@ class PPO:
                 nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer_steps += 1
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                for k, v in stats.items():  # tensors: one conversion per update, not per minibatch
+                    sums[k] = sums[k] + v if k in sums else v
                 count += 1
             if stop:
                 break
-        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out = {k: float(v) / max(count, 1) for k, v in sums.items()}
         y, y_hat = flat["returns"], flat["values"]
         var_y = float(y.var())
         out.update(learning_rate=lr, clip_range=clip,
