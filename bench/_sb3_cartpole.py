@@ -1,5 +1,6 @@
 """Baseline for bench/e2e_cartpole.py: Stable-Baselines3 PPO with the same (rl-zoo) hyper-parameters and the
-same evaluation schedule (every 10 updates, 10 deterministic episodes over 10 envs). Prints one JSON line when
+same evaluation protocol (every 10 updates, 10 deterministic episodes over 10 envs started from the same seeds
+each time, as rlfabric's eval pool is). Prints one JSON line when
 an evaluation first reaches the target, then stops."""
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from stable_baselines3.common.evaluation import evaluate_policy
 
 
 class EvalUntil(BaseCallback):
-    def __init__(self, eval_env, every_rollouts: int, episodes: int, target: float):
+    def __init__(self, eval_env, every_rollouts: int, episodes: int, target: float, eval_seed: int):
         super().__init__()
         self.eval_env, self.every, self.episodes, self.target = eval_env, every_rollouts, episodes, target
+        self.eval_seed = eval_seed
         self.rollouts = 0
         self.reached = None
         self.evals = []
@@ -32,12 +34,19 @@ class EvalUntil(BaseCallback):
     def _on_rollout_start(self) -> None:
         # SB3 calls this before collecting rollout k+1, i.e. after update k: evaluate then, like rlfabric does
         if self.rollouts and self.rollouts % self.every == 0 and self.reached is None:
-            mean, _ = evaluate_policy(self.model, self.eval_env, n_eval_episodes=self.episodes, deterministic=True)
+            mean = evaluate(self.model, self.eval_env, self.episodes, self.eval_seed)
             self.evals.append((self.num_timesteps, float(mean)))
             if mean >= self.target:
                 self.reached = (time.time(), self.num_timesteps, float(mean))
                 self.model._stop_now = True
         self.rollouts += 1
+
+
+def evaluate(model, eval_env, episodes: int, seed: int) -> float:
+    """rlfabric's protocol: every evaluation starts eval env i from seed + i (the same states each time)."""
+    eval_env.seed(seed)
+    mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=episodes, deterministic=True)
+    return float(mean)
 
 
 def main() -> None:
@@ -48,7 +57,7 @@ def main() -> None:
     model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
                 ent_coef=0.0, learning_rate=lambda p: 1e-3 * p, clip_range=lambda p: 0.2 * p, seed=seed,
                 device="cpu", verbose=0)
-    cb = EvalUntil(eval_env, every_rollouts=10, episodes=10, target=target)
+    cb = EvalUntil(eval_env, every_rollouts=10, episodes=10, target=target, eval_seed=seed + 100_000)
     orig = model.collect_rollouts
 
     def collect(*a, **kw):  # stop right after the evaluation that reached the target
@@ -59,7 +68,7 @@ def main() -> None:
     model.collect_rollouts = collect
     model.learn(total_timesteps=total, callback=cb)
     if cb.reached is None:  # final evaluation at the end of training, as rlfabric does
-        mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=10, deterministic=True)
+        mean = evaluate(model, eval_env, 10, seed + 100_000)
         cb.evals.append((model.num_timesteps, float(mean)))
         if mean >= target:
             cb.reached = (time.time(), model.num_timesteps, float(mean))

@@ -144,10 +144,19 @@ class PPOWorkflow:
                      f"{reply.weight_version - self.base_version})")
         return reply
 
-    def boundary(self) -> None:
-        """End of an iteration: the one place a requested stop takes effect, so no update goes unrecorded."""
+    async def finish_iteration(self, i: int, n_iters: int, c: rollout_pb2.CollectReply,
+                               t: learner_pb2.TrainReply) -> bool:
+        """Every plan ends an iteration alike: evaluate when due, record, checkpoint when due, and honour a stop
+        here (the one place it takes effect, so no update goes unrecorded). True once the target is reached."""
+        ev = await self.evaluate() if self.eval_due(i, n_iters) else None
+        self.record(i, c, t, ev)
+        if self.reached(ev):
+            return True
+        if self.checkpoint_due(i, n_iters):
+            await self.save_checkpoint()
         if self.run.stop_requested.is_set():
             raise StopRequested()
+        return False
 
     def checkpoint_due(self, i: int, n_iters: int) -> bool:
         every = self.cfg.checkpoint.every_iterations
@@ -217,13 +226,8 @@ class PPOWorkflow:
             version = self.base_version + i
             c = await rpc(rollout, "Collect", rollout_pb2.CollectRequest(batch_index=i, min_version=version))
             t = await rpc(learner, "Train", learner_pb2.TrainRequest(batch_index=i, min_version=version))
-            ev = await self.evaluate() if self.eval_due(i, n_iters) else None
-            self.record(i, c, t, ev)
-            if self.reached(ev):
+            if await self.finish_iteration(i, n_iters, c, t):
                 return self._summary(True)
-            if self.checkpoint_due(i, n_iters):
-                await self.save_checkpoint()
-            self.boundary()
         return self._summary(False)
 
     async def _disaggregated(self, n_iters: int) -> str:
@@ -266,13 +270,8 @@ class PPOWorkflow:
                         raise RunFailed(f"{rollout.worker.describe()}: produce stream ended before batch {i}")
                     await arrived.wait()
                     arrived.clear()
-                ev = await self.evaluate() if self.eval_due(i, n_iters) else None
-                self.record(i, collected.pop(i), t, ev)
-                if self.reached(ev):
+                if await self.finish_iteration(i, n_iters, collected.pop(i), t):
                     return self._summary(True)
-                if self.checkpoint_due(i, n_iters):
-                    await self.save_checkpoint()
-                self.boundary()
             return self._summary(False)
         finally:
             call.cancel()
