@@ -8,11 +8,15 @@ is stored: the replay service acknowledges a put after it returns, so nothing ac
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from services.core.batch import TensorBatch
+
+if TYPE_CHECKING:
+    from services.core.config import RunConfig
+    from services.core.objectstore import ObjectStore
 
 
 class ReplayStore(Protocol):
@@ -40,3 +44,19 @@ class ReplayStore(Protocol):
     def clear(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def open_replay_store(config: RunConfig, run_id: str, object_store: ObjectStore | None = None) -> ReplayStore:
+    """The store ``replay.store`` names. A Redis store reopens what an earlier replay service stored for the same
+    ``replay.key_prefix`` and run_id; ``object_store`` receives tensors larger than ``replay.offload_bytes``
+    (None keeps them in Redis)."""
+    replay = config.replay
+    if replay.store == "memory":
+        from services.replay.stores.memory import MemoryStore
+
+        return MemoryStore(replay.capacity_transitions)
+    if replay.store == "redis":
+        from services.replay.stores.redis import RedisStore
+
+        return RedisStore.from_config(replay, run_id, object_store)
+    raise ValueError(f"replay.store={replay.store!r} is not a known store. Fix: use 'memory' or 'redis'")

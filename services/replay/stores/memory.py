@@ -15,7 +15,7 @@ import numpy as np
 from services.core.batch import TensorBatch
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: comparing batches would compare arrays
 class _Stored:
     batch: TensorBatch
     transitions: int

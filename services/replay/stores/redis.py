@@ -1,0 +1,816 @@
+"""RedisStore: the replay store on Redis, so replay data outlives the replay service process.
+
+Same semantics as MemoryStore (on-policy FIFO with a version bound, capacity-bounded window sampled uniformly over
+transitions), kept in Redis under ``<replay.key_prefix>:<run_id>:``:
+
+  batch:<id>   string the batch as the data plane's frames [store header, codec header, buf0, buf1, ...] (JSON
+                      headers and raw buffers, no pickle), length-prefixed: b"RLF1", u32 count, u64 length each,
+                      then the frames. A tensor larger than replay.offload_bytes goes to the object store under
+                      ``replay/<run_id>/<id>/<tensor>``: its frame is empty and the store header records the key.
+  window       list   batch ids, oldest first: what ``sample`` draws from and what capacity evicts
+  pending      list   batch ids not yet taken on-policy, oldest first (always a subsequence of window)
+  meta         hash   id -> "transitions version nbytes offloaded": what the scripts need without the frames
+  refs         hash   id -> JSON list of object keys, for batches with offloaded tensors (deleted on eviction)
+  stats        hash   transitions, bytes, puts, onpolicy_gets, samples, evicted, stale_dropped, newest_version
+  take         hash   the last take's token and id, so a retried take returns the same batch
+
+One string per batch, because a large SET is zero-copy in Redis (a list or hash copies every element into its
+packed encoding: ~0.3 ms per 3 MiB batch measured here).
+
+Every mutation is one atomic round trip (MULTI/EXEC or a Lua script) and is idempotent, so a retry after a lost
+reply neither duplicates nor drops a batch. One replay service owns a run's keys at a time: it mirrors the window
+(ids and counts) and caches what it stored, so sampling needs no Redis round trip when the window fits in
+``cache_bytes``. A restarted replay service opens the same keys and carries on.
+
+Connection loss: each operation is retried ``replay.retry_attempts`` times with exponential backoff from
+``replay.retry_backoff_s`` (redis-py's Retry/ExponentialBackoff), then fails with ReplayStoreUnavailable, whose
+message names the config fields and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import re
+import secrets
+import struct
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from services.core.batch import TensorBatch
+from services.core.codec import FrameError, decode, encode
+from services.replay.stores.memory import MemoryStore
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+STORE_FORMAT = 1
+_FIELDS = ("transitions", "bytes", "puts", "onpolicy_gets", "samples", "evicted", "stale_dropped", "newest_version")
+_DECODE_BOUND = 1 << 40  # frames were validated when put; this only guards against a corrupted value
+_MAGIC = b"RLF1"
+INLINE_BYTES = 32 << 10  # batches up to this size go to Redis inside the script call; larger ones in a MULTI
+
+
+class ReplayStoreError(RuntimeError):
+    """The replay store cannot do what was asked; the message names the cause and the fix. ``bad_input`` marks
+    causes in the run config (a malformed URL, wrong credentials, a key prefix another program uses)."""
+
+    def __init__(self, message: str, bad_input: bool = False):
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
+class ReplayStoreUnavailable(ReplayStoreError):
+    """Redis could not be reached (at open, or mid-run after the bounded retries)."""
+
+
+# Shared by every script. KEYS: window, pending, meta, stats, take, refs. status() is the counters (in _FIELDS
+# order, nil where never set) and both list lengths, for the caller's mirror. Scripts keep redis.call()s few: each
+# costs about a microsecond, and passing arguments into Lua costs about as much per KiB.
+_PROLOGUE = """
+local W, P, M, S, TK, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local function status(wl, pl)
+  return {redis.call('HMGET', S, 'transitions', 'bytes', 'puts', 'onpolicy_gets', 'samples', 'evicted',
+                     'stale_dropped', 'newest_version'), wl, pl}
+end
+"""
+
+# ARGV: id ('' = only trim), transitions, version, nbytes, refs JSON ('' = none), capacity, batch key prefix,
+# samples to add, then the value if it comes inline (small batches: one command). A larger value is SET by the same
+# MULTI just before (zero-copy; through Lua it would cost ~1 us/KiB). A retried put whose first attempt landed finds
+# its id in meta and changes nothing. Evicts the oldest batches while the window holds more than the capacity;
+# returns [applied, status, {id, refs JSON, ...}] (refs empty unless the batch has offloaded tensors) so the caller
+# can delete the objects.
+_PUT_LUA = _PROLOGUE + """
+local id, prefix = ARGV[1], ARGV[7]
+local applied, wl, pl, t = 0, 0, 0, 0
+local off = (ARGV[5] ~= '') and '1' or '0'
+if id ~= '' and redis.call('HSETNX', M, id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. off) == 1 then
+  if #ARGV > 8 then redis.call('SET', prefix .. id, ARGV[9]) end
+  if off == '1' then redis.call('HSET', R, id, ARGV[5]) end
+  wl = redis.call('RPUSH', W, id)
+  pl = redis.call('RPUSH', P, id)
+  t = redis.call('HINCRBY', S, 'transitions', ARGV[2])
+  redis.call('HINCRBY', S, 'bytes', ARGV[4])
+  redis.call('HINCRBY', S, 'puts', 1)
+  if ARGV[8] ~= '0' then redis.call('HINCRBY', S, 'samples', ARGV[8]) end
+  local newest = redis.call('HGET', S, 'newest_version')
+  if not newest or tonumber(ARGV[3]) > tonumber(newest) then redis.call('HSET', S, 'newest_version', ARGV[3]) end
+  applied = 1
+else
+  wl = redis.call('LLEN', W)
+  pl = redis.call('LLEN', P)
+  t = tonumber(redis.call('HGET', S, 'transitions') or '0')
+end
+local evicted = {}
+local cap = tonumber(ARGV[6])
+while t > cap do
+  local old = redis.call('LPOP', W)
+  if not old then break end
+  wl = wl - 1
+  local m = redis.call('HGET', M, old)
+  local refs = ''
+  if m then
+    local n, v, nb, o = string.match(m, '(%S+) (%S+) (%S+) (%S+)')
+    t = redis.call('HINCRBY', S, 'transitions', -tonumber(n))
+    redis.call('HINCRBY', S, 'bytes', -tonumber(nb))
+    if o ~= '0' then
+      refs = redis.call('HGET', R, old) or ''
+      redis.call('HDEL', R, old)
+    end
+  end
+  redis.call('HINCRBY', S, 'evicted', 1)
+  -- pending is a subsequence of window, so the oldest window entry, if still pending, heads pending
+  if redis.call('LINDEX', P, 0) == old then
+    redis.call('LPOP', P)
+    pl = pl - 1
+  end
+  redis.call('HDEL', M, old)
+  redis.call('DEL', prefix .. old)
+  table.insert(evicted, old)
+  table.insert(evicted, refs)
+end
+return {applied, status(wl, pl), evicted}
+"""
+
+# ARGV: min_version, token, samples to add, '1' to get the batch's value too, batch key prefix. Pops stale ids
+# (counted) until one is new enough; returns [id or '', status, value or false]. Returning the value in the same
+# call means a batch is never popped without being read (a later read could fail).
+_TAKE_LUA = _PROLOGUE + """
+local function value_of(id)
+  if id ~= '' and ARGV[4] == '1' then return redis.call('GET', ARGV[5] .. id) end
+  return false
+end
+local last = redis.call('HMGET', TK, 'token', 'id')
+if last[1] == ARGV[2] then
+  local id = last[2] or ''
+  return {id, status(redis.call('LLEN', W), redis.call('LLEN', P)), value_of(id)}
+end
+if ARGV[3] ~= '0' then redis.call('HINCRBY', S, 'samples', ARGV[3]) end
+local minv = tonumber(ARGV[1])
+local found, stale = '', 0
+while true do
+  local id = redis.call('LPOP', P)
+  if not id then break end
+  local m = redis.call('HGET', M, id)
+  if m then
+    if tonumber(string.match(m, '%S+ (%S+)')) >= minv then
+      found = id
+      redis.call('HINCRBY', S, 'onpolicy_gets', 1)
+      break
+    end
+    stale = stale + 1
+  end
+end
+if stale > 0 then redis.call('HINCRBY', S, 'stale_dropped', stale) end
+redis.call('HSET', TK, 'token', ARGV[2], 'id', found)
+return {found, status(redis.call('LLEN', W), redis.call('LLEN', P)), value_of(found)}
+"""
+
+# ARGV: batch key prefix. Drops every batch, keeps the counters; [{id, refs JSON, ...}, status].
+_CLEAR_LUA = _PROLOGUE + """
+for _, id in ipairs(redis.call('LRANGE', W, 0, -1)) do
+  redis.call('DEL', ARGV[1] .. id)
+end
+local refs = redis.call('HGETALL', R)
+redis.call('DEL', W, P, M, R)
+redis.call('HSET', S, 'transitions', 0, 'bytes', 0)
+return {refs, status(0, 0)}
+"""
+
+
+def pack_frames(frames: list[Any]) -> bytes:
+    """One value holding the frames: b"RLF1", u32 count, u64 length of each, then the frames back to back."""
+    lengths = [memoryview(f).nbytes for f in frames]
+    return b"".join([_MAGIC, struct.pack(f"<I{len(frames)}Q", len(frames), *lengths), *frames])
+
+
+def unpack_frames(value: bytes) -> list[memoryview]:
+    """The frames of a value made by pack_frames, as views into it (no copies)."""
+    view = memoryview(value)
+    if view[:4] != _MAGIC:
+        raise ValueError("not an rlfabric replay value (magic mismatch)")
+    (count,) = struct.unpack_from("<I", view, 4)
+    lengths = struct.unpack_from(f"<{count}Q", view, 8)
+    offset, frames = 8 + 8 * count, []
+    for n in lengths:
+        frames.append(view[offset:offset + n])
+        offset += n
+    if offset != len(view):
+        raise ValueError(f"value holds {len(view)} bytes but its frames add up to {offset}")
+    return frames
+
+
+@dataclass
+class _Entry:
+    id: str
+    transitions: int
+    version: int
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may appear in errors and logs: without its password."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<unparseable URL>"
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def _safe_key_part(text: str, fallback: str) -> str:
+    """A path component an object store accepts (no '/', '..' or empty parts)."""
+    safe = re.sub(r"[^A-Za-z0-9_.=-]", "_", text)[:128]
+    return safe if safe.strip(".") else fallback
+
+
+def draw_transitions(counts: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Which transitions (flat index over the window) and batches (owner) a uniform sample takes: the same rng
+    calls as MemoryStore.sample, so both stores give the same rows for the same seed and contents."""
+    flat = rng.integers(0, counts.sum(), size=n)
+    return flat, np.searchsorted(np.cumsum(counts), flat, side="right")
+
+
+def gather_transitions(batches: list[TensorBatch | None], counts: np.ndarray, flat: np.ndarray,
+                       owner: np.ndarray) -> TensorBatch:
+    """The sampled rows of every [T, N, ...] tensor, in draw order, plus a per-row "version" tensor (as
+    MemoryStore.sample builds them; works for any mix of batch layouts)."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    out: dict[str, list[np.ndarray]] = {}
+    versions = np.empty(len(flat), dtype=np.int64)
+    owners = np.unique(owner)
+    for b in owners:
+        sel = np.flatnonzero(owner == b)
+        local = flat[sel] - starts[b]
+        batch = batches[b]
+        assert batch is not None
+        T, N = next(v.shape[:2] for v in batch.tensors.values() if v.ndim >= 2)
+        for name, v in batch.tensors.items():
+            if v.ndim >= 2 and tuple(v.shape[:2]) == (T, N):
+                out.setdefault(name, []).append(v.reshape(T * N, *v.shape[2:])[local])
+        versions[sel] = batch.version
+    order = np.argsort(np.concatenate([np.flatnonzero(owner == b) for b in owners]))
+    tensors = {k: np.concatenate(v)[order] for k, v in out.items()}
+    tensors["version"] = versions
+    return TensorBatch(tensors, version=int(versions.min()))
+
+
+class _Columns:
+    """The window's transitions laid out row after row, oldest first, one array per tensor: a uniform sample is
+    then one fancy index per tensor instead of a gather per batch. Holds the first ``batches`` batches of the
+    window, all of one layout (names, dtypes, per-transition shapes); rows are appended at the tail when a sample
+    needs them (so puts never pay for the copy), evicted from the head, and compacted rarely (the arrays keep
+    room for twice the live rows)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.layout: tuple | None = None
+        self.arrays: dict[str, np.ndarray] = {}
+        self.versions = np.empty(0, np.int64)
+        self.head = self.tail = 0
+
+    @property
+    def rows(self) -> int:
+        return self.tail - self.head
+
+    def append(self, batch: TensorBatch) -> bool:
+        """Add the batch's transitions; False (and nothing added) if its layout differs or it holds non-numpy
+        tensors."""
+        T, N = next(v.shape[:2] for v in batch.tensors.values() if v.ndim >= 2)
+        rows = {}
+        for name, v in batch.tensors.items():
+            if v.ndim >= 2 and tuple(v.shape[:2]) == (T, N):
+                if not isinstance(v, np.ndarray):
+                    return False
+                rows[name] = v.reshape(T * N, *v.shape[2:])
+        layout = tuple((k, a.dtype.str, a.shape[1:]) for k, a in rows.items())
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            return False
+        n = T * N
+        if self.tail + n > len(self.versions):
+            self._make_room(n)
+        for name, a in rows.items():
+            self.arrays[name][self.tail:self.tail + n] = a
+        self.versions[self.tail:self.tail + n] = batch.version
+        self.tail += n
+        self.batches += 1
+        return True
+
+    def _make_room(self, n: int) -> None:
+        live = self.rows
+        size = len(self.versions)
+        if live + n > size // 2:  # grow: keeping half the room free makes compactions rare (amortised O(n))
+            size = max(2 * (live + n), 1024)
+            arrays = {k: np.empty((size, *a.shape[1:]), a.dtype) for k, a in self._templates().items()}
+            versions = np.empty(size, np.int64)
+        else:
+            arrays, versions = self.arrays, self.versions
+        if live:  # (numpy copies overlapping ranges correctly when compacting in place)
+            for k, a in arrays.items():
+                a[:live] = self.arrays[k][self.head:self.tail]
+            versions[:live] = self.versions[self.head:self.tail]
+        self.arrays, self.versions = arrays, versions
+        self.head, self.tail = 0, live
+
+    def _templates(self) -> dict[str, np.ndarray]:
+        assert self.layout is not None
+        return {k: np.empty((0, *shape), np.dtype(dt)) for k, dt, shape in self.layout}
+
+    def drop_oldest(self, n: int) -> None:
+        if self.batches:
+            self.head = min(self.tail, self.head + n)
+            self.batches -= 1
+
+    def take(self, flat: np.ndarray) -> TensorBatch:
+        rows = self.head + flat
+        tensors = {k: a[rows] for k, a in self.arrays.items()}
+        versions = self.versions[rows]
+        tensors["version"] = versions
+        return TensorBatch(tensors, version=int(versions.min()))
+
+
+class RedisStore:
+    def __init__(self, url: str, run_id: str, capacity_transitions: int, *, key_prefix: str = "rlfabric",
+                 object_store: Any = None, offload_bytes: int = 1 << 20, connect_timeout_s: float = 5.0,
+                 retry_attempts: int = 5, retry_backoff_s: float = 0.2, cache_bytes: int = 256 << 20,
+                 inline_bytes: int = INLINE_BYTES):
+        """``cache_bytes`` bounds each of the two in-process copies that make reads fast: decoded batches (for
+        take_onpolicy and sampling) and, while the whole window fits in half of it, the sampling columns.
+        0 disables both (every read goes to Redis). ``inline_bytes``: see INLINE_BYTES."""
+        if not run_id:
+            raise ValueError("RedisStore needs a run_id: keys live under <replay.key_prefix>:<run_id>:")
+        self.url = url
+        self.run_id = run_id
+        self.capacity = capacity_transitions
+        self.retry_attempts = retry_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.offload_bytes = offload_bytes
+        self.objects = object_store
+        self.cache_bytes = cache_bytes
+        self.inline_bytes = inline_bytes
+        self.prefix = f"{key_prefix}:{run_id}:"
+        self._batch_prefix = self.prefix + "batch:"
+        self._keys = [self.prefix + k for k in ("window", "pending", "meta", "stats", "take", "refs")]
+        self._object_prefix = f"replay/{_safe_key_part(run_id, 'run')}"
+        self._window: deque[_Entry] = deque()
+        self._window_rows = 0  # transitions in the mirrored window
+        self._pending = 0
+        self._stats: dict[str, int] = {}
+        self._unflushed_samples = 0  # counted here, written with the next put/take (or at close)
+        self._cache: OrderedDict[str, tuple[TensorBatch, int]] = OrderedDict()
+        self._cached_bytes = 0
+        self._columns: _Columns | None = None
+        self._columns_blocked_by = ""  # a window batch whose layout the columns cannot hold
+        self._warned_no_delete = False
+        try:
+            # No retries inside redis-py: the store retries whole operations (idempotent ones) with its own policy.
+            self._client = redis.Redis.from_url(
+                url, socket_connect_timeout=connect_timeout_s, socket_timeout=connect_timeout_s,
+                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        except ValueError as exc:
+            raise ReplayStoreError(
+                f"replay.redis_url={redact_url(url)!r} is not a Redis URL ({exc}). Fix: use "
+                f"redis://HOST:PORT/DB (or rediss:// for TLS, unix:///path/redis.sock)", bad_input=True) from None
+        # Waits retry_backoff_s, then doubles, capped at max(2 s, retry_backoff_s).
+        self._retry = Retry(ExponentialBackoff(cap=max(2.0, retry_backoff_s), base=retry_backoff_s / 2),
+                            retry_attempts)
+        self._scripts = {name: (body, hashlib.sha1(body.encode()).hexdigest())
+                         for name, body in (("put", _PUT_LUA), ("take", _TAKE_LUA), ("clear", _CLEAR_LUA))}
+        self._open()
+
+    @classmethod
+    def from_config(cls, replay_config: Any, run_id: str, object_store: Any = None, **kw: Any) -> RedisStore:
+        c = replay_config
+        return cls(c.redis_url, run_id, c.capacity_transitions, key_prefix=c.key_prefix, object_store=object_store,
+                   offload_bytes=c.offload_bytes, connect_timeout_s=c.connect_timeout_s,
+                   retry_attempts=c.retry_attempts, retry_backoff_s=c.retry_backoff_s, **kw)
+
+    # ---- connection and retries -------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """One bounded attempt (connect_timeout_s, no retries): a wrong URL or a stopped Redis fails Configure
+        at once with the fix, rather than after the mid-run retry budget."""
+        t0 = time.monotonic()
+        try:
+            self._client.ping()
+            self._load_scripts()
+        except redis.AuthenticationError as exc:
+            raise ReplayStoreError(self._auth_message(exc), bad_input=True) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise ReplayStoreUnavailable(
+                f"replay: cannot reach Redis at replay.redis_url={redact_url(self.url)!r} "
+                f"({exc.__class__.__name__}: {exc}; gave up after {time.monotonic() - t0:.1f}s, "
+                f"replay.connect_timeout_s={self.connect_timeout_s}). Fix: start redis-server there "
+                f"(e.g. `redis-server --port 6379 --appendonly yes`) or set replay.redis_url to a running Redis; "
+                f"or use replay.store=memory") from None
+        except redis.ResponseError as exc:
+            raise self._refused("open", exc) from None
+        self._warn_if_not_persistent()
+        self._resync()
+        if self.transitions > self.capacity:  # reopened with a smaller capacity
+            self._after_put(self._run("trim", lambda: self._put_tx("", None, (0, 0, 0, "", 0))), None)
+
+    def _load_scripts(self) -> None:
+        for body, _ in self._scripts.values():
+            self._client.script_load(body)
+
+    def _warn_if_not_persistent(self) -> None:
+        try:
+            aof = self._client.config_get("appendonly").get("appendonly")
+        except redis.RedisError:
+            return  # CONFIG may be disabled on managed Redis; nothing to check then
+        if aof == "no":
+            log.warning("Redis at %s runs without appendonly: replay data survives a replay-service restart but "
+                        "not a Redis restart. Fix: start redis-server with --appendonly yes", redact_url(self.url))
+
+    def _auth_message(self, exc: Exception) -> str:
+        return (f"replay: Redis at replay.redis_url={redact_url(self.url)!r} refused the credentials ({exc}). "
+                f"Fix: put the right user/password in the URL (redis://USER:PASSWORD@HOST:PORT/DB)")
+
+    def _refused(self, what: str, exc: Exception) -> ReplayStoreError:
+        text, bad_input = str(exc), True
+        if text.startswith("OOM"):
+            fix, bad_input = "raise Redis maxmemory, or lower replay.capacity_transitions", False
+        elif "WRONGTYPE" in text:
+            fix = f"keys under {self.prefix!r} hold data of another program; set another replay.key_prefix"
+        elif "NOPERM" in text or "NOAUTH" in text:
+            fix = "give the Redis user in replay.redis_url access to these keys and EVALSHA, or fix the password"
+        else:
+            fix, bad_input = "check the Redis server log", False
+        return ReplayStoreError(f"replay: Redis refused {what} ({exc}). Fix: {fix}", bad_input=bad_input)
+
+    def _on_failure(self, error: Exception, failures: int) -> None:
+        if failures <= self.retry_attempts:
+            log.warning("Redis connection lost (%s: %s); retry %d/%d", error.__class__.__name__, error, failures,
+                        self.retry_attempts)
+
+    def _run(self, what: str, op: Callable[[], R]) -> R:
+        """Run one idempotent Redis operation with bounded retries; map failures to errors that say the fix."""
+        def attempt() -> R:
+            try:
+                return op()
+            except redis.exceptions.NoScriptError:  # Redis restarted and lost its script cache
+                self._load_scripts()
+                return op()
+
+        t0 = time.monotonic()
+        try:
+            return self._retry.call_with_retry(
+                attempt, self._on_failure, is_retryable=lambda e: not isinstance(e, redis.AuthenticationError),
+                with_failure_count=True)
+        except redis.AuthenticationError as exc:
+            raise ReplayStoreError(self._auth_message(exc), bad_input=True) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise ReplayStoreUnavailable(
+                f"replay: lost Redis at replay.redis_url={redact_url(self.url)!r} during {what} "
+                f"({exc.__class__.__name__}: {exc}); gave up after replay.retry_attempts={self.retry_attempts} "
+                f"retries over {time.monotonic() - t0:.1f}s (replay.retry_backoff_s={self.retry_backoff_s}). "
+                f"Fix: restart redis-server (with --appendonly yes the stored batches come back) or raise "
+                f"replay.retry_attempts/retry_backoff_s to ride out longer outages") from None
+        except redis.ResponseError as exc:
+            raise self._refused(what, exc) from None
+
+    def _evalsha(self, target: Any, name: str, *args: Any) -> Any:
+        return target.evalsha(self._scripts[name][1], len(self._keys), *self._keys, *args)
+
+    # ---- state mirror -------------------------------------------------------------------------------------------
+
+    def _resync(self) -> None:
+        """Reload the window mirror and counters from Redis (at open, or when Redis changed under us)."""
+        def load() -> list:
+            p = self._client.pipeline(transaction=True)
+            p.hgetall(self._keys[3])
+            p.lrange(self._keys[0], 0, -1)
+            p.llen(self._keys[1])
+            p.hgetall(self._keys[2])
+            return p.execute()
+
+        stats, window, pending, meta = self._run("load", load)
+        self._stats = {k.decode(): int(v) for k, v in stats.items()}
+        self._pending = int(pending)
+        self._window = deque()
+        for raw in window:
+            if (m := meta.get(raw)) is not None:
+                n, v, _, _ = m.split()
+                self._window.append(_Entry(raw.decode(), int(n), int(v)))
+        self._window_rows = sum(e.transitions for e in self._window)
+        live = {e.id for e in self._window}
+        for stale in [k for k in self._cache if k not in live]:
+            self._uncache(stale)
+        self._columns, self._columns_blocked_by = None, ""
+
+    def _apply_status(self, status: list) -> None:
+        values, window_len, pending_len = status
+        self._stats = {k: int(v) for k, v in zip(_FIELDS, values, strict=True) if v is not None}
+        self._pending = int(pending_len)
+        if int(window_len) != len(self._window):
+            log.warning("Redis replay state under %s changed outside this store (Redis restarted without "
+                        "appendonly, or a second replay service uses the same run_id); reloading it", self.prefix)
+            self._resync()
+
+    def _stat(name: str, default: int = 0):  # a property factory, used only in this class body
+        return property(lambda self: self._stats.get(name, default), doc=f"the '{name}' counter, kept in Redis")
+
+    transitions = _stat("transitions")
+    bytes = _stat("bytes")
+    puts = _stat("puts")
+    onpolicy_gets = _stat("onpolicy_gets")
+    evicted = _stat("evicted")
+    stale_dropped = _stat("stale_dropped")
+    newest_version = _stat("newest_version", -1)
+    del _stat
+
+    @property
+    def samples(self) -> int:
+        """Samples served. Written to Redis with the next put or take, so a sample costs no round trip; a
+        SIGKILL may lose the count of samples since then (never any data)."""
+        return self._stats.get("samples", 0) + self._unflushed_samples
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def __len__(self) -> int:
+        return len(self._window)
+
+    # ---- in-process copies (batches are immutable once stored, so these never go stale) ------------------------
+
+    def _cache_put(self, bid: str, batch: TensorBatch) -> None:
+        size = batch.nbytes
+        if size > self.cache_bytes:
+            return
+        self._cache[bid] = (batch, size)
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes:
+            self._uncache(next(iter(self._cache)))
+
+    def _uncache(self, bid: str) -> None:
+        item = self._cache.pop(bid, None)
+        if item is not None:
+            self._cached_bytes -= item[1]
+
+    def _columns_ready(self) -> bool:
+        """Bring the columns up to the whole window (appending the batches put since the last sample), or return
+        False when they cannot serve: caching is off, the window is too large, or a batch has another layout."""
+        if not self.cache_bytes or self._columns_blocked_by or 2 * self.bytes > self.cache_bytes:
+            self._columns = None
+            return False
+        for _ in range(2):
+            columns = self._columns = self._columns or _Columns()
+            if columns.batches < len(self._window):
+                new = list(itertools.islice(self._window, columns.batches, None))
+                batches = self._fetch([e.id for e in new], "sample")
+                for e in new:
+                    if not columns.append(batches[e.id]):
+                        self._columns, self._columns_blocked_by = None, e.id
+                        return False
+            if columns.rows == self._window_rows:
+                return True
+            log.warning("replay sampling columns out of step with the window; rebuilding them")  # a bug if seen
+            self._columns = None
+        return False
+
+    # ---- frames <-> batches -------------------------------------------------------------------------------------
+
+    def _object_key(self, bid: str, name: str, index: int, used: set[str]) -> str:
+        part = _safe_key_part(name, f"tensor{index}")
+        if part in used:
+            part = f"{part}~{index}"
+        used.add(part)
+        return f"{self._object_prefix}/{bid}/{part}"
+
+    def _value_for(self, bid: str, batch: TensorBatch) -> tuple[bytes, list[dict]]:
+        """The batch as one length-prefixed value of the codec's frames, with tensors over offload_bytes written to
+        the object store first (so a stored header never points at a missing object) and left empty here."""
+        frames = encode("batch", batch)
+        refs: list[dict] = []
+        names = list(batch.tensors)
+        used: set[str] = set()
+        for i in range(1, len(frames)):
+            size = len(frames[i])
+            if self.objects is not None and size > self.offload_bytes:
+                key = self._object_key(bid, names[i - 1], i, used)
+                self.objects.put_bytes(key, bytes(frames[i]))
+                refs.append({"frame": i, "tensor": names[i - 1], "key": key, "bytes": size})
+                frames[i] = b""
+        header = json.dumps({"store": STORE_FORMAT, "id": bid, "refs": refs}, separators=(",", ":")).encode()
+        return pack_frames([header, *frames]), refs
+
+    def _decode(self, bid: str, value: bytes) -> TensorBatch:
+        try:
+            stored = unpack_frames(value)
+            header = json.loads(stored[0].tobytes())
+            frames: list[Any] = stored[1:]
+            for ref in header.get("refs", []):
+                frames[ref["frame"]] = self._get_object(ref["key"])
+            _, batch = decode(frames, _DECODE_BOUND)
+        except (ValueError, KeyError, TypeError, IndexError, FrameError, struct.error) as exc:
+            raise ReplayStoreError(f"replay: stored batch {self._batch_prefix}{bid} is unreadable "
+                                   f"({exc.__class__.__name__}: {exc}). Fix: Clear the replay (or delete the key); "
+                                   f"was it written by another program under replay.key_prefix?") from None
+        return batch
+
+    def _get_object(self, key: str) -> bytes:
+        if self.objects is None:
+            raise ReplayStoreError(f"replay: batch references object {key!r} but this replay has no object store. "
+                                   f"Fix: configure storage (storage.root or S3) as the run that wrote it did")
+        try:
+            return self.objects.get_bytes(key)
+        except FileNotFoundError:
+            raise ReplayStoreError(f"replay: offloaded tensor {key!r} is missing from the object store. Fix: point "
+                                   f"storage at the store the run used (storage.root / storage.bucket)") from None
+
+    def _delete_objects(self, refs_json: list[bytes]) -> None:
+        keys = []
+        for raw in refs_json:
+            try:
+                keys += json.loads(raw)
+            except (ValueError, TypeError):
+                continue
+        self._delete_keys(keys)
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        if self.objects is None:
+            return
+        for key in keys:
+            try:
+                self.objects.delete(key)
+            except (NotImplementedError, AttributeError):
+                if not self._warned_no_delete:
+                    self._warned_no_delete = True
+                    log.warning("object store %s has no delete(): offloaded tensors of evicted replay batches stay "
+                                "under %s/", type(self.objects).__name__, self._object_prefix)
+                return
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 — a leaked object must not fail a put
+                log.warning("could not delete offloaded replay object %s: %s", key, exc)
+
+    # ---- the store operations -----------------------------------------------------------------------------------
+
+    def _put_tx(self, bid: str, value: bytes | None, args: tuple) -> list:
+        """The batch's value and the bookkeeping script (which also evicts), atomically: inside the script call
+        for small values, else SET and the script in one MULTI/EXEC."""
+        script_args = (bid, *args[:4], self.capacity, self._batch_prefix, args[4])
+        if value is None:
+            return self._evalsha(self._client, "put", *script_args)
+        if len(value) <= self.inline_bytes:
+            return self._evalsha(self._client, "put", *script_args, value)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(self._batch_prefix + bid, value)  # a retry rewrites the same value
+        self._evalsha(pipe, "put", *script_args)
+        return pipe.execute()[-1]
+
+    def _after_put(self, reply: list, entry: _Entry | None) -> None:
+        _, status, evicted = reply
+        if entry is not None:
+            # (applied == 0 means an earlier attempt whose reply was lost stored it: still ours to mirror)
+            self._window.append(entry)
+            self._window_rows += entry.transitions
+        for raw in evicted[0::2]:
+            bid = raw.decode()
+            if self._window and self._window[0].id == bid:
+                old = self._window.popleft()
+                self._window_rows -= old.transitions
+                if self._columns is not None:
+                    self._columns.drop_oldest(old.transitions)
+            self._uncache(bid)
+            if bid == self._columns_blocked_by:
+                self._columns_blocked_by = ""
+        self._delete_objects([h for h in evicted[1::2] if h])
+        self._apply_status(status)
+
+    def put(self, batch: TensorBatch) -> int:
+        """Store the batch; returns the put count. Returns only once Redis has it (the caller then acknowledges).
+        Like MemoryStore, the store keeps references to the batch's arrays: don't modify them afterwards."""
+        if batch.version < 0:
+            raise ValueError("trajectory batch has no policy version (header 'version' < 0); tag it with the "
+                             "weight version that produced it")
+        n = MemoryStore.transitions_of(batch)
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} transitions exceeds replay.capacity_transitions={self.capacity}")
+        bid = f"{self.puts + 1:010d}-{secrets.token_hex(4)}"
+        value, refs = self._value_for(bid, batch)
+        samples = self._unflushed_samples
+        refs_json = json.dumps([r["key"] for r in refs]) if refs else ""
+        args = (n, batch.version, batch.nbytes, refs_json, samples)
+        try:
+            reply = self._run("put", lambda: self._put_tx(bid, value, args))
+        except ReplayStoreError:
+            self._delete_keys([r["key"] for r in refs])  # not acknowledged: leave none of its objects behind
+            raise
+        self._unflushed_samples -= samples
+        stored = TensorBatch(dict(batch.tensors), meta=dict(batch.meta), version=batch.version, seq=batch.seq)
+        if self.cache_bytes:
+            self._cache_put(bid, stored)
+        self._after_put(reply, _Entry(bid, n, batch.version))
+        return self.puts
+
+    def take_onpolicy(self, min_version: int) -> TensorBatch | None:
+        """Oldest unconsumed batch with version >= min_version; older ones are dropped and counted."""
+        if not self._pending:
+            return None
+        token = secrets.token_hex(8)  # a retried take answers with what the first attempt popped
+        samples = self._unflushed_samples
+        # pending is always the newest entries of the window, so the mirror knows which batch the take will pop:
+        # ask Redis for its value too unless it is cached here.
+        expect = next((e.id for e in itertools.islice(self._window, len(self._window) - self._pending, None)
+                       if e.version >= min_version), None)
+        want_value = "1" if expect is None or expect not in self._cache else "0"
+        found, status, value = self._run("take", lambda: self._evalsha(
+            self._client, "take", min_version, token, samples, want_value, self._batch_prefix))
+        self._unflushed_samples -= samples
+        self._apply_status(status)
+        if not found:
+            return None
+        bid = found.decode()
+        if value:
+            batch = self._decode(bid, value)
+            if self.cache_bytes:
+                self._cache_put(bid, batch)
+            return batch
+        return self._fetch([bid], "take")[bid]
+
+    def _fetch(self, ids: list[str], what: str = "read") -> dict[str, TensorBatch]:
+        """Batches by id: from the cache, else in one pipelined round trip."""
+        out: dict[str, TensorBatch] = {}
+        missing = []
+        for bid in ids:
+            item = self._cache.get(bid)
+            if item is None:
+                missing.append(bid)
+            else:
+                self._cache.move_to_end(bid)
+                out[bid] = item[0]
+        if not missing:
+            return out
+
+        values = self._run(what, lambda: self._client.mget([self._batch_prefix + bid for bid in missing]))
+        for bid, stored in zip(missing, values, strict=True):
+            if stored is None:
+                self._resync()
+                raise ReplayStoreError(
+                    f"replay: batch {self._batch_prefix}{bid} vanished from Redis (Redis restarted without "
+                    f"appendonly, or another replay service uses run_id {self.run_id!r}); the replay state was "
+                    f"reloaded, request again. Fix: run redis-server with --appendonly yes")
+            batch = self._decode(bid, stored)
+            out[bid] = batch
+            if self.cache_bytes:
+                self._cache_put(bid, batch)
+        return out
+
+    def sample(self, n: int, rng: np.random.Generator) -> TensorBatch:
+        """n transitions drawn uniformly over the window (the same draws as MemoryStore.sample)."""
+        if not self._window:
+            raise ValueError("replay is empty: nothing to sample yet")
+        if self._columns_ready():
+            assert self._columns is not None
+            out = self._columns.take(rng.integers(0, self._window_rows, size=n))
+        else:
+            counts = np.array([e.transitions for e in self._window])
+            flat, owner = draw_transitions(counts, n, rng)
+            ids = [e.id for e in self._window]
+            batches = self._fetch([ids[b] for b in np.unique(owner)], "sample")
+            out = gather_transitions([batches.get(i) for i in ids], counts, flat, owner)
+        self._unflushed_samples += 1
+        return out
+
+    def clear(self) -> None:
+        """Drop every stored batch (and its offloaded objects); the counters stay, as MemoryStore's do."""
+        refs, status = self._run("clear", lambda: self._evalsha(self._client, "clear", self._batch_prefix))
+        self._window.clear()
+        self._window_rows = 0
+        self._cache.clear()
+        self._cached_bytes = 0
+        self._columns, self._columns_blocked_by = None, ""
+        self._apply_status(status)
+        self._delete_objects(refs[1::2])
+
+    def close(self) -> None:
+        """Write the sample count and disconnect; the data stays in Redis for the next replay service."""
+        if self._unflushed_samples:
+            try:
+                self._client.hincrby(self._keys[3], "samples", self._unflushed_samples)
+                self._unflushed_samples = 0
+            except redis.RedisError as exc:
+                log.warning("could not write the replay sample count to Redis at close: %s", exc)
+        self._cache.clear()
+        self._cached_bytes = 0
+        self._columns = None
+        self._client.close()
