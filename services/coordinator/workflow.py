@@ -96,7 +96,15 @@ class PPOWorkflow:
         env_spec = json.loads(env.detail_json)
         ctx = {"env_spec": env_spec, "run_dir": str(run.run_dir.resolve())}
         replay = await rpc(self.stages["replay"], "Configure",
-                           common_pb2.ConfigureRequest(**req, context_json=json.dumps(ctx)), 30)
+                           common_pb2.ConfigureRequest(**req, context_json=json.dumps(ctx)), 60)
+        # On-policy data is only valid for the policy lineage that produced it: a persistent store (Redis) may
+        # still hold batches from before a crash, produced after the checkpoint we resume from. Discard them.
+        before = await rpc(self.stages["replay"], "GetStats", common_pb2.Empty(), 30)
+        if before.batches:
+            await rpc(self.stages["replay"], "Clear", common_pb2.Empty(), 30)
+            run.log(f"discarded {before.batches} replay batches ({before.pending_onpolicy} unconsumed) left from "
+                    f"before this {'resume' if self.resume else 'run'}: on-policy data from another policy lineage",
+                    level="warning")
         learner = await rpc(self.stages["learner"], "Configure", common_pb2.ConfigureRequest(
             **req, peers={"replay": replay.data_endpoint}, context_json=json.dumps({**ctx, "resume": self.resume})),
             120)

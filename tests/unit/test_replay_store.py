@@ -52,3 +52,14 @@ def test_bad_batches_are_refused():
         s.put(bad)
     with pytest.raises(ValueError, match="empty"):
         MemoryStore(10).sample(1, np.random.default_rng(0))
+
+
+def test_eviction_in_the_onpolicy_steady_state():
+    """put, put, take, put at capacity: the taken batch is evicted while another is pending (a regression:
+    membership tests once compared batches field by field, i.e. array against array)."""
+    s = MemoryStore(16)
+    s.put(_batch(0))
+    s.put(_batch(1))
+    assert s.take_onpolicy(0).version == 0
+    s.put(_batch(2))
+    assert s.evicted == 1 and s.pending == 2 and s.take_onpolicy(0).version == 1
