@@ -151,7 +151,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host)
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job may inherit SIGINT as ignored
+        signal.signal(sig, lambda *_: stop.append(1))
     try:
         address = stack.start()
         console.print(f"rlfabric is up: coordinator at [bold]{address}[/]; logs in {stack.log_dir}. Ctrl-C stops.")

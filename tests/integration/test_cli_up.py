@@ -1,0 +1,44 @@
+"""`rlfabric up` keeps a stack serving for notebooks and `train --coordinator`; a signal stops all of it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.coordinator.client import CoordinatorClient
+from services.core.proto.rlfabric.v1 import coordinator_pb2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as a background job
+    try:
+        address = up.stdout.readline().strip()
+        client = CoordinatorClient(address)
+        client.wait_ready(30)
+        deadline = time.monotonic() + 60
+        while len([w for w in client.workers() if w.alive]) < 4:
+            assert time.monotonic() < deadline and up.poll() is None
+            time.sleep(0.1)
+        pids = {w.pid for w in client.workers()}
+        if sig == signal.SIGTERM:  # one run through the served stack, as a notebook would submit it
+            train = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml",
+                                    "--coordinator", address, "--quiet", "--set", "train.total_env_steps=512",
+                                    "--run-dir", str(tmp_path / "runs" / "r1")], capture_output=True, text=True,
+                                   timeout=120)
+            assert train.returncode == 0, train.stderr
+            assert client.status("r1").state == coordinator_pb2.SUCCEEDED
+        client.close()
+        up.send_signal(sig)
+        assert up.wait(30) == 0
+        for pid in pids:  # every service went down with it
+            assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+    finally:
+        if up.poll() is None:
+            up.kill()
