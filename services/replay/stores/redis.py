@@ -60,6 +60,7 @@ _FIELDS = ("transitions", "bytes", "puts", "onpolicy_gets", "samples", "evicted"
 _DECODE_BOUND = 1 << 40  # frames were validated when put; this only guards against a corrupted value
 _MAGIC = b"RLF1"
 INLINE_BYTES = 32 << 10  # batches up to this size go to Redis inside the script call; larger ones in a MULTI
+_MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
 
 
 class ReplayStoreError(RuntimeError):
@@ -75,46 +76,53 @@ class ReplayStoreUnavailable(ReplayStoreError):
     """Redis could not be reached (at open, or mid-run after the bounded retries)."""
 
 
-# Shared by every script. KEYS: window, pending, meta, stats, take, refs. status() is the counters (in _FIELDS
-# order, nil where never set) and both list lengths, for the caller's mirror. Scripts keep redis.call()s few: each
-# costs about a microsecond, and passing arguments into Lua costs about as much per KiB.
+# Shared by every script. KEYS: window, pending, meta, stats, take, refs. Scripts report the state as one line,
+# "window_len pending_len c1 ... c8": both list lengths and the counters in _FIELDS order ('' where never set), for
+# the caller's mirror. (One bulk string: redis-py parses it far faster than nested arrays.) Scripts keep
+# redis.call()s few: each costs about a microsecond, and passing arguments into Lua costs about as much per KiB.
 _PROLOGUE = """
 local W, P, M, S, TK, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local FIELDS = {'transitions', 'bytes', 'puts', 'onpolicy_gets', 'samples', 'evicted', 'stale_dropped',
+                'newest_version'}
+local function line(c, wl, pl)
+  local out = {tostring(wl), tostring(pl)}
+  for i = 1, 8 do out[i + 2] = c[i] or '' end
+  return table.concat(out, ' ')
+end
 local function status(wl, pl)
-  return {redis.call('HMGET', S, 'transitions', 'bytes', 'puts', 'onpolicy_gets', 'samples', 'evicted',
-                     'stale_dropped', 'newest_version'), wl, pl}
+  return line(redis.call('HMGET', S, unpack(FIELDS)), wl, pl)
 end
 """
 
-# ARGV: id ('' = only trim), transitions, version, nbytes, refs JSON ('' = none), capacity, batch key prefix,
-# samples to add, then the value if it comes inline (small batches: one command). A larger value is SET by the same
-# MULTI just before (zero-copy; through Lua it would cost ~1 us/KiB). A retried put whose first attempt landed finds
-# its id in meta and changes nothing. Evicts the oldest batches while the window holds more than the capacity;
-# returns [applied, status, {id, refs JSON, ...}] (refs empty unless the batch has offloaded tensors) so the caller
-# can delete the objects.
+# ARGV: capacity, batch key prefix, id ('' = only trim), transitions, version, nbytes, refs JSON ('' = none), samples
+# to add, then the value if it comes inline (small batches: one command). A larger value is SET by the same MULTI
+# just before (zero-copy; through Lua it would cost ~1 us/KiB). A retried put whose first attempt landed finds its
+# id in meta and changes nothing. Evicts the oldest batches while the window holds more than the capacity. The
+# counters are read once and written back once (one HMGET, one HSET) rather than incremented field by field.
+# Returns the status line, then for each evicted batch its id and refs JSON (empty unless it has offloaded tensors,
+# which the caller deletes), all joined by newlines (ids and JSON hold none).
 _PUT_LUA = _PROLOGUE + """
-local id, prefix = ARGV[1], ARGV[7]
-local applied, wl, pl, t = 0, 0, 0, 0
-local off = (ARGV[5] ~= '') and '1' or '0'
-if id ~= '' and redis.call('HSETNX', M, id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. off) == 1 then
+local cap, prefix, id = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local c = redis.call('HMGET', S, unpack(FIELDS))
+local function num(i) return tonumber(c[i] or '0') end
+local upd = {}  -- counter index -> new value
+local t, wl, pl = num(1), 0, 0
+local off = (ARGV[7] ~= '') and '1' or '0'
+if id ~= '' and redis.call('HSETNX', M, id, ARGV[4] .. ' ' .. ARGV[5] .. ' ' .. ARGV[6] .. ' ' .. off) == 1 then
   if #ARGV > 8 then redis.call('SET', prefix .. id, ARGV[9]) end
-  if off == '1' then redis.call('HSET', R, id, ARGV[5]) end
+  if off == '1' then redis.call('HSET', R, id, ARGV[7]) end
   wl = redis.call('RPUSH', W, id)
   pl = redis.call('RPUSH', P, id)
-  t = redis.call('HINCRBY', S, 'transitions', ARGV[2])
-  redis.call('HINCRBY', S, 'bytes', ARGV[4])
-  redis.call('HINCRBY', S, 'puts', 1)
-  if ARGV[8] ~= '0' then redis.call('HINCRBY', S, 'samples', ARGV[8]) end
-  local newest = redis.call('HGET', S, 'newest_version')
-  if not newest or tonumber(ARGV[3]) > tonumber(newest) then redis.call('HSET', S, 'newest_version', ARGV[3]) end
-  applied = 1
+  t = t + tonumber(ARGV[4])
+  upd[1], upd[2], upd[3] = t, num(2) + tonumber(ARGV[6]), num(3) + 1
+  if ARGV[8] ~= '0' then upd[5] = num(5) + tonumber(ARGV[8]) end
+  if not c[8] or tonumber(ARGV[5]) > tonumber(c[8]) then upd[8] = tonumber(ARGV[5]) end
 else
   wl = redis.call('LLEN', W)
   pl = redis.call('LLEN', P)
-  t = tonumber(redis.call('HGET', S, 'transitions') or '0')
 end
-local evicted = {}
-local cap = tonumber(ARGV[6])
+local out, ids, keys = {''}, {}, {}
+local nbytes = upd[2] or num(2)
 while t > cap do
   local old = redis.call('LPOP', W)
   if not old then break end
@@ -123,29 +131,44 @@ while t > cap do
   local refs = ''
   if m then
     local n, v, nb, o = string.match(m, '(%S+) (%S+) (%S+) (%S+)')
-    t = redis.call('HINCRBY', S, 'transitions', -tonumber(n))
-    redis.call('HINCRBY', S, 'bytes', -tonumber(nb))
+    t, nbytes = t - tonumber(n), nbytes - tonumber(nb)
     if o ~= '0' then
       refs = redis.call('HGET', R, old) or ''
       redis.call('HDEL', R, old)
     end
   end
-  redis.call('HINCRBY', S, 'evicted', 1)
   -- pending is a subsequence of window, so the oldest window entry, if still pending, heads pending
   if redis.call('LINDEX', P, 0) == old then
     redis.call('LPOP', P)
     pl = pl - 1
   end
-  redis.call('HDEL', M, old)
-  redis.call('DEL', prefix .. old)
-  table.insert(evicted, old)
-  table.insert(evicted, refs)
+  ids[#ids + 1], keys[#keys + 1] = old, prefix .. old
+  out[#out + 1] = old
+  out[#out + 1] = refs
 end
-return {applied, status(wl, pl), evicted}
+if #ids > 0 then
+  upd[1], upd[2], upd[6] = t, nbytes, num(6) + #ids
+  for i = 1, #ids, 1000 do  -- (unpack takes a few thousand values at most)
+    local j = math.min(i + 999, #ids)
+    redis.call('HDEL', M, unpack(ids, i, j))
+    redis.call('DEL', unpack(keys, i, j))
+  end
+end
+local kv = {}
+for i = 1, 8 do
+  if upd[i] then
+    c[i] = string.format('%d', upd[i])
+    kv[#kv + 1] = FIELDS[i]
+    kv[#kv + 1] = c[i]
+  end
+end
+if #kv > 0 then redis.call('HSET', S, unpack(kv)) end
+out[1] = line(c, wl, pl)
+return table.concat(out, '\\n')
 """
 
 # ARGV: min_version, token, samples to add, '1' to get the batch's value too, batch key prefix. Pops stale ids
-# (counted) until one is new enough; returns [id or '', status, value or false]. Returning the value in the same
+# (counted) until one is new enough; returns [id or '', status line, value or false]. Returning the value in the same
 # call means a batch is never popped without being read (a later read could fail).
 _TAKE_LUA = _PROLOGUE + """
 local function value_of(id)
@@ -178,7 +201,7 @@ redis.call('HSET', TK, 'token', ARGV[2], 'id', found)
 return {found, status(redis.call('LLEN', W), redis.call('LLEN', P)), value_of(found)}
 """
 
-# ARGV: batch key prefix. Drops every batch, keeps the counters; [{id, refs JSON, ...}, status].
+# ARGV: batch key prefix. Drops every batch, keeps the counters; [{id, refs JSON, ...}, status line].
 _CLEAR_LUA = _PROLOGUE + """
 for _, id in ipairs(redis.call('LRANGE', W, 0, -1)) do
   redis.call('DEL', ARGV[1] .. id)
@@ -192,8 +215,38 @@ return {refs, status(0, 0)}
 
 def pack_frames(frames: list[Any]) -> bytes:
     """One value holding the frames: b"RLF1", u32 count, u64 length of each, then the frames back to back."""
+    return b"".join(_frame_parts(frames)[1])
+
+
+def _frame_parts(frames: list[Any]) -> tuple[int, list[Any]]:
+    """pack_frames's value as (length, pieces to send back to back) without joining them."""
     lengths = [memoryview(f).nbytes for f in frames]
-    return b"".join([_MAGIC, struct.pack(f"<I{len(frames)}Q", len(frames), *lengths), *frames])
+    return 8 + 8 * len(frames) + sum(lengths), [_MAGIC, struct.pack(f"<I{len(frames)}Q", len(frames), *lengths),
+                                                *frames]
+
+
+def _bulk(arg: Any) -> bytes:
+    """One RESP bulk string."""
+    data = arg if isinstance(arg, bytes) else str(arg).encode()
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
+def _coalesce(pieces: list[Any], big: int = 64 << 10) -> list[Any]:
+    """The pieces joined into as few buffers as possible, copying only small ones: one sendall per buffer, and a
+    request in one buffer reaches Redis in one read."""
+    out: list[Any] = []
+    small: list[Any] = []
+    for piece in pieces:
+        if memoryview(piece).nbytes > big:
+            if small:
+                out.append(b"".join(small))
+                small = []
+            out.append(piece)
+        else:
+            small.append(piece)
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 def unpack_frames(value: bytes) -> list[memoryview]:
@@ -378,6 +431,7 @@ class RedisStore:
         self._columns: _Columns | None = None
         self._columns_blocked_by = ""  # a window batch whose layout the columns cannot hold
         self._warned_no_delete = False
+        self._conn: Any = None  # the store's own connection for puts and takes (see _roundtrip)
         try:
             # No retries inside redis-py: the store retries whole operations (idempotent ones) with its own policy.
             self._client = redis.Redis.from_url(
@@ -392,6 +446,8 @@ class RedisStore:
                             retry_attempts)
         self._scripts = {name: (body, hashlib.sha1(body.encode()).hexdigest())
                          for name, body in (("put", _PUT_LUA), ("take", _TAKE_LUA), ("clear", _CLEAR_LUA))}
+        # what every EVALSHA sends after the script's sha: the key count and the keys
+        self._key_args = b"".join(map(_bulk, [len(self._keys), *(k.encode() for k in self._keys)]))
         self._open()
 
     @classmethod
@@ -489,6 +545,35 @@ class RedisStore:
     def _evalsha(self, target: Any, name: str, *args: Any) -> Any:
         return target.evalsha(self._scripts[name][1], len(self._keys), *self._keys, *args)
 
+    def _evalsha_request(self, name: str, args: list[Any], value: tuple[int, list[Any]] | None = None) -> list[Any]:
+        """The pieces of an EVALSHA request for the script, with a value given as (length, pieces) last."""
+        count = 3 + len(self._keys) + len(args) + (value is not None)
+        pieces = [b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n" % (count, self._scripts[name][1].encode()),
+                  self._key_args, *map(_bulk, args)]
+        if value is not None:
+            pieces += [b"$%d\r\n" % value[0], *value[1], b"\r\n"]
+        return pieces
+
+    def _roundtrip(self, pieces: list[Any], replies: int = 1) -> Any:
+        """Send one request (one or more pipelined commands) on the store's own connection and return the last of
+        its replies. Bypasses the pool and command packing of redis-py (a pool checkout polls the socket, and a
+        large argument goes out in three sends): about half the client time of a small put. Errors are redis-py's:
+        a lost connection is disconnected (the next call reconnects) and raised; an error reply is raised once every
+        reply was read, so the connection stays in step."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self._client.connection_pool.get_connection()
+        conn.send_packed_command(_coalesce(pieces), check_health=False)
+        error, reply = None, None
+        for _ in range(replies):
+            try:
+                reply = conn.read_response()
+            except redis.ResponseError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return reply
+
     # ---- state mirror -------------------------------------------------------------------------------------------
 
     def _resync(self) -> None:
@@ -515,9 +600,11 @@ class RedisStore:
             self._uncache(stale)
         self._columns, self._columns_blocked_by = None, ""
 
-    def _apply_status(self, status: list) -> None:
-        values, window_len, pending_len = status
-        self._stats = {k: int(v) for k, v in zip(_FIELDS, values, strict=True) if v is not None}
+    def _apply_status(self, status: bytes) -> None:
+        """Take in a script's status line: b"window_len pending_len c1 ... c8" (counters in _FIELDS order, empty
+        where never set)."""
+        window_len, pending_len, *values = status.split(b" ")
+        self._stats = {k: int(v) for k, v in zip(_FIELDS, values, strict=True) if v}
         self._pending = int(pending_len)
         if int(window_len) != len(self._window):
             log.warning("Redis replay state under %s changed outside this store (Redis restarted without "
@@ -595,9 +682,10 @@ class RedisStore:
         used.add(part)
         return f"{self._object_prefix}/{bid}/{part}"
 
-    def _value_for(self, bid: str, batch: TensorBatch) -> tuple[bytes, list[dict]]:
-        """The batch as one length-prefixed value of the codec's frames, with tensors over offload_bytes written to
-        the object store first (so a stored header never points at a missing object) and left empty here."""
+    def _value_for(self, bid: str, batch: TensorBatch) -> tuple[tuple[int, list[Any]], list[dict]]:
+        """The batch as one length-prefixed value of the codec's frames (as its length and the pieces to send), with
+        tensors over offload_bytes written to the object store first (so a stored header never points at a missing
+        object) and left empty here."""
         frames = encode("batch", batch)
         refs: list[dict] = []
         names = list(batch.tensors)
@@ -609,8 +697,11 @@ class RedisStore:
                 self.objects.put_bytes(key, bytes(frames[i]))
                 refs.append({"frame": i, "tensor": names[i - 1], "key": key, "bytes": size})
                 frames[i] = b""
-        header = json.dumps({"store": STORE_FORMAT, "id": bid, "refs": refs}, separators=(",", ":")).encode()
-        return pack_frames([header, *frames]), refs
+        if refs:
+            header = json.dumps({"store": STORE_FORMAT, "id": bid, "refs": refs}, separators=(",", ":")).encode()
+        else:  # (the same bytes: ids hold no characters JSON escapes)
+            header = b'{"store":%d,"id":"%b","refs":[]}' % (STORE_FORMAT, bid.encode())
+        return _frame_parts([header, *frames]), refs
 
     def _decode(self, bid: str, value: bytes) -> TensorBatch:
         try:
@@ -664,21 +755,23 @@ class RedisStore:
 
     # ---- the store operations -----------------------------------------------------------------------------------
 
-    def _put_tx(self, bid: str, value: bytes | None, args: tuple) -> list:
-        """The batch's value and the bookkeeping script (which also evicts), atomically: inside the script call
-        for small values, else SET and the script in one MULTI/EXEC."""
-        script_args = (bid, *args[:4], self.capacity, self._batch_prefix, args[4])
-        if value is None:
-            return self._evalsha(self._client, "put", *script_args)
-        if len(value) <= self.inline_bytes:
-            return self._evalsha(self._client, "put", *script_args, value)
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._batch_prefix + bid, value)  # a retry rewrites the same value
-        self._evalsha(pipe, "put", *script_args)
-        return pipe.execute()[-1]
+    def _put_tx(self, bid: str, value: tuple[int, list[Any]] | None, args: tuple) -> bytes:
+        """The batch's value (length, pieces) and the bookkeeping script (which also evicts), atomically: inside
+        the script call for small values, else SET and the script in one MULTI/EXEC. One request either way."""
+        script_args = [self.capacity, self._batch_prefix, bid, *args]
+        if value is None or value[0] <= self.inline_bytes:
+            return self._roundtrip(self._evalsha_request("put", script_args, value))
+        key = (self._batch_prefix + bid).encode()
+        pieces = [_MULTI, b"*3\r\n$3\r\nSET\r\n", _bulk(key),  # a retry rewrites the same value
+                  b"$%d\r\n" % value[0], *value[1], b"\r\n", *self._evalsha_request("put", script_args), _EXEC]
+        results = self._roundtrip(pieces, replies=4)  # +OK, QUEUED, QUEUED, [OK, script reply]
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results[-1]
 
-    def _after_put(self, reply: list, entry: _Entry | None) -> None:
-        _, status, evicted = reply
+    def _after_put(self, reply: bytes, entry: _Entry | None) -> None:
+        status, *evicted = reply.split(b"\n")
         if entry is not None:
             # (applied == 0 means an earlier attempt whose reply was lost stored it: still ours to mirror)
             self._window.append(entry)
@@ -733,8 +826,8 @@ class RedisStore:
         expect = next((e.id for e in itertools.islice(self._window, len(self._window) - self._pending, None)
                        if e.version >= min_version), None)
         want_value = "1" if expect is None or expect not in self._cache else "0"
-        found, status, value = self._run("take", lambda: self._evalsha(
-            self._client, "take", min_version, token, samples, want_value, self._batch_prefix))
+        found, status, value = self._run("take", lambda: self._roundtrip(self._evalsha_request(
+            "take", [min_version, token, samples, want_value, self._batch_prefix])))
         self._unflushed_samples -= samples
         self._apply_status(status)
         if not found:
@@ -813,4 +906,7 @@ class RedisStore:
         self._cache.clear()
         self._cached_bytes = 0
         self._columns = None
+        if self._conn is not None:
+            self._client.connection_pool.release(self._conn)
+            self._conn = None
         self._client.close()
