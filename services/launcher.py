@@ -2,11 +2,18 @@
 
 The coordinator writes its bound port to a file; workers register with it and report their own ports, so no
 port is ever guessed. Children die with the parent (PR_SET_PDEATHSIG) so a crashed CLI leaves no orphans.
+
+Services that need torch (learner, rollout) are forked from a multiprocessing forkserver that imported torch
+once instead of twice: on 2 cores those imports are most of the start-up CPU. Nothing but imports happens
+before the fork; each service still is its own process with its own gRPC server, sockets and threads. The
+others are plain ``python -m`` processes that never import torch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -16,6 +23,8 @@ import time
 from pathlib import Path
 
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
+TORCH_ROLES = ("learner", "rollout")
+PRELOAD = ["numpy", "torch"]
 
 
 def _die_with_parent() -> None:
@@ -23,6 +32,63 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _forked_service(module: str, argv: list[str], log_path: str, torch_threads: int) -> None:
+    """Entry of a service forked from the preloaded forkserver: stdout/stderr to its log, dies with its parent."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    _die_with_parent()
+    for key in [k for k in os.environ if k.startswith("RLFABRIC_")]:
+        del os.environ[key]
+    os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+    sys.argv = [module, *argv]
+    importlib.import_module(module).main(argv)
+
+
+class ForkedProcess:
+    """The subprocess.Popen surface LocalStack and its users rely on, over a multiprocessing.Process."""
+
+    def __init__(self, proc: multiprocessing.Process):
+        self._proc = proc
+        self.pid = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"service pid {self.pid}", timeout or 0)
+        return self._proc.exitcode
+
+
+_forkserver = None
+
+
+def _forkserver_context(torch_threads: int):
+    """One forkserver per launcher process; it inherits OMP_NUM_THREADS when it starts."""
+    global _forkserver
+    if _forkserver is None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(PRELOAD)
+    return _forkserver
 
 
 class LocalStack:
@@ -34,11 +100,21 @@ class LocalStack:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.host = host
         self.torch_threads = torch_threads
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.address = ""
+        self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.preload and module.split(".")[1] in TORCH_ROLES:
+            argv = ["--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
+                    "--torch-threads", str(self.torch_threads), *args]
+            proc = _forkserver_context(self.torch_threads).Process(
+                target=_forked_service, name=name,
+                args=(module, argv, str(self.log_dir / f"{name}.stderr"), self.torch_threads))
+            proc.start()
+            self.procs[name] = ForkedProcess(proc)
+            return self.procs[name]
         # RLFABRIC_* variables configure deployed services (compose); a local stack sets everything by flags,
         # and an inherited RLFABRIC_PORT would make every local service bind the same port
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.coordinator.registry import Worker
 from services.coordinator.run import Run, RunFailed, StopRequested
@@ -52,12 +53,22 @@ async def rpc(stage: Stage, method: str, request, timeout: float | None = None):
         return await getattr(stage.stub, method)(request, timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         detail = exc.details() or exc.code().name
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in detail.lower():
-            # unreachable control plane: never place work on it again; if it lives, its next heartbeat is
-            # refused and it registers anew
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not await healthy(stage):
+            # its control plane is gone: never place work on it again (if it lives, its next heartbeat is
+            # refused and it registers anew); a live worker reporting an unreachable peer stays placeable
             stage.worker.alive = False
         raise RunFailed(f"{stage.worker.describe()}: {method} failed: {detail}",
                         bad_input=exc.code() == grpc.StatusCode.INVALID_ARGUMENT) from None
+
+
+async def healthy(stage: Stage, timeout_s: float = 1.0) -> bool:
+    """The worker's standard gRPC health service answers SERVING."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(stage.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                      timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 STUBS = {
