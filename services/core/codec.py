@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -127,3 +128,38 @@ def decode(frames: list[Any], max_bytes: int, as_torch_bf16: bool = True) -> tup
             arr = torch.from_numpy(arr.copy().view(np.int16)).view(torch.bfloat16)
         tensors[name] = arr
     return kind, TensorBatch(tensors, meta=meta, version=version, seq=seq)
+
+
+# One stored value holding a message's frames (Redis values, weight files): b"RLF1", u32 count, u64 length of each
+# frame, then the frames back to back. Reading returns views into the value: no copies.
+BLOB_MAGIC = b"RLF1"
+MAX_BLOB_FRAMES = 100_000
+
+
+def frame_parts(frames: list[Any]) -> tuple[int, list[Any]]:
+    """The blob as (total length, pieces to write back to back) without joining them (zero-copy sends)."""
+    lengths = [memoryview(f).nbytes for f in frames]
+    head = struct.pack(f"<I{len(frames)}Q", len(frames), *lengths)
+    return 8 + 8 * len(frames) + sum(lengths), [BLOB_MAGIC, head, *frames]
+
+
+def pack_frames(frames: list[Any]) -> bytes:
+    return b"".join(frame_parts(frames)[1])
+
+
+def unpack_frames(value: bytes | memoryview, name: str = "value") -> list[memoryview]:
+    """The frames of a blob made by pack_frames; a wrong, truncated or padded blob is refused."""
+    view = memoryview(value)
+    if view.nbytes < 8 or bytes(view[:4]) != BLOB_MAGIC:
+        raise FrameError(f"{name} is not an rlfabric frames blob (magic mismatch)")
+    (count,) = struct.unpack_from("<I", view, 4)
+    if count > MAX_BLOB_FRAMES or view.nbytes < 8 + 8 * count:
+        raise FrameError(f"{name} has a corrupt frame table ({count} frames)")
+    lengths = struct.unpack_from(f"<{count}Q", view, 8)
+    offset, frames = 8 + 8 * count, []
+    for n in lengths:
+        frames.append(view[offset:offset + n])
+        offset += n
+    if offset != view.nbytes:
+        raise FrameError(f"{name} is truncated or padded: {view.nbytes} bytes, its frames add up to {offset}")
+    return frames

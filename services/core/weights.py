@@ -9,7 +9,6 @@ version, the rollout's staleness rule (batch i needs version >= i - k) is enforc
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -18,11 +17,10 @@ from typing import Any
 import numpy as np
 
 from services.core.batch import TensorBatch
-from services.core.codec import FrameError, decode, encode
+from services.core.codec import decode, encode, pack_frames, unpack_frames
 from services.core.dataplane import DataClient, DataServer, Reply
 
 WEIGHTS_KEY = "weights/latest"
-_MAGIC = b"RLFW"
 
 
 @dataclass
@@ -125,27 +123,13 @@ class WeightSubscriber:
 def save_weights(store, version: int, state: dict[str, Any], key: str = WEIGHTS_KEY) -> str:
     """Write a weight version to the object store for cold starts (a rollout worker that joins late, a
     restarted one): the data-plane frames in a length-prefixed container, no pickle."""
-    frames = [bytes(f) for f in encode("weights", TensorBatch(dict(state), version=version))]
-    head = _MAGIC + struct.pack("<I", len(frames)) + b"".join(struct.pack("<Q", len(f)) for f in frames)
-    return store.put_bytes(key, head + b"".join(frames))
+    return store.put_bytes(key, pack_frames(encode("weights", TensorBatch(dict(state), version=version))))
 
 
 def load_weights(store, max_bytes: int, key: str = WEIGHTS_KEY) -> tuple[int, dict[str, np.ndarray]] | None:
     """The stored version and tensors, or None if none was written yet."""
     if not store.exists(key):
         return None
-    data = memoryview(store.get_bytes(key))
-    if bytes(data[:4]) != _MAGIC or len(data) < 8:
-        raise FrameError(f"{key} is not an rlfabric weights object")
-    (n,) = struct.unpack_from("<I", data, 4)
-    if n > 100_000 or len(data) < 8 + 8 * n:
-        raise FrameError(f"{key} has a corrupt frame table")
-    sizes = struct.unpack_from(f"<{n}Q", data, 8)
-    offset, frames = 8 + 8 * n, []
-    for size in sizes:
-        frames.append(data[offset:offset + size])
-        offset += size
-    if offset != len(data):
-        raise FrameError(f"{key} is truncated or has trailing bytes")
+    frames = unpack_frames(store.get_bytes(key), key)
     kind, batch = decode(frames, max_bytes)
     return batch.version, {k: v.clone() if hasattr(v, "clone") else np.array(v) for k, v in batch.tensors.items()}

@@ -96,3 +96,17 @@ def test_unsupported_values_are_refused():
         encode("x", TensorBatch({"a": np.array(["s"], dtype=object)}))
     with pytest.raises(FrameError, match="expected a numpy array"):
         encode("x", TensorBatch({"a": [1, 2]}))
+
+
+def test_frames_blob_round_trip_and_corruption():
+    from services.core.codec import pack_frames, unpack_frames
+
+    frames = encode("x", TensorBatch({"a": np.arange(5.0), "b": np.zeros((2, 2), np.uint8)}, version=3))
+    blob = pack_frames(frames)
+    kind, out = decode(unpack_frames(blob), 1 << 20)
+    assert kind == "x" and out.version == 3 and out["a"].tolist() == [0, 1, 2, 3, 4]
+    for bad, match in [(b"RLF2" + blob[4:], "magic"), (blob[:-1], "truncated or padded"),
+                       (blob + b"\0", "truncated or padded"), (blob[:8] + b"\xff" * 8, "corrupt frame table"),
+                       (b"RLF1\xff\xff\xff\x7f", "corrupt frame table")]:
+        with pytest.raises(FrameError, match=match):
+            unpack_frames(bad)

@@ -25,7 +25,7 @@ from services.replay.stores.redis import (
     ReplayStoreError,
     ReplayStoreUnavailable,
     redact_url,
-    unpack_frames,
+    unpack_frames,  # re-exported from services.core.codec
 )
 from tests.support_redis import RedisServer, redis_server  # noqa: F401
 

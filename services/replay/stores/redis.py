@@ -49,7 +49,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from services.core.batch import TensorBatch
-from services.core.codec import FrameError, decode, encode
+from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
 from services.replay.stores.memory import MemoryStore
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,6 @@ R = TypeVar("R")
 STORE_FORMAT = 1
 _FIELDS = ("transitions", "bytes", "puts", "onpolicy_gets", "samples", "evicted", "stale_dropped", "newest_version")
 _DECODE_BOUND = 1 << 40  # frames were validated when put; this only guards against a corrupted value
-_MAGIC = b"RLF1"
 INLINE_BYTES = 32 << 10  # batches up to this size go to Redis inside the script call; larger ones in a MULTI
 _MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
 
@@ -213,18 +212,6 @@ return {refs, status(0, 0)}
 """
 
 
-def pack_frames(frames: list[Any]) -> bytes:
-    """One value holding the frames: b"RLF1", u32 count, u64 length of each, then the frames back to back."""
-    return b"".join(_frame_parts(frames)[1])
-
-
-def _frame_parts(frames: list[Any]) -> tuple[int, list[Any]]:
-    """pack_frames's value as (length, pieces to send back to back) without joining them."""
-    lengths = [memoryview(f).nbytes for f in frames]
-    return 8 + 8 * len(frames) + sum(lengths), [_MAGIC, struct.pack(f"<I{len(frames)}Q", len(frames), *lengths),
-                                                *frames]
-
-
 def _bulk(arg: Any) -> bytes:
     """One RESP bulk string."""
     data = arg if isinstance(arg, bytes) else str(arg).encode()
@@ -247,22 +234,6 @@ def _coalesce(pieces: list[Any], big: int = 64 << 10) -> list[Any]:
     if small:
         out.append(b"".join(small))
     return out
-
-
-def unpack_frames(value: bytes) -> list[memoryview]:
-    """The frames of a value made by pack_frames, as views into it (no copies)."""
-    view = memoryview(value)
-    if view[:4] != _MAGIC:
-        raise ValueError("not an rlfabric replay value (magic mismatch)")
-    (count,) = struct.unpack_from("<I", view, 4)
-    lengths = struct.unpack_from(f"<{count}Q", view, 8)
-    offset, frames = 8 + 8 * count, []
-    for n in lengths:
-        frames.append(view[offset:offset + n])
-        offset += n
-    if offset != len(view):
-        raise ValueError(f"value holds {len(view)} bytes but its frames add up to {offset}")
-    return frames
 
 
 @dataclass
@@ -701,7 +672,7 @@ class RedisStore:
             header = json.dumps({"store": STORE_FORMAT, "id": bid, "refs": refs}, separators=(",", ":")).encode()
         else:  # (the same bytes: ids hold no characters JSON escapes)
             header = b'{"store":%d,"id":"%b","refs":[]}' % (STORE_FORMAT, bid.encode())
-        return _frame_parts([header, *frames]), refs
+        return frame_parts([header, *frames]), refs
 
     def _decode(self, bid: str, value: bytes) -> TensorBatch:
         try:
