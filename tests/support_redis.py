@@ -28,7 +28,11 @@ REDIS_BIN = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.
 
 
 class RedisServer:
-    """A redis-server on 127.0.0.1 that can be killed and restarted on the same port and data directory."""
+    """A redis-server on 127.0.0.1 that can be killed and restarted on the same port and data directory.
+
+    Start it from a thread that outlives it (the test's own): it dies with the thread that started it
+    (PR_SET_PDEATHSIG is per thread), so a server started by a threading.Timer is gone once the timer returns.
+    """
 
     def __init__(self, workdir: str | Path, *, appendonly: bool = False, appendfsync: str = "everysec",
                  port: int | None = None, extra_args: tuple[str, ...] = ()):

@@ -136,8 +136,15 @@ def test_redis_lost_mid_run_is_retried_then_reported_on_the_data_plane(replay_pr
                                   retry_backoff_s=0.05)
         assert client.request("put", _traj(0))[0] == "ack"
         server.kill()
-        threading.Timer(0.3, server.start).start()  # back within the retry budget (0.05 s doubling to 2 s)
-        kind, ack = client.request("put", _traj(1))
+        # the put runs on a helper thread while Redis comes back (from this thread: a redis-server started
+        # by a short-lived thread would die with it, PR_SET_PDEATHSIG being per thread)
+        answer: dict = {}
+        put = threading.Thread(target=lambda: answer.update(reply=client.request("put", _traj(1))))
+        put.start()
+        time.sleep(0.3)
+        server.start()  # back within the retry budget (0.05 s doubling to 2 s)
+        put.join(30)
+        kind, ack = answer["reply"]
         assert kind == "ack" and ack.meta["puts"] == 2
         assert "Redis connection lost" in replay.log.read_text()  # acknowledged after retries, not before
 
