@@ -46,14 +46,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
         f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.coordinator:
-        return _follow(args.coordinator, args, run_dir, None)
+        return _follow(args.coordinator, args, run_dir, None, config.train.total_env_steps)
     from services.launcher import LocalStack
 
     stack = LocalStack(log_dir=run_dir / "logs", runs_root=args.runs_root, torch_threads=config.runtime.torch_threads)
     try:
         with console.status("starting services (coordinator, env, replay, learner, rollout)..."):
             stack.start()
-        return _follow(stack.address, args, run_dir, stack)
+        return _follow(stack.address, args, run_dir, stack, config.train.total_env_steps)
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
@@ -68,7 +68,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return _fail(f"cannot resume {run_dir}: {exc}", 2)
     args.config, args.set = str(run_dir / "config.yaml"), []
     if args.coordinator:
-        return _follow(args.coordinator, args, run_dir, None, resume=True)
+        return _follow(args.coordinator, args, run_dir, None, config.train.total_env_steps, resume=True)
     from services.launcher import LocalStack
 
     stack = LocalStack(log_dir=run_dir / "logs" / time.strftime("resume-%Y%m%d-%H%M%S"),
@@ -76,14 +76,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         with console.status("starting services to resume the run..."):
             stack.start()
-        return _follow(stack.address, args, run_dir, stack, resume=True)
+        return _follow(stack.address, args, run_dir, stack, config.train.total_env_steps, resume=True)
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
         stack.stop()
 
 
-def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, resume: bool = False) -> int:
+def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total_steps: int,
+            resume: bool = False) -> int:
     import grpc
 
     from services.coordinator.client import STATE_NAMES, CoordinatorClient
@@ -105,21 +106,17 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, resume
             threading.Thread(target=client.stop, args=(run_id,), daemon=True).start()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    total = None
     final = None
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("return {task.fields[ret]}  eval {task.fields[eval]}  {task.fields[fps]} steps/s  "
                           "v{task.fields[version]}"), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False, disable=args.quiet) as progress:
-        task = progress.add_task("env steps", total=None, ret="-", eval="-", fps="-", version=0)
+        task = progress.add_task("env steps", total=total_steps, ret="-", eval="-", fps="-", version=0)
         for event in client.watch(run_id):
             kind = event.WhichOneof("event")
             if kind == "metrics":
                 m = event.metrics
                 v = m.values
-                if total is None:
-                    total = _total_steps(args)
-                    progress.update(task, total=total)
                 progress.update(task, completed=m.env_steps, version=m.weight_version,
                                 ret=f"{v['train_return_mean']:.1f}" if "train_return_mean" in v else "-",
                                 eval=f"{v['eval_return_mean']:.1f}" if "eval_return_mean" in v else
@@ -140,10 +137,6 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, resume
                       f"curve: {run_dir / 'curve.png'}  checkpoint: {run_dir / 'checkpoints'}", soft_wrap=True)
         return 0
     return _fail(f"run {state}: {final.reason}", 2 if final.bad_input else 1)
-
-
-def _total_steps(args: argparse.Namespace) -> int:
-    return load_config(args.config, args.set).train.total_env_steps
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -53,6 +53,22 @@ def stack(tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture
+def private_stack(tmp_path):
+    """A stack of the test's own with a fast heartbeat timeout, for tests that kill its workers."""
+    from services.coordinator.client import CoordinatorClient
+
+    s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", heartbeat_timeout_s=1.5)
+    s.start()
+    s.client = CoordinatorClient(s.address)
+    try:
+        s.client.wait_ready(30)
+        yield s
+    finally:
+        s.client.close()
+        s.stop()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

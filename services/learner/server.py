@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
+from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataClient, PeerTimeout, RemoteError
 from services.core.objectstore import ObjectStore, open_store
@@ -120,7 +121,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
     def _train(self, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
         t0 = time.perf_counter()
-        kind, batch = self.replay.request("get", meta_batch(min_version=min_version, wait_s=timeout_s),
+        kind, batch = self.replay.request("get", TensorBatch(meta={"min_version": min_version, "wait_s": timeout_s}),
                                           timeout_s=timeout_s + 5)
         if kind != "batch":
             raise PeerTimeout(f"no trajectory batch with version >= {min_version} arrived in replay within "
@@ -199,12 +200,6 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
 def _warm_up() -> None:
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], fused=True)
-
-
-def meta_batch(**meta):
-    from services.core.batch import TensorBatch
-
-    return TensorBatch(meta=meta)
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:

@@ -11,9 +11,7 @@ import time
 
 import pytest
 
-from services.coordinator.client import CoordinatorClient
 from services.core.proto.rlfabric.v1 import coordinator_pb2
-from services.launcher import LocalStack
 
 CKPT_EVERY = 5
 
@@ -37,35 +35,28 @@ def _assert_resumed_and_solved(rows, resumed_from: int):
 
 
 @pytest.mark.slow
-def test_sigkill_learner_then_resume_solves(tmp_path):
-    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", heartbeat_timeout_s=1.5)
-    stack.start()
-    try:
-        client = CoordinatorClient(stack.address)
-        client.wait_ready(30)
-        run_dir = tmp_path / "run"
-        status = client.submit("examples/cartpole_ppo.yaml", [f"checkpoint.every_iterations={CKPT_EVERY}"],
-                               run_dir=run_dir)
-        deadline = time.monotonic() + 120
-        while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
-            assert time.monotonic() < deadline and not client.status(status.run_id).reason.startswith("reached")
-            time.sleep(0.05)
-        os.kill(stack.procs["learner"].pid, signal.SIGKILL)
-        failed = client.wait(status.run_id)
-        assert failed.state == coordinator_pb2.FAILED and "learner worker" in failed.reason
-        replacement = stack.start_worker("learner", name="learner-2")  # a replacement registers
-        assert not [w for w in client.workers() if w.alive and w.worker_id.startswith("learner")]
-        deadline = time.monotonic() + 60
-        while not [w for w in client.workers() if w.alive and w.pid == replacement.pid]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        resumed_from = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
-        final = client.wait(client.resume(run_dir).run_id)
-        assert final.state == coordinator_pb2.SUCCEEDED, final.reason
-        _assert_resumed_and_solved(_rows(run_dir), resumed_from)
-        client.close()
-    finally:
-        stack.stop()
+def test_sigkill_learner_then_resume_solves(private_stack, tmp_path):
+    stack, client = private_stack, private_stack.client
+    run_dir = tmp_path / "run"
+    status = client.submit("examples/cartpole_ppo.yaml", [f"checkpoint.every_iterations={CKPT_EVERY}"],
+                           run_dir=run_dir)
+    deadline = time.monotonic() + 120
+    while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
+        assert time.monotonic() < deadline and not client.status(status.run_id).reason.startswith("reached")
+        time.sleep(0.05)
+    os.kill(stack.procs["learner"].pid, signal.SIGKILL)
+    failed = client.wait(status.run_id)
+    assert failed.state == coordinator_pb2.FAILED and "learner worker" in failed.reason
+    replacement = stack.start_worker("learner", name="learner-2")  # a replacement registers
+    assert not [w for w in client.workers() if w.alive and w.worker_id.startswith("learner")]
+    deadline = time.monotonic() + 60
+    while not [w for w in client.workers() if w.alive and w.pid == replacement.pid]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    resumed_from = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+    final = client.wait(client.resume(run_dir).run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+    _assert_resumed_and_solved(_rows(run_dir), resumed_from)
 
 
 @pytest.mark.slow

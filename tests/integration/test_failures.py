@@ -8,9 +8,7 @@ import subprocess
 import sys
 import time
 
-from services.coordinator.client import CoordinatorClient
 from services.core.proto.rlfabric.v1 import coordinator_pb2
-from services.launcher import LocalStack
 from tests.conftest import short_config
 
 
@@ -19,32 +17,25 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def test_sigkilled_env_worker_fails_the_run_with_the_reason(tmp_path):
-    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", heartbeat_timeout_s=1.5)
-    stack.start()
-    try:
-        client = CoordinatorClient(stack.address)
-        client.wait_ready(30)
-        cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
-                           data_plane={"timeout_s": 20}, scheduling={"mode": "disaggregated"})  # env in its service
-        status = client.submit(cfg)
-        deadline = time.monotonic() + 60
-        while client.status(status.run_id).env_steps < 1000:
-            assert time.monotonic() < deadline, client.status(status.run_id)
-            time.sleep(0.05)
-        os.kill(stack.procs["env"].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        final = client.wait(status.run_id)
-        took = time.monotonic() - killed_at
-        assert final.state == coordinator_pb2.FAILED and not final.bad_input
-        assert "env worker" in final.reason and "heartbeats" in final.reason and "discarded" in final.reason
-        assert took < 10, f"failure took {took:.1f}s to surface (heartbeat timeout 1.5s)"
-        workers = {w.worker_id: w for w in client.workers()}
-        assert not [w for w in workers.values() if w.worker_id.startswith("env")][0].alive
-        assert all(not w.run_id for w in workers.values())  # survivors are released for the next run
-        client.close()
-    finally:
-        stack.stop()
+def test_sigkilled_env_worker_fails_the_run_with_the_reason(private_stack, tmp_path):
+    stack, client = private_stack, private_stack.client
+    cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
+                       data_plane={"timeout_s": 20}, scheduling={"mode": "disaggregated"})  # env in its service
+    status = client.submit(cfg)
+    deadline = time.monotonic() + 60
+    while client.status(status.run_id).env_steps < 1000:
+        assert time.monotonic() < deadline, client.status(status.run_id)
+        time.sleep(0.05)
+    os.kill(stack.procs["env"].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    final = client.wait(status.run_id)
+    took = time.monotonic() - killed_at
+    assert final.state == coordinator_pb2.FAILED and not final.bad_input
+    assert "env worker" in final.reason and "heartbeats" in final.reason and "discarded" in final.reason
+    assert took < 10, f"failure took {took:.1f}s to surface (heartbeat timeout 1.5s)"
+    workers = {w.worker_id: w for w in client.workers()}
+    assert not [w for w in workers.values() if w.worker_id.startswith("env")][0].alive
+    assert all(not w.run_id for w in workers.values())  # survivors are released for the next run
 
 
 def test_cli_malformed_yaml_exits_2_with_line(tmp_path):

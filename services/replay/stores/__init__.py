@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from services.core.objectstore import ObjectStore
 
 
+def check_trajectory(batch: TensorBatch, capacity: int) -> int:
+    """What every store refuses alike before storing: returns the batch's transitions (T * N)."""
+    if batch.version < 0:
+        raise ValueError("trajectory batch has no policy version (header 'version' < 0); tag it with the "
+                         "weight version that produced it")
+    shapes = {tuple(v.shape[:2]) for v in batch.tensors.values() if v.ndim >= 2}
+    if len(shapes) != 1:
+        raise ValueError(f"a trajectory batch needs every [T, N, ...] tensor to share T and N, got {shapes}")
+    t, n = shapes.pop()
+    if t * n > capacity:
+        raise ValueError(f"batch of {t * n} transitions exceeds replay.capacity_transitions={capacity}")
+    return t * n
+
+
 class ReplayStore(Protocol):
     capacity: int
     transitions: int

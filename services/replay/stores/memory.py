@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.core.batch import TensorBatch
+from services.replay.stores import check_trajectory
 
 
 @dataclass(eq=False)  # identity, not field equality: comparing batches would compare arrays
@@ -32,21 +33,8 @@ class MemoryStore:
         self.puts = self.onpolicy_gets = self.samples = self.evicted = self.stale_dropped = 0
         self.newest_version = -1
 
-    @staticmethod
-    def transitions_of(batch: TensorBatch) -> int:
-        shapes = {tuple(v.shape[:2]) for v in batch.tensors.values() if v.ndim >= 2}
-        if len(shapes) != 1:
-            raise ValueError(f"a trajectory batch needs every [T, N, ...] tensor to share T and N, got {shapes}")
-        t, n = shapes.pop()
-        return t * n
-
     def put(self, batch: TensorBatch) -> int:
-        if batch.version < 0:
-            raise ValueError("trajectory batch has no policy version (header 'version' < 0); tag it with the "
-                             "weight version that produced it")
-        n = self.transitions_of(batch)
-        if n > self.capacity:
-            raise ValueError(f"batch of {n} transitions exceeds replay.capacity_transitions={self.capacity}")
+        n = check_trajectory(batch, self.capacity)
         item = _Stored(batch, n, batch.nbytes)
         self._window.append(item)
         self._pending.append(item)

@@ -50,7 +50,7 @@ from redis.retry import Retry
 
 from services.core.batch import TensorBatch
 from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
-from services.replay.stores.memory import MemoryStore
+from services.replay.stores import check_trajectory
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -763,12 +763,7 @@ class RedisStore:
     def put(self, batch: TensorBatch) -> int:
         """Store the batch; returns the put count. Returns only once Redis has it (the caller then acknowledges).
         Like MemoryStore, the store keeps references to the batch's arrays: don't modify them afterwards."""
-        if batch.version < 0:
-            raise ValueError("trajectory batch has no policy version (header 'version' < 0); tag it with the "
-                             "weight version that produced it")
-        n = MemoryStore.transitions_of(batch)
-        if n > self.capacity:
-            raise ValueError(f"batch of {n} transitions exceeds replay.capacity_transitions={self.capacity}")
+        n = check_trajectory(batch, self.capacity)
         bid = f"{self.puts + 1:010d}-{secrets.token_hex(4)}"
         value, refs = self._value_for(bid, batch)
         samples = self._unflushed_samples
