@@ -6,6 +6,7 @@
   rlfabric serve SERVICE --coordinator HOST:PORT      one service (for multi-host deployments)
   rlfabric status --coordinator HOST:PORT             workers and runs
   rlfabric stop RUN_ID --coordinator HOST:PORT
+  rlfabric scale RUN_ID rollout +1 --coordinator HOST:PORT [--spawn]   online scaling of a live run
   rlfabric eval CHECKPOINT [--episodes N]             play episodes with a saved policy
 
 Exit codes: 0 success, 2 bad input (reason on stderr), 1 anything else.
@@ -47,11 +48,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.coordinator:
         return _follow(args.coordinator, args, run_dir, None, config.train.total_env_steps)
-    from services.launcher import LocalStack
+    from services.launcher import LocalStack, roles_for
 
-    stack = LocalStack(log_dir=run_dir / "logs", runs_root=args.runs_root, torch_threads=config.runtime.torch_threads)
+    roles = roles_for(config)
+    stack = LocalStack(log_dir=run_dir / "logs", runs_root=args.runs_root, torch_threads=config.runtime.torch_threads,
+                       roles=roles)
     try:
-        with console.status("starting services (coordinator, env, replay, learner, rollout)..."):
+        with console.status(f"starting services (coordinator, {', '.join(roles)})..."):
             stack.start()
         return _follow(stack.address, args, run_dir, stack, config.train.total_env_steps)
     except RuntimeError as exc:
@@ -69,10 +72,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     args.config, args.set = str(run_dir / "config.yaml"), []
     if args.coordinator:
         return _follow(args.coordinator, args, run_dir, None, config.train.total_env_steps, resume=True)
-    from services.launcher import LocalStack
+    from services.launcher import LocalStack, roles_for
 
     stack = LocalStack(log_dir=run_dir / "logs" / time.strftime("resume-%Y%m%d-%H%M%S"),
-                       runs_root=run_dir.parent, torch_threads=config.runtime.torch_threads)
+                       runs_root=run_dir.parent, torch_threads=config.runtime.torch_threads, roles=roles_for(config))
     try:
         with console.status("starting services to resume the run..."):
             stack.start()
@@ -203,6 +206,45 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Add or remove workers of a role in a live run; with --spawn, start the new local workers first."""
+    import grpc
+
+    from services.coordinator.client import CoordinatorClient
+
+    text = args.count.strip()
+    try:
+        value = int(text)
+    except ValueError:
+        return _fail(f"count {text!r}: expected +N / -N (relative) or N (absolute), e.g. +1", 2)
+    relative = text[0] in "+-"
+    with CoordinatorClient(args.coordinator) as client:
+        try:
+            current = client.plan(args.run_id)
+        except grpc.RpcError as exc:
+            return _fail(exc.details() or str(exc), 2 if exc.code() == grpc.StatusCode.NOT_FOUND else 1)
+        spawn = max(0, value) if relative else 0
+        if args.spawn and spawn:
+            log_dir = Path(args.log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            for n in range(spawn):
+                log = open(log_dir / f"{args.role}-scaled-{os.getpid()}-{n}.log", "w")
+                import subprocess
+
+                subprocess.Popen([sys.executable, "-m", f"services.{args.role}.server", "--coordinator",
+                                  args.coordinator], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            console.print(f"started {spawn} {args.role} worker(s); logs in {log_dir}")
+        try:
+            reply = client.scale(args.run_id, args.role, delta=value if relative else 0,
+                                 count=0 if relative else value, timeout_s=args.timeout)
+        except grpc.RpcError as exc:
+            return _fail(exc.details() or str(exc), 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1)
+    console.print(f"{args.run_id}: {reply.workers} {reply.role} worker(s) from iteration "
+                  f"{reply.applied_at_iteration} (was plan {current.plan}); {reply.detail}", soft_wrap=True)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from services.core.evaluate import evaluate_checkpoint
 
@@ -242,6 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stop", help="stop a run")
     p.add_argument("run_id")
     p.add_argument("--coordinator", required=True)
+    p = sub.add_parser("scale", help="add or remove env/rollout workers of a live run (at an epoch boundary)")
+    p.add_argument("run_id")
+    p.add_argument("role", choices=("rollout", "env"))
+    p.add_argument("count", help="+N / -N workers, or N for an absolute count")
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--spawn", action="store_true", help="start the added workers as local processes first")
+    p.add_argument("--log-dir", default="runs/logs", help="where --spawn writes the new workers' logs")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for workers and the boundary")
     p = sub.add_parser("eval", help="play episodes with a checkpoint's policy")
     p.add_argument("checkpoint")
     p.add_argument("--episodes", type=int, default=10)
@@ -257,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         args, rest = parser.parse_known_args(argv)
         sys.exit(cmd_serve(args, rest))
     args = parser.parse_args(argv)
-    handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop, "eval": cmd_eval}
+    handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
+                "scale": cmd_scale, "eval": cmd_eval}
     sys.exit(handlers[args.command](args))
 
 

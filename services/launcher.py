@@ -50,6 +50,25 @@ def _forked_service(module: str, argv: list[str], log_path: str, torch_threads: 
     importlib.import_module(module).main(argv)
 
 
+def _names(roles: tuple[str, ...]) -> list[str]:
+    """Process names for roles, numbered from the second of a role on: rollout, rollout-1, ..."""
+    seen: dict[str, int] = {}
+    names = []
+    for role in roles:
+        n = seen.get(role, 0)
+        seen[role] = n + 1
+        names.append(role if n == 0 else f"{role}-{n}")
+    return names
+
+
+def roles_for(config) -> tuple[str, ...]:
+    """The worker processes a run's plan needs on one host: its rollout workers and env services."""
+    from services.coordinator.server import CoordinatorService
+
+    counts = CoordinatorService.worker_counts(config)
+    return tuple(role for role in WORKER_ROLES for _ in range(counts[role]))
+
+
 class ForkedProcess:
     """The subprocess.Popen surface LocalStack and its users rely on, over a multiprocessing.Process."""
 
@@ -134,8 +153,8 @@ class LocalStack:
         proc = self._spawn("coordinator", "services.coordinator.server",
                            ["--port-file", str(port_file), "--runs-root", str(self.runs_root),
                             "--heartbeat-timeout", str(self.heartbeat_timeout_s)])
-        for role in workers:
-            self._spawn(role, f"services.{role}.server", ["--coordinator-file", str(port_file)])
+        for name in _names(workers):
+            self._spawn(name, f"services.{name.split('-')[0]}.server", ["--coordinator-file", str(port_file)])
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if proc.poll() is not None:

@@ -65,6 +65,17 @@ class CoordinatorClient:
     def stop(self, run_id: str) -> coordinator_pb2.RunStatus:
         return self.stub.StopRun(coordinator_pb2.RunRef(run_id=run_id), timeout=60)
 
+    def scale(self, run_id: str, role: str, delta: int = 0, count: int = 0,
+              timeout_s: float = 60.0) -> coordinator_pb2.ScaleReply:
+        """Add (delta > 0) or remove (delta < 0) workers of ``role``, or set their ``count``; returns once the
+        change is applied at an epoch boundary."""
+        return self.stub.Scale(coordinator_pb2.ScaleRequest(run_id=run_id, role=role, delta=delta, count=count,
+                                                            timeout_s=timeout_s), timeout=timeout_s + 10)
+
+    def plan(self, run_id: str) -> coordinator_pb2.PlanReply:
+        """The plan the run executes and, for mode auto, the static scheduler's decision table."""
+        return self.stub.GetPlan(coordinator_pb2.RunRef(run_id=run_id), timeout=self.timeout_s)
+
     def close(self) -> None:
         self._channel.close()
 

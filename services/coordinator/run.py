@@ -43,12 +43,14 @@ class Run:
         self.task: asyncio.Task | None = None
         self.failure: RunFailed | None = None
         self.stop_requested = asyncio.Event()
+        self.plan = config.scheduling.mode  # the plan executing now (mode auto: the one the scheduler chose)
+        self.workflow = None
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(
             run_id=self.run_id, state=self.state, reason=self.reason, bad_input=self.bad_input,
             run_dir=str(self.run_dir), env_steps=self.env_steps, weight_version=self.weight_version,
-            iteration=self.iteration, latest=self.latest, mode=self.config.scheduling.mode)
+            iteration=self.iteration, latest=self.latest, mode=self.plan)
 
     @property
     def finished(self) -> bool:

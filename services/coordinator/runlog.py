@@ -17,7 +17,7 @@ COLUMNS = [
     "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance",
     "learning_rate", "clip_range", "collect_seconds", "train_seconds", "update_seconds", "publish_seconds",
     "env_seconds", "policy_seconds",
-    "weight_wait_seconds", "train_wait_seconds",
+    "weight_wait_seconds", "train_wait_seconds", "iteration_seconds", "rollout_workers", "env_workers",
 ]
 
 

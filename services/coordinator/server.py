@@ -101,23 +101,39 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         run.task = asyncio.create_task(self._execute(run, request.resume))
         return run.status()
 
-    async def _acquire(self, run: Run, roles: tuple[str, ...]) -> dict:
-        deadline = time.monotonic() + run.config.runtime.worker_wait_s
-        workers: dict = {}
-        while True:
-            for role in roles:
-                if role not in workers:
-                    w = self.registry.acquire(role, run.run_id)
-                    if w is not None:
-                        workers[role] = w
-            if len(workers) == len(roles):
-                return workers
-            if time.monotonic() > deadline:
-                missing = [r for r in roles if r not in workers]
-                raise RunFailed(f"no idle {', '.join(missing)} worker registered within "
-                                f"runtime.worker_wait_s={run.config.runtime.worker_wait_s:g}s; start one with "
-                                f"`rlfabric serve {missing[0]} --coordinator {self.runtime.address}`")
-            await asyncio.sleep(0.1)
+    async def _acquire(self, run: Run, counts: dict[str, int], wait_s: float | None = None) -> dict[str, list]:
+        """``counts[role]`` idle workers per role for ``run``, waiting up to ``wait_s`` for them to register."""
+        wait_s = run.config.runtime.worker_wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        workers: dict[str, list] = {role: [] for role in counts}
+        try:
+            while True:
+                for role, n in counts.items():
+                    while len(workers[role]) < n:
+                        w = self.registry.acquire(role, run.run_id)
+                        if w is None:
+                            break
+                        workers[role].append(w)
+                missing = {r: n - len(workers[r]) for r, n in counts.items() if len(workers[r]) < n}
+                if not missing:
+                    return workers
+                if time.monotonic() > deadline:
+                    role = next(iter(missing))
+                    raise RunFailed(f"not enough idle workers registered within {wait_s:g}s (runtime.worker_wait_s): "
+                                    f"missing {', '.join(f'{n} {r}' for r, n in missing.items())}; start one with "
+                                    f"`rlfabric serve {role} --coordinator {self.runtime.address}`")
+                await asyncio.sleep(0.1)
+        except BaseException:
+            for ws in workers.values():
+                for w in ws:
+                    w.run_id = ""
+            raise
+
+    @staticmethod
+    def worker_counts(config) -> dict[str, int]:
+        s = config.scheduling
+        env_workers = s.env_workers if (s.mode == "auto" or not s.env_in_rollout()) else 1
+        return {"env": env_workers, "replay": 1, "learner": 1, "rollout": s.rollout_workers}
 
     async def _execute(self, run: Run, resume: bool = False) -> None:
         """Run the workflow; the terminal state is published only after artefacts are written and workers freed,
@@ -125,9 +141,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         workflow = None
         outcome: tuple[int, str, bool]
         try:
-            workers = await self._acquire(run, PPOWorkflow.roles)
-            run.set_state(coordinator_pb2.RUNNING, "workers: " + ", ".join(w.worker_id for w in workers.values()))
-            workflow = PPOWorkflow(run, workers, resume)
+            workers = await self._acquire(run, self.worker_counts(run.config))
+            run.set_state(coordinator_pb2.RUNNING, "workers: " + ", ".join(w.worker_id for ws in workers.values()
+                                                                             for w in ws))
+
+            async def acquire(role: str, n: int, wait_s: float) -> list:
+                return (await self._acquire(run, {role: n}, wait_s))[role]
+
+            def release(worker) -> None:
+                worker.run_id = ""
+
+            workflow = PPOWorkflow(run, workers, resume, acquire, release)
+            run.workflow = workflow
             outcome = (coordinator_pb2.SUCCEEDED, await workflow.execute(), False)
         except RunFailed as exc:
             outcome = (coordinator_pb2.FAILED, exc.reason, exc.bad_input)
@@ -198,6 +223,42 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 run.task.cancel()
                 await asyncio.gather(run.task, return_exceptions=True)
         return run.status()
+
+    async def Scale(self, request, context):
+        """Add or remove workers of a role in a live run; returns once applied at an epoch boundary."""
+        run = await self._run(request, context)
+        workflow = run.workflow
+        if run.finished or workflow is None or run.state != coordinator_pb2.RUNNING:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"run {run.run_id} is not running ({coordinator_pb2.RunState.Name(run.state)})")
+        role = request.role
+        current = len(workflow.pools.get(role, []))
+        target = request.count if request.count > 0 else current + request.delta
+        timeout = request.timeout_s or 60.0
+        try:
+            change = await workflow.request_scale(role, target, timeout)
+            applied = await asyncio.wait_for(asyncio.shield(change.done), timeout)
+        except RunFailed as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input
+                                else grpc.StatusCode.FAILED_PRECONDITION, exc.reason)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"scale {role} to {target} is queued but no epoch boundary came within {timeout:g}s; "
+                                f"it applies at the next one")
+        stages = workflow.pools[role]
+        run.log(f"scaled {role} from {current} to {len(stages)} worker(s) at iteration {applied}")
+        return coordinator_pb2.ScaleReply(role=role, workers=len(stages), worker_ids=[s.worker.worker_id for s in stages],
+                                          applied_at_iteration=applied, detail=workflow.describe_plan())
+
+    async def GetPlan(self, request, context):
+        run = await self._run(request, context)
+        workflow = run.workflow
+        if workflow is None:
+            return coordinator_pb2.PlanReply(plan=run.plan)
+        rows = [coordinator_pb2.PlanRow(plan=d["plan"], predicted_iteration_s=d.get("predicted_s", 0.0),
+                                        measured_iteration_s=d.get("measured_s", 0.0), chosen=d.get("chosen", False),
+                                        description=d.get("description", "")) for d in workflow.decisions]
+        return coordinator_pb2.PlanReply(plan=run.plan, description=workflow.describe_plan(), decisions=rows)
 
     async def shutdown(self) -> None:
         self.reaper.cancel()

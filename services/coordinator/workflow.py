@@ -2,10 +2,14 @@
 
     rollout (env <-> policy) -> advantages -> train -> publish weights (epoch N+1)
 
-and executed under one of two plans:
-  collocated     stages take turns: Collect batch i with version N, Train on it, repeat.
-  disaggregated  the rollout produces a stream of batches (env chunks pipelined against inference) while the
-                 learner trains; batch i uses a version >= i - staleness (0 = strictly on-policy).
+and executed under the plan the run's placement compiles to (see SchedulingConfig). Two loops cover every plan:
+  turns   rollout and learner share workers: every rollout worker Collects its shard of batch i with version i,
+          then the learner Trains on the shards; repeat.
+  stream  the learner has its own workers: every rollout worker Produces a stream of shards (its env chunks
+          pipelined against inference, or its envs in-process) while the learner trains; a shard of batch i uses
+          a version >= i - staleness (0 = strictly on-policy).
+Between iterations (epoch boundaries) the plan may change: online scaling (Scale), the static scheduler trying
+candidate plans (mode auto), dynamic shard rebalancing. A stream is drained first, so nothing is discarded.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.coordinator.registry import Worker
 from services.coordinator.run import Run, RunFailed, StopRequested
 from services.coordinator.runlog import RunLog
+from services.core.config import RunConfig, SchedulingConfig
 from services.core.proto.rlfabric.v1 import (
     common_pb2,
     env_pb2_grpc,
@@ -77,34 +83,94 @@ STUBS = {
 }
 
 
+@dataclass
+class Producer:
+    """One rollout worker's Produce stream: the shards it delivered and how it ended."""
+
+    stage: Stage
+    call: object
+    task: asyncio.Task | None = None
+    last_index: int = -1
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class ScaleChange:
+    role: str
+    target: int
+    joiners: list[Worker]
+    done: asyncio.Future
+
+
+Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
+
+
 class PPOWorkflow:
     roles = ("env", "replay", "learner", "rollout")
 
-    def __init__(self, run: Run, workers: dict[str, Worker], resume: bool = False):
+    def __init__(self, run: Run, workers: dict[str, list[Worker]], resume: bool = False,
+                 acquire: Acquire | None = None, release: Callable[[Worker], None] | None = None):
         self.run = run
         self.cfg = run.config
         self.resume = resume
         self.start = 0  # first iteration to run (> 0 when resumed from a checkpoint)
-        self.stages = {}
-        for role, w in workers.items():
-            ch = channel(w.grpc)
-            self.stages[role] = Stage(w, ch, STUBS[role](ch))
+        self.stages: dict[str, Stage] = {}
+        self.pools: dict[str, list[Stage]] = {}
+        for role, ws in workers.items():
+            self.pools[role] = [self._stage(w) for w in ws]
+            self.stages[role] = self.pools[role][0]
+        self.acquire, self.release = acquire, release
+        self.sched: SchedulingConfig = self.cfg.scheduling
+        self.plan_name = self.sched.mode
+        self.decisions: list[dict] = []
+        self.changes: list[ScaleChange] = []
+        self.arrived: list[rollout_pb2.CollectReply] = []
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.runlog: RunLog | None = None
         self.t0 = time.time()
+        self.t_iter = time.perf_counter()
         self.best_eval = -math.inf
+        self.env_spec: dict = {}
+        self.endpoints: dict[str, str] = {}
+
+    @staticmethod
+    def _stage(w: Worker) -> Stage:
+        ch = channel(w.grpc)
+        return Stage(w, ch, STUBS[w.role](ch))
+
+    @property
+    def rollouts(self) -> list[Stage]:
+        return self.pools["rollout"]
+
+    @property
+    def envs(self) -> list[Stage]:
+        return self.pools["env"]
 
     async def close(self) -> None:
-        for s in self.stages.values():
-            await s.channel.close()
+        for stages in self.pools.values():
+            for s in stages:
+                await s.channel.close()
         if self.runlog is not None:
             await asyncio.to_thread(self.runlog.close)
+
+    # -- configuration ---------------------------------------------------------------------------------------
+    def plan_config(self, sched: SchedulingConfig | None = None, **updates) -> RunConfig:
+        """The run config with a concrete plan (validated: a plan that cannot split the envs is refused)."""
+        data = json.loads(self.cfg.to_json())
+        data["scheduling"] = {**json.loads((sched or self.sched).model_dump_json()), **updates}
+        try:
+            return RunConfig.model_validate(data)
+        except ValueError as exc:
+            raise RunFailed(f"plan {self.plan_name} cannot run: {exc}", True) from None
 
     async def configure(self) -> None:
         cfg, run = self.cfg, self.run
         req = dict(run_id=run.run_id, config_json=cfg.to_json())
-        env = await rpc(self.stages["env"], "Configure", common_pb2.ConfigureRequest(**req), 120)
-        env_spec = json.loads(env.detail_json)
+        env = await rpc(self.envs[0], "Configure", common_pb2.ConfigureRequest(**req), 120)
+        self.env_spec = env_spec = json.loads(env.detail_json)
+        self.endpoints = {self.envs[0].worker.worker_id: env.data_endpoint}
+        for stage in self.envs[1:]:
+            await self._configure_env(stage)
         ctx = {"env_spec": env_spec, "run_dir": str(run.run_dir.resolve())}
         replay = await rpc(self.stages["replay"], "Configure",
                            common_pb2.ConfigureRequest(**req, context_json=json.dumps(ctx)), 60)
@@ -119,21 +185,58 @@ class PPOWorkflow:
         learner = await rpc(self.stages["learner"], "Configure", common_pb2.ConfigureRequest(
             **req, peers={"replay": replay.data_endpoint}, context_json=json.dumps({**ctx, "resume": self.resume})),
             120)
+        self.endpoints["replay"], self.endpoints["learner"] = replay.data_endpoint, learner.data_endpoint
         detail = json.loads(learner.detail_json)
         self.base_version = detail["weight_version"]
         if self.resume:
             self._restore(detail)
         self.runlog = await asyncio.to_thread(RunLog, run.run_dir, cfg, self.start if self.resume else None,
                                               run.env_steps)
-        await rpc(self.stages["rollout"], "Configure", common_pb2.ConfigureRequest(
-            **req, peers={"env": env.data_endpoint, "replay": replay.data_endpoint,
-                          "learner": learner.data_endpoint},
-            context_json=json.dumps({**ctx, "base_version": self.base_version, "start_iteration": self.start})), 120)
+        if self.sched.mode != "auto":
+            await self.configure_rollouts(self.start)
         run.log(f"configured {env_spec['env_id']} x{env_spec['num_envs']} "
-                f"(obs {env_spec['observation_space']['shape']}, actions {env_spec['action_space']['kind']}); "
-                f"plan {cfg.scheduling.mode}, chunks {cfg.scheduling.chunks()}, "
-                f"staleness {cfg.scheduling.effective_staleness()}, env pool in "
-                f"{'the rollout worker' if cfg.scheduling.env_in_rollout() else 'the env service'}")
+                f"(obs {env_spec['observation_space']['shape']}, actions {env_spec['action_space']['kind']})")
+
+    async def _configure_env(self, stage: Stage) -> None:
+        reply = await rpc(stage, "Configure", common_pb2.ConfigureRequest(run_id=self.run.run_id,
+                                                                          config_json=self.cfg.to_json()), 120)
+        self.endpoints[stage.worker.worker_id] = reply.data_endpoint
+
+    def describe_plan(self, sched: SchedulingConfig | None = None, workers: int | None = None) -> str:
+        s = sched or self.sched
+        where = s.resolved_placement()
+        w = workers or len(self.rollouts)
+        env = "in the rollout workers" if s.env_in_rollout() else \
+            f"in {min(len(self.envs), w)} env service(s), {s.chunks()} chunk(s) pipelined"
+        learner = f"streams, staleness {s.effective_staleness()}" if s.learner_overlaps() else "takes turns"
+        return (f"placement {where}; {w} rollout worker(s) with shards {self.cfg.shard_sizes(w)}; env {env}; "
+                f"learner {learner}")
+
+    async def configure_rollouts(self, next_index: int, sched: SchedulingConfig | None = None) -> None:
+        """(Re)configure every rollout worker for the current plan: its shard of the env batch, its env peer, and
+        the weight version its first batch needs (a joiner gets it before its first step)."""
+        sched = sched or self.sched
+        w_count = len(self.rollouts)
+        cfg = self.plan_config(sched, rollout_workers=w_count, env_workers=len(self.envs))
+        k = sched.effective_staleness()
+        offsets = [0]
+        for n in cfg.shard_sizes():
+            offsets.append(offsets[-1] + n)
+        calls = []
+        for w, stage in enumerate(self.rollouts):
+            env_stage = self.envs[w % len(self.envs)]
+            shard = {"index": w, "envs": offsets[w + 1] - offsets[w], "offset": offsets[w]}
+            ctx = {"env_spec": self.env_spec, "run_dir": str(self.run.run_dir.resolve()),
+                   "base_version": self.base_version, "start_iteration": next_index, "shard": shard,
+                   "min_version": self.base_version + max(0, next_index - k)}
+            calls.append(rpc(stage, "Configure", common_pb2.ConfigureRequest(
+                run_id=self.run.run_id, config_json=cfg.to_json(), context_json=json.dumps(ctx),
+                peers={"env": self.endpoints[env_stage.worker.worker_id], "replay": self.endpoints["replay"],
+                       "learner": self.endpoints["learner"]}), 120))
+        await asyncio.gather(*calls)
+        self.sched = cfg.scheduling
+        self.run.plan = self.plan_name
+        self.run.log(f"plan {self.plan_name} from iteration {next_index}: {self.describe_plan()}")
 
     def _restore(self, detail: dict) -> None:
         """Continue where the checkpoint was: iteration, env steps, versions, returns history, wall clock."""
@@ -163,12 +266,13 @@ class PPOWorkflow:
                      f"{reply.weight_version - self.base_version})")
         return reply
 
-    async def finish_iteration(self, i: int, n_iters: int, c: rollout_pb2.CollectReply,
+    # -- one iteration's end -----------------------------------------------------------------------------------
+    async def finish_iteration(self, i: int, n_iters: int, shards: list[rollout_pb2.CollectReply],
                                t: learner_pb2.TrainReply) -> bool:
         """Every plan ends an iteration alike: evaluate when due, record, checkpoint when due, and honour a stop
         here (the one place it takes effect, so no update goes unrecorded). True once the target is reached."""
         ev = await self.evaluate() if self.eval_due(i, n_iters) else None
-        self.record(i, c, t, ev)
+        self.record(i, shards, t, ev)
         if self.reached(ev):
             return True
         if self.checkpoint_due(i, n_iters):
@@ -182,24 +286,31 @@ class PPOWorkflow:
         return every > 0 and (i + 1) % every == 0 and i + 1 < n_iters
 
     async def evaluate(self) -> rollout_pb2.EvaluateReply:
-        return await rpc(self.stages["rollout"], "Evaluate",
+        return await rpc(self.rollouts[0], "Evaluate",
                          rollout_pb2.EvaluateRequest(episodes=self.cfg.train.eval_episodes))
 
-    def record(self, i: int, c: rollout_pb2.CollectReply, t: learner_pb2.TrainReply,
+    def record(self, i: int, shards: list[rollout_pb2.CollectReply], t: learner_pb2.TrainReply,
                ev: rollout_pb2.EvaluateReply | None) -> None:
-        self.recent_returns.extend(c.episode_returns)
+        for c in shards:
+            self.recent_returns.extend(c.episode_returns)
+        now = time.perf_counter()
+        iteration_s, self.t_iter = now - self.t_iter, now
         run = self.run
-        wall = time.time() - self.t0
-        env_steps = run.env_steps + c.env_steps
+        n = max(len(shards), 1)
+
+        def mean(field: str) -> float:
+            return sum(getattr(c, field) for c in shards) / n
+
         row: dict[str, float] = {
-            "iteration": i + 1, "env_steps": env_steps, "wall_time_s": wall,
+            "iteration": i + 1, "env_steps": t.env_steps, "wall_time_s": time.time() - self.t0,
             "weight_version": t.weight_version - self.base_version,
             "batch_version": t.batch_version - self.base_version,
-            "train_episodes": len(c.episode_returns), "optimizer_steps": t.optimizer_steps,
-            "fps": c.env_steps / max(c.collect_seconds + t.train_seconds, 1e-9),
-            "collect_seconds": c.collect_seconds, "train_seconds": t.train_seconds,
-            "env_seconds": c.env_seconds, "policy_seconds": c.policy_seconds,
-            "weight_wait_seconds": c.weight_wait_seconds, "train_wait_seconds": t.wait_seconds,
+            "train_episodes": sum(len(c.episode_returns) for c in shards), "optimizer_steps": t.optimizer_steps,
+            "fps": self.cfg.batch_env_steps() / max(iteration_s, 1e-9), "iteration_seconds": iteration_s,
+            "collect_seconds": mean("collect_seconds"), "train_seconds": t.train_seconds,
+            "env_seconds": mean("env_seconds"), "policy_seconds": mean("policy_seconds"),
+            "weight_wait_seconds": mean("weight_wait_seconds"), "train_wait_seconds": t.wait_seconds,
+            "rollout_workers": len(self.rollouts), "env_workers": 0 if self.sched.env_in_rollout() else len(self.envs),
             **dict(t.stats),
         }
         if self.recent_returns:
@@ -209,6 +320,7 @@ class PPOWorkflow:
             row["eval_return_std"] = ev.episodes.return_std
             row["eval_weight_version"] = ev.weight_version - self.base_version
             self.best_eval = max(self.best_eval, ev.episodes.return_mean)
+        self.last_row = row
         self.runlog.write(row)
         run.metrics(row)
 
@@ -220,17 +332,30 @@ class PPOWorkflow:
         target = self.cfg.train.stop_at_eval_return
         return ev is not None and target is not None and ev.episodes.return_mean >= target
 
+    # -- the run -----------------------------------------------------------------------------------------------
     async def execute(self) -> str:
         await self.configure()
         n_iters = math.ceil(self.cfg.train.total_env_steps / self.cfg.batch_env_steps())
         if self.start >= n_iters:
             raise RunFailed(f"nothing to resume: the checkpoint is at iteration {self.start} of {n_iters}", True)
-        if self.cfg.scheduling.mode == "collocated":
-            summary = await self._collocated(n_iters)
-        else:
-            summary = await self._disaggregated(n_iters)
+        i, done = self.start, False
+        self.t_iter = time.perf_counter()
+        if self.sched.mode == "auto":
+            from services.coordinator.scheduler import StaticScheduler
+
+            i, done = await StaticScheduler(self).choose(i, n_iters)
+        while not done and i < n_iters:
+            i, done = await self.segment(i, n_iters)
+            if not done and i < n_iters:
+                await self.apply_changes(i)
         await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
-        return summary
+        return self._summary(done)
+
+    async def segment(self, i: int, until: int) -> tuple[int, bool]:
+        """Run iterations [i, until) under the current plan; stop early (at a boundary) when a change waits."""
+        if self.sched.learner_overlaps():
+            return await self._stream(i, until)
+        return await self._turns(i, until)
 
     def _summary(self, stopped_early: bool) -> str:
         best = f"best eval mean return {self.best_eval:.1f}" if self.best_eval > -math.inf else "no eval"
@@ -239,59 +364,139 @@ class PPOWorkflow:
             return f"reached eval return >= {target:g} at {self.run.env_steps} env steps ({best})"
         return f"finished {self.run.env_steps} env steps ({best})"
 
-    async def _collocated(self, n_iters: int) -> str:
-        learner, rollout = self.stages["learner"], self.stages["rollout"]
-        for i in range(self.start, n_iters):
+    async def _turns(self, i: int, until: int) -> tuple[int, bool]:
+        learner = self.stages["learner"]
+        while i < until:
             version = self.base_version + i
-            c = await rpc(rollout, "Collect", rollout_pb2.CollectRequest(batch_index=i, min_version=version))
+            shards = await asyncio.gather(*(rpc(r, "Collect", rollout_pb2.CollectRequest(
+                batch_index=i, min_version=version)) for r in self.rollouts))
             t = await rpc(learner, "Train", learner_pb2.TrainRequest(batch_index=i, min_version=version))
-            if await self.finish_iteration(i, n_iters, c, t):
-                return self._summary(True)
-        return self._summary(False)
+            if await self.finish_iteration(i, until, list(shards), t):
+                return i + 1, True
+            i += 1
+            if self.changes:
+                break
+        return i, False
 
-    async def _disaggregated(self, n_iters: int) -> str:
-        learner, rollout = self.stages["learner"], self.stages["rollout"]
-        k = self.cfg.scheduling.staleness
-        call = rollout.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=self.start,
-                                                               max_batches=n_iters - self.start, staleness=k))
-        collected: dict[int, rollout_pb2.CollectReply] = {}
-        arrived = asyncio.Event()
-        failure: list[RunFailed] = []
+    def _open(self, stage: Stage, first: int, count: int, k: int, failure: list[RunFailed],
+              arrived: asyncio.Event) -> Producer:
+        call = stage.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=first, max_batches=count,
+                                                             staleness=k))
+        producer = Producer(stage, call, last_index=first - 1)
 
         async def consume() -> None:
             try:
                 async for reply in call:
-                    collected[reply.batch_index] = reply
+                    producer.last_index = reply.batch_index
+                    self.arrived.append(reply)
                     arrived.set()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
-                    failure.append(RunFailed(f"{rollout.worker.describe()}: Produce failed: {exc.details()}",
+                    failure.append(RunFailed(f"{stage.worker.describe()}: Produce failed: {exc.details()}",
                                              exc.code() == grpc.StatusCode.INVALID_ARGUMENT))
-            arrived.set()
+            finally:
+                producer.ended.set()
+                arrived.set()
 
-        consumer = asyncio.create_task(consume())
+        producer.task = asyncio.create_task(consume())
+        return producer
+
+    async def _stream(self, i: int, until: int) -> tuple[int, bool]:
+        learner = self.stages["learner"]
+        k = self.sched.effective_staleness()
+        failure: list[RunFailed] = []
+        arrived = asyncio.Event()
+        producers = [self._open(r, i, until - i, k, failure, arrived) for r in self.rollouts]
+        drain_at: int | None = None
         try:
-            for i in range(self.start, n_iters):
+            while i < until:
+                if drain_at is not None and i > drain_at:
+                    break  # every shard produced before the drain was trained on
                 train = asyncio.create_task(rpc(learner, "Train", learner_pb2.TrainRequest(
                     batch_index=i, min_version=self.base_version + i - k)))
                 while not train.done():
-                    await asyncio.wait({train, asyncio.ensure_future(arrived.wait())},
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    waiter = asyncio.ensure_future(arrived.wait())
+                    await asyncio.wait({train, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
                     arrived.clear()
                     if failure:
                         train.cancel()
                         raise failure[0]
+                    if not train.done() and all(p.ended.is_set() for p in producers) and drain_at is None:
+                        await asyncio.wait({train}, timeout=1.0)  # the last shard may still be in flight
+                        if not train.done():
+                            train.cancel()
+                            raise RunFailed("every rollout stream ended before the learner had its batch "
+                                            f"{i}; see the rollout workers' logs")
                 t = train.result()
-                while i not in collected:  # the put was acknowledged before the stats were emitted
-                    if failure:
-                        raise failure[0]
-                    if consumer.done():
-                        raise RunFailed(f"{rollout.worker.describe()}: produce stream ended before batch {i}")
-                    await arrived.wait()
-                    arrived.clear()
-                if await self.finish_iteration(i, n_iters, collected.pop(i), t):
-                    return self._summary(True)
-            return self._summary(False)
+                shards, self.arrived = self.arrived, []
+                if await self.finish_iteration(i, until, shards, t):
+                    return i + 1, True
+                i += 1
+                if self.changes and drain_at is None:
+                    # finish what is in flight (up to the furthest shard started), then re-plan
+                    drain_at = max(max(p.last_index for p in producers) + 1, i)
+                    await asyncio.gather(*(rpc(p.stage, "Drain", rollout_pb2.DrainRequest(last_batch_index=drain_at))
+                                           for p in producers if not p.ended.is_set()))
+                    self.run.log(f"draining rollout streams after batch {drain_at} to re-plan")
+            await asyncio.wait_for(asyncio.gather(*(p.ended.wait() for p in producers)),
+                                   self.cfg.data_plane.timeout_s)
+            if failure:
+                raise failure[0]
+            return i, False
         finally:
-            call.cancel()
-            consumer.cancel()
+            for p in producers:
+                p.call.cancel()
+                if p.task is not None:
+                    p.task.cancel()
+
+    # -- changes at epoch boundaries ---------------------------------------------------------------------------
+    async def request_scale(self, role: str, target: int, timeout_s: float) -> ScaleChange:
+        """Queue a change of the number of ``role`` workers; it is applied at the next epoch boundary."""
+        if role not in ("rollout", "env"):
+            raise RunFailed(f"cannot scale role {role!r}: only 'rollout' and 'env' workers scale", True)
+        current = len(self.pools[role])
+        if target < 1:
+            raise RunFailed(f"a run needs at least one {role} worker (asked for {target})", True)
+        if role == "rollout" and target > self.cfg.env.num_envs:
+            raise RunFailed(f"cannot run {target} rollout workers on env.num_envs={self.cfg.env.num_envs}", True)
+        if role == "rollout":
+            self.plan_config(self.sched, rollout_workers=target)  # refuses a split the chunks cannot take
+        joiners: list[Worker] = []
+        if target > current:
+            if self.acquire is None:
+                raise RunFailed("this coordinator cannot acquire workers for a run")
+            joiners = await self.acquire(role, target - current, timeout_s)
+        change = ScaleChange(role, target, joiners, asyncio.get_running_loop().create_future())
+        self.changes.append(change)
+        return change
+
+    async def apply_changes(self, next_index: int) -> None:
+        """Apply queued scale changes between iterations: joiners are configured (current weights first),
+        leavers were drained and are released, and every rollout worker gets its new shard."""
+        changes, self.changes = self.changes, []
+        for change in changes:
+            stages = self.pools[change.role]
+            leaving = stages[change.target:]
+            kept = stages[:change.target] + [self._stage(w) for w in change.joiners]
+            if change.role == "env":
+                for stage in kept[len(stages):]:
+                    await self._configure_env(stage)
+            self.pools[change.role] = kept
+            self.stages[change.role] = kept[0]
+            for stage in leaving:
+                await stage.channel.close()
+                if self.release is not None:
+                    self.release(stage.worker)
+        if not changes:
+            return
+        try:
+            await self.configure_rollouts(next_index)
+        except RunFailed as exc:
+            for change in changes:
+                if not change.done.done():
+                    change.done.set_exception(exc)
+            raise
+        for change in changes:
+            if not change.done.done():
+                change.done.set_result(next_index)

@@ -77,25 +77,97 @@ class CheckpointConfig(_Strict):
     keep: int = Field(3, ge=1, description="periodic checkpoints kept; older ones are deleted")
 
 
+STAGES = ("env", "rollout", "learner")
+MODES = ("collocated", "disaggregated", "hybrid")
+
+
+class PoolConfig(_Strict):
+    """A resource pool: the workers of the stages placed on it share these units."""
+
+    cores: int = Field(1, ge=1, le=4096, description="CPU cores in the pool")
+    gpus: int = Field(0, ge=0, le=4096, description="GPUs in the pool (0 on CPU hosts)")
+
+
 class SchedulingConfig(_Strict):
-    mode: Literal["collocated", "disaggregated"] = "collocated"
+    """How the one logical workflow is executed. Stages placed on the same pool share its workers and take
+    turns; stages on different pools run concurrently. The three modes are names for placements:
+    collocated = one pool for all, disaggregated = a pool per stage, hybrid = the declared ``placement``."""
+
+    mode: Literal["collocated", "disaggregated", "hybrid", "auto"] = Field(
+        "collocated", description="auto = profile, predict every candidate plan, run the fastest")
+    pools: dict[str, PoolConfig] = Field(default_factory=dict,
+                                         description="resource pools by name; default: one per placed pool name")
+    placement: dict[str, str] = Field(default_factory=dict,
+                                      description="hybrid: stage (env, rollout, learner) -> pool name")
     pipeline_chunks: int = Field(2, ge=1, le=64, description="env chunks pipelined against inference")
     staleness: int = Field(0, ge=0, le=64, description="max weight versions a batch may lag (0 = on-policy)")
     env_placement: Literal["auto", "env_service", "rollout"] = Field(
         "auto", description="where the env pool runs: its own service, or inside the rollout worker (no IPC per "
-                            "step); auto = rollout for collocated plans, env_service for disaggregated ones")
+                            "step); auto = inside the rollout worker when env and rollout share a pool and no "
+                            "chunks are pipelined, else the env service")
+    rollout_workers: int = Field(1, ge=1, le=1024, description="rollout workers sharing the env batch")
+    env_workers: int = Field(1, ge=1, le=1024, description="env services (rollout worker w uses env w % n)")
+    profile_iterations: int = Field(2, ge=1, le=100, description="auto: iterations measured per profiled plan")
+    candidates: list[str] = Field(default_factory=list,
+                                  description="auto: plan names to consider (default: every candidate)")
+    dynamic: bool = Field(False, description="rebalance env shards across rollout workers from measured speed")
+
+    @model_validator(mode="after")
+    def _placement(self) -> SchedulingConfig:
+        unknown = sorted(set(self.placement) - set(STAGES))
+        if unknown:
+            raise ValueError(f"placement names unknown stage(s) {unknown}; stages are {', '.join(STAGES)}")
+        if self.mode == "hybrid":
+            missing = [s for s in STAGES if s not in self.placement]
+            if missing:
+                raise ValueError(f"hybrid mode needs placement for every stage, missing {missing}; e.g. "
+                                 f"placement: {{env: a, rollout: a, learner: b}}")
+        if self.pools:
+            undeclared = sorted({p for p in self.placement.values() if p not in self.pools})
+            if undeclared:
+                raise ValueError(f"placement uses pool(s) {undeclared} not declared in pools "
+                                 f"({', '.join(self.pools)}); declare them or fix the names")
+        return self
+
+    def resolved_placement(self) -> dict[str, str]:
+        """Stage -> pool for the mode: collocated shares one pool, disaggregated gives each stage its own."""
+        if self.mode == "collocated":
+            pool = next(iter(self.pools), "shared")
+            return {s: pool for s in STAGES}
+        if self.mode == "disaggregated":
+            names = list(self.pools) if len(self.pools) >= 3 else list(STAGES)
+            return {s: names[i] for i, s in enumerate(STAGES)}
+        if self.mode == "hybrid":
+            return dict(self.placement)
+        return {s: "shared" for s in STAGES}  # auto: the chosen plan replaces this before any worker runs
 
     def env_in_rollout(self) -> bool:
-        if self.env_placement == "auto":
-            return self.mode == "collocated"
-        return self.env_placement == "rollout"
+        if self.env_placement != "auto":
+            return self.env_placement == "rollout"
+        where = self.resolved_placement()
+        shared = where["env"] == where["rollout"]
+        return shared and (self.mode == "collocated" or self.pipeline_chunks == 1)
 
     def chunks(self) -> int:
-        """Collocated plans step the whole env batch at once; disaggregated ones pipeline chunks."""
-        return 1 if self.mode == "collocated" else self.pipeline_chunks
+        """Envs simulated in the rollout process step the whole shard at once; an env service pipelines chunks."""
+        return 1 if self.env_in_rollout() else self.pipeline_chunks
+
+    def learner_overlaps(self) -> bool:
+        """A learner on its own pool consumes a stream of batches while rollout produces the next ones."""
+        where = self.resolved_placement()
+        return where["learner"] != where["rollout"]
 
     def effective_staleness(self) -> int:
-        return 0 if self.mode == "collocated" else self.staleness
+        return self.staleness if self.learner_overlaps() else 0
+
+
+class WeightSyncConfig(_Strict):
+    transport: Literal["zmq", "gloo", "nccl"] = Field(
+        "zmq", description="zmq: the data plane; gloo/nccl: torch.distributed carries the tensors")
+    bucket_bytes: int = Field(32 * 2**20, ge=1024, description="weights move in buckets of at most this size")
+    delta: bool = Field(False, description="send only the tensors/elements that changed since the held version")
+    delta_max_fraction: float = Field(0.25, gt=0, le=1,
+                                      description="element deltas only when fewer than this fraction changed")
 
 
 class ReplayConfig(_Strict):
@@ -147,16 +219,28 @@ class RunConfig(_Strict):
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.env.num_envs % self.scheduling.chunks() != 0:
-            raise ValueError(
-                f"env.num_envs={self.env.num_envs} must be divisible by scheduling.pipeline_chunks="
-                f"{self.scheduling.pipeline_chunks}; pick a chunk count that divides the env count"
-            )
+        sched = self.scheduling
+        if sched.rollout_workers > self.env.num_envs:
+            raise ValueError(f"scheduling.rollout_workers={sched.rollout_workers} exceeds env.num_envs="
+                             f"{self.env.num_envs}: every rollout worker needs at least one env")
+        for w, n in enumerate(self.shard_sizes()):
+            if n % sched.chunks() != 0:
+                raise ValueError(
+                    f"env.num_envs={self.env.num_envs} over {sched.rollout_workers} rollout worker(s) gives worker "
+                    f"{w} {n} envs, not divisible by scheduling.pipeline_chunks={sched.pipeline_chunks}; pick a "
+                    f"chunk count that divides each worker's env count")
         return self
+
+    def shard_sizes(self, workers: int | None = None) -> list[int]:
+        """Envs per rollout worker: the env batch split as evenly as possible (the first ones get the rest)."""
+        w = workers or self.scheduling.rollout_workers
+        n = self.env.num_envs
+        return [n // w + (i < n % w) for i in range(w)]
 
     def eval_seed(self) -> int:
         """Evaluation envs are seeded apart from training envs; ``rlfabric eval`` reuses this by default."""

@@ -16,7 +16,7 @@ class LocalEnvChannel:
     peer = "env (in-process)"
 
     def __init__(self, config) -> None:
-        self.pools = EnvPools(config)
+        self.pools = EnvPools(config, build_train=False)  # the worker's shard is built by its first reset
         self._seq = 0
         self._answers: dict[int, tuple[str, TensorBatch] | Exception] = {}
 

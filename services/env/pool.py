@@ -97,15 +97,21 @@ class EnvPool:
 
 
 class EnvPools:
-    """The pools of one run ("train" chunked for pipelining, "eval" one episode per env) and the request
-    protocol both the env service's data plane and an in-process channel speak."""
+    """The pools of one run and the request protocol both the env service's data plane and an in-process
+    channel speak. "eval" plays one episode per env; training pools are shards named "train/<worker>", one per
+    rollout worker, created by the first reset that names their size (a run re-sharded when it scales gets new
+    ones); "train" is the whole env batch of a single-worker run."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, build_train: bool = True) -> None:
+        self.config = config
         env = config.env
-        self.pools = {
-            "train": EnvPool(env.id, env.num_envs, config.scheduling.chunks(), env.vectorization, env.kwargs),
-            "eval": EnvPool(env.id, env.eval_envs, 1, "sync", env.kwargs),
-        }
+        self.pools: dict[str, EnvPool] = {"eval": EnvPool(env.id, env.eval_envs, 1, "sync", env.kwargs)}
+        if build_train:
+            self.pools["train"] = self._train_pool(env.num_envs)
+
+    def _train_pool(self, num_envs: int, chunks: int | None = None) -> EnvPool:
+        env = self.config.env
+        return EnvPool(env.id, num_envs, chunks or self.config.scheduling.chunks(), env.vectorization, env.kwargs)
 
     def __getitem__(self, name: str) -> EnvPool:
         return self.pools[name]
@@ -116,12 +122,33 @@ class EnvPools:
     def values(self):
         return self.pools.values()
 
+    def train_pools(self) -> list[EnvPool]:
+        return [p for name, p in self.pools.items() if name.split("/")[0] == "train"]
+
+    def _shard(self, name: str, meta: dict) -> EnvPool | None:
+        """A training shard sized by the reset that names it (``num_envs``, ``chunks``; default the whole env
+        batch); rebuilt if they changed."""
+        n = int(meta.get("num_envs", self.config.env.num_envs))
+        chunks = int(meta.get("chunks", self.config.scheduling.chunks()))
+        limit = self.config.env.num_envs
+        if not 1 <= n <= limit:
+            raise ValueError(f"reset of pool {name!r} asks for {n} envs; a shard holds 1..env.num_envs={limit}")
+        pool = self.pools.get(name)
+        if pool is None or pool.num_envs != n or pool.num_chunks != chunks:
+            if pool is not None:
+                pool.close()
+            self.pools[name] = pool = self._train_pool(n, chunks)
+        return pool
+
     def handle(self, kind: str, meta: dict, tensors: dict) -> tuple[str, dict]:
-        """reset {pool, seed} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, truncated, ..."""
-        pool_name = meta.get("pool", "train")
-        pool = self.pools.get(pool_name)
+        """reset {pool, seed, num_envs?} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, ..."""
+        pool_name = str(meta.get("pool", "train"))
+        if kind == "reset" and pool_name.split("/")[0] == "train":
+            pool = self._shard(pool_name, meta)
+        else:
+            pool = self.pools.get(pool_name)
         if pool is None:
-            raise ValueError(f"no env pool {pool_name!r}: call Configure first (pools: {sorted(self.pools)})")
+            raise ValueError(f"no env pool {pool_name!r}: reset it first (pools: {sorted(self.pools)})")
         if kind == "reset":
             return "obs", {"obs": np.concatenate(pool.reset(int(meta.get("seed", 0))))}
         if kind == "step":

@@ -64,7 +64,8 @@ class EnvService(env_pb2_grpc.EnvServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         env = config.env
         try:
-            pools = await asyncio.to_thread(EnvPools, config)
+            # training shards are built by the rollout workers' first resets (sized by the plan)
+            pools = await asyncio.to_thread(EnvPools, config, False)
         except (UnknownEnvError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 — a simulator that fails to build is reported, not hidden
@@ -81,10 +82,10 @@ class EnvService(env_pb2_grpc.EnvServicer):
         return common_pb2.ConfigureReply(data_endpoint=self.data.endpoint, detail_json=json.dumps(self._spec_dict()))
 
     def _spec_dict(self) -> dict:
-        train = self.pools["train"]
-        return {"env_id": train.env_id, "num_envs": train.num_envs, "num_chunks": train.num_chunks,
-                "eval_envs": self.pools["eval"].num_envs, "observation_space": train.obs_spec,
-                "action_space": train.act_spec}
+        spec = self.pools["eval"]
+        return {"env_id": spec.env_id, "num_envs": self.config.env.num_envs,
+                "num_chunks": self.config.scheduling.chunks(), "eval_envs": spec.num_envs,
+                "observation_space": spec.obs_spec, "action_space": spec.act_spec}
 
     async def GetSpec(self, request, context):
         if self.pools is None:
@@ -95,12 +96,13 @@ class EnvService(env_pb2_grpc.EnvServicer):
                                action_space=_space(d["action_space"]))
 
     async def GetStats(self, request, context):
-        pool = self.pools.get("train") if self.pools is not None else None
-        if pool is None:
-            return env_pb2.EnvStats(rejected_messages=self.data.rejected)
-        return env_pb2.EnvStats(env_steps=pool.env_steps, episodes=episode_stats(pool.finished_returns,
-                                                                                 pool.finished_lengths),
-                                rejected_messages=self.data.rejected, step_seconds=pool.step_seconds)
+        with self.lock:
+            pools = self.pools.train_pools() if self.pools is not None else []
+            returns = [r for p in pools for r in p.finished_returns]
+            lengths = [n for p in pools for n in p.finished_lengths]
+            steps, seconds = sum(p.env_steps for p in pools), sum(p.step_seconds for p in pools)
+        return env_pb2.EnvStats(env_steps=steps, episodes=episode_stats(returns, lengths),
+                                rejected_messages=self.data.rejected, step_seconds=seconds)
 
     def close(self) -> None:
         self.data.stop()

@@ -72,6 +72,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                                              self.runtime.advertise_host)
         self.store = open_store(config.storage, run_dir, run_id)
         self.config, self.env_spec = config, env_spec
+        self.held: dict[int, list[TensorBatch]] = {}  # shards of later updates, taken early (see _take_batch)
         detail: dict = {}
         self.version = 0
         if resume:
@@ -119,13 +120,43 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                                       "resumed_from": detail.get("resumed_from", "")})
         return common_pb2.ConfigureReply(data_endpoint=detail["weights_endpoint"], detail_json=json.dumps(detail))
 
-    def _train(self, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
+    def _take_batch(self, batch_index: int, min_version: int, timeout_s: float) -> TensorBatch:
+        """Update ``batch_index``'s batch: the shards of that index (one per rollout worker, each [T, n_w, ...],
+        every one at least ``min_version``), joined along the env axis once they hold env.num_envs envs.
+        Shards arrive FIFO from replay; one of a later index (a worker running ahead within the staleness bound)
+        is held for its own update; one of an earlier index (left over from before a re-plan) is dropped."""
+        deadline = time.monotonic() + timeout_s
+        shards = self.held.pop(batch_index, [])
+        envs = sum(int(b.tensors["rewards"].shape[1]) for b in shards)
+        while envs < self.config.env.num_envs:
+            wait = max(0.0, deadline - time.monotonic())
+            kind, shard = self.replay.request("get", TensorBatch(meta={"min_version": min_version, "wait_s": wait}),
+                                              timeout_s=wait + 5)
+            if kind != "batch":
+                raise PeerTimeout(f"no trajectory batch with version >= {min_version} arrived in replay within "
+                                  f"{timeout_s:.1f}s (have {envs} of {self.config.env.num_envs} envs of batch "
+                                  f"{batch_index}); is the rollout service producing?")
+            index = int(shard.meta.get("batch_index", batch_index))
+            if index > batch_index:
+                self.held.setdefault(index, []).append(shard)
+                continue
+            if index < batch_index:
+                log.warning("dropped a shard of batch %d arriving at update %d", index, batch_index)
+                continue
+            shards.append(shard)
+            envs += int(shard.tensors["rewards"].shape[1])
+        if len(shards) == 1:
+            return shards[0]
+        shards.sort(key=lambda b: int(b.meta.get("env_offset", 0)))
+        tensors = {k: np.concatenate([b.tensors[k] for b in shards], axis=0 if shards[0].tensors[k].ndim == 1 else 1)
+                   for k in shards[0].tensors}
+        meta = {"env_steps": sum(int(b.meta.get("env_steps", 0)) for b in shards), "shards": len(shards),
+                "batch_index": batch_index}
+        return TensorBatch(tensors, meta=meta, version=min(b.version for b in shards))
+
+    def _train(self, batch_index: int, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
         t0 = time.perf_counter()
-        kind, batch = self.replay.request("get", TensorBatch(meta={"min_version": min_version, "wait_s": timeout_s}),
-                                          timeout_s=timeout_s + 5)
-        if kind != "batch":
-            raise PeerTimeout(f"no trajectory batch with version >= {min_version} arrived in replay within "
-                              f"{timeout_s:.1f}s; is the rollout service producing?")
+        batch = self._take_batch(batch_index, min_version, timeout_s)
         waited = time.perf_counter() - t0
         tensors = batch.to_torch()
         u0 = time.perf_counter()
@@ -147,7 +178,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
         timeout = request.timeout_s or self.config.data_plane.timeout_s
         try:
-            return await self._run(self._train, request.min_version, timeout)
+            return await self._run(self._train, request.batch_index, request.min_version, timeout)
         except PeerTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RemoteError as exc:

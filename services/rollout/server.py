@@ -29,7 +29,7 @@ def _reply(r: CollectResult) -> rollout_pb2.CollectReply:
         batch_index=r.batch_index, env_steps=r.env_steps, weight_version=r.weight_version,
         episodes=episode_stats(r.returns, r.lengths), collect_seconds=r.collect_seconds,
         env_seconds=r.env_seconds, policy_seconds=r.policy_seconds, weight_wait_seconds=r.weight_wait_seconds,
-        episode_returns=r.returns)
+        episode_returns=r.returns, shard=r.shard, shard_envs=r.shard_envs)
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
@@ -71,15 +71,25 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.close()
         base = int(info.get("base_version", 0))
         start = int(info.get("start_iteration", 0))
+        shard = info.get("shard") or {}
         try:
-            self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start)
+            index, envs, offset = int(shard.get("index", 0)), int(shard.get("envs", 0)), int(shard.get("offset", 0))
+            if envs < 0 or offset < 0 or offset + envs > config.env.num_envs:
+                raise ValueError(f"shard envs [{offset}, {offset + envs}) outside env.num_envs={config.env.num_envs}")
+        except (TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context_json.shard is invalid: {exc}. Fix: send "
+                                                                  f'{{"index": w, "envs": n, "offset": first_env}}')
+        try:
+            self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start, index,
+                                                  envs or None, offset)
             stored = await self._call(context, self.worker.submit(self.worker.cold_start, info.get("run_dir", "."),
                                                                  request.run_id))
+            need = int(info.get("min_version", base + start))  # what its first batch needs (staleness allowing)
             try:
-                await asyncio.wrap_future(self.worker.submit(self.worker.sync_weights, base + start,
+                await asyncio.wrap_future(self.worker.submit(self.worker.sync_weights, need,
                                                              config.data_plane.timeout_s))
             except (PeerTimeout, TimeoutError):
-                if stored < base + start:
+                if stored < need:
                     raise
                 log.warning("learner unreachable; serving weight version %d from the object store", stored)
         except (PeerTimeout, RemoteError, TimeoutError) as exc:
@@ -137,6 +147,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         returns = await self._call(context, worker.submit(worker.evaluate, episodes, not request.stochastic, seed))
         return rollout_pb2.EvaluateReply(episodes=episode_stats(returns), weight_version=worker.version,
                                          returns=returns, seconds=loop.time() - t0)
+
+    async def Drain(self, request, context):
+        worker = await self._require(context)
+        worker.drain_after = request.last_batch_index
+        return await self.GetState(request, context)
 
     async def GetState(self, request, context):
         w = self.worker

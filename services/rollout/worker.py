@@ -44,12 +44,21 @@ class CollectResult:
     env_seconds: float = 0.0
     policy_seconds: float = 0.0
     weight_wait_seconds: float = 0.0
+    shard: int = 0
+    shard_envs: int = 0
 
 
 class RolloutWorker:
     def __init__(self, config: RunConfig, env_spec: dict, peers: dict[str, str], base_version: int = 0,
-                 start_iteration: int = 0):
+                 start_iteration: int = 0, shard: int = 0, shard_envs: int | None = None, env_offset: int = 0):
         self.config = config
+        # this worker's shard of the env batch: envs [env_offset, env_offset + shard_envs) of the run, seeded by
+        # their global index so a run splits the same envs whatever its number of workers
+        self.shard = shard
+        self.shard_envs = shard_envs or config.env.num_envs
+        self.env_offset = env_offset
+        self.pool = f"train/{shard}"
+        self.drain_after: int | None = None  # produce stops after this batch index (a leaving or re-sharded worker)
         self.base_version = base_version  # weight version of iteration 0 of this run
         self.start_iteration = start_iteration  # > 0 when the run resumed from a checkpoint
         self.env_spec = env_spec
@@ -85,8 +94,9 @@ class RolloutWorker:
                                      timeout_s=dp.timeout_s, hwm=dp.high_water_mark, peer="replay")
             self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s)
             self.chunks = cfg.scheduling.chunks()
-            self.chunk_size = cfg.env.num_envs // self.chunks
-            self.obs = self._reset("train", cfg.seed + 7919 * self.start_iteration)
+            self.chunk_size = self.shard_envs // self.chunks
+            self.obs = self._reset(self.pool, cfg.seed + 7919 * self.start_iteration + self.env_offset,
+                                   self.shard_envs)
         except BaseException as exc:  # noqa: BLE001 — surfaced to Configure
             self._ready.set_exception(exc)
             return
@@ -127,8 +137,9 @@ class RolloutWorker:
         self._closed = True
 
     # -- acting --------------------------------------------------------------------------------------------
-    def _reset(self, pool: str, seed: int) -> np.ndarray:
-        _, reply = self.env.request("reset", TensorBatch(meta={"pool": pool, "seed": seed}))
+    def _reset(self, pool: str, seed: int, num_envs: int | None = None) -> np.ndarray:
+        meta = {"pool": pool, "seed": seed} | ({"num_envs": num_envs, "chunks": self.chunks} if num_envs else {})
+        _, reply = self.env.request("reset", TensorBatch(meta=meta))
         return np.array(reply["obs"])
 
     def cold_start(self, run_dir: str, run_id: str) -> int:
@@ -144,7 +155,8 @@ class RolloutWorker:
             self.version = version
         return version
 
-    def sync_weights(self, min_version: int, timeout_s: float, stop: threading.Event | None = None) -> float:
+    def sync_weights(self, min_version: int, timeout_s: float, stop: threading.Event | None = None,
+                     batch_index: int | None = None) -> float:
         """Load the newest version; wait (bounded) until it is at least min_version. Returns seconds waited."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
@@ -158,16 +170,24 @@ class RolloutWorker:
                 return time.perf_counter() - t0
             if stop is not None and stop.is_set():
                 raise Stopped(f"stopped while waiting for weight version {min_version}")
+            self._check_drain(batch_index)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"weight version {min_version} was not published within {timeout_s:.1f}s "
                                    f"(newest: {version}); is the learner training?")
             self._run_queued()
 
-    def collect(self, batch_index: int, min_version: int, stop: threading.Event | None = None) -> CollectResult:
+    def _check_drain(self, batch_index: int | None) -> None:
+        if batch_index is not None and self.drain_after is not None and batch_index > self.drain_after:
+            raise Stopped(f"drained after batch {self.drain_after}; batch {batch_index} not started")
+
+    def collect(self, batch_index: int, min_version: int, stop: threading.Event | None = None,
+                drainable: bool = False) -> CollectResult:
         cfg = self.config
-        waited = self.sync_weights(min_version, cfg.data_plane.timeout_s, stop)
+        waited = self.sync_weights(min_version, cfg.data_plane.timeout_s, stop, batch_index if drainable else None)
+        if drainable:
+            self._check_drain(batch_index)
         t_start = time.perf_counter()
-        T, N, C, S = cfg.algorithm.ppo.n_steps, cfg.env.num_envs, self.chunks, self.chunk_size
+        T, N, C, S = cfg.algorithm.ppo.n_steps, self.shard_envs, self.chunks, self.chunk_size
         gamma = cfg.algorithm.ppo.gamma
         obs_buf = np.zeros((T, N, *self.obs.shape[1:]), dtype=np.float32)
         act_shape = tuple(self.env_spec["action_space"]["shape"])
@@ -177,7 +197,7 @@ class RolloutWorker:
         val_buf = np.zeros((T, N), dtype=np.float32)
         rew_buf = np.zeros((T, N), dtype=np.float32)
         done_buf = np.zeros((T, N), dtype=np.float32)
-        result = CollectResult(batch_index, T * N, self.version)
+        result = CollectResult(batch_index, T * N, self.version, shard=self.shard, shard_envs=N)
         policy_s = env_s = 0.0
 
         def act(c: int, t: int) -> int:
@@ -187,7 +207,7 @@ class RolloutWorker:
             raw, env_actions, logp, values = self.backend.act(self.obs[sl])
             policy_s += time.perf_counter() - p0
             obs_buf[t, sl], act_buf[t, sl], logp_buf[t, sl], val_buf[t, sl] = self.obs[sl], raw, logp, values
-            return self.env.send("step", TensorBatch({"actions": env_actions}, meta={"pool": "train", "chunk": c}))
+            return self.env.send("step", TensorBatch({"actions": env_actions}, meta={"pool": self.pool, "chunk": c}))
 
         pending = [act(c, 0) for c in range(C)]
         for t in range(T):
@@ -219,7 +239,7 @@ class RolloutWorker:
         batch = TensorBatch(
             {"obs": obs_buf, "actions": act_buf, "logp": logp_buf, "values": val_buf, "rewards": rew_buf,
              "dones": done_buf, "last_values": last_values.astype(np.float32)},
-            meta={"batch_index": batch_index, "env_steps": T * N},
+            meta={"batch_index": batch_index, "env_steps": T * N, "shard": self.shard, "env_offset": self.env_offset},
             version=self.version,
         )
         self.replay.request("put", batch)  # acknowledged: only now does the batch count
@@ -231,12 +251,16 @@ class RolloutWorker:
 
     def produce(self, first: int, max_batches: int, staleness: int, emit: Callable[[CollectResult], None],
                 stop: threading.Event) -> int:
-        """Collect batch after batch; batch i uses a weight version >= i - staleness."""
+        """Collect batch after batch; batch i uses a weight version >= i - staleness. A drain (``drain_after``)
+        lets the batch in flight finish and be stored, then ends the stream: nothing is discarded."""
         i = first
+        self.drain_after = None
         while not stop.is_set() and (max_batches <= 0 or i < first + max_batches):
+            if self.drain_after is not None and i > self.drain_after:
+                break
             self._run_queued()
             try:
-                emit(self.collect(i, self.base_version + max(0, i - staleness), stop))
+                emit(self.collect(i, self.base_version + max(0, i - staleness), stop, drainable=True))
             except Stopped:
                 break
             i += 1

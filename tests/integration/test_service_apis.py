@@ -67,7 +67,7 @@ def test_env_api_and_data_plane(stack):
                                                                 "n": 2, "start": 0}
     assert env.GetSpec(common_pb2.Empty()).observation_space.shape == [4]
     client = DataClient(reply.data_endpoint, max_bytes=1 << 20, timeout_s=5, peer="env")
-    _, obs = client.request("reset", TensorBatch(meta={"pool": "train", "seed": 0}))
+    _, obs = client.request("reset", TensorBatch(meta={"pool": "train", "seed": 0, "num_envs": 4}))
     assert obs["obs"].shape == (4, 4)
     for _ in range(30):
         _, out = client.request("step", TensorBatch({"actions": np.ones(2, np.int64)}, meta={"chunk": 1}))

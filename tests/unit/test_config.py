@@ -28,7 +28,7 @@ def test_bad_values_name_field_value_and_fix():
         parse_config("train: {total_env_steps: -5}\nscheduling: {mode: warp}\nalgorithm: {ppo: {gamma: abc}}")
     msg = str(info.value)
     assert "train.total_env_steps" in msg and "(got -5)" in msg and "Fix" in msg
-    assert "scheduling.mode" in msg and "'collocated' or 'disaggregated'" in msg
+    assert "scheduling.mode" in msg and "'hybrid' or 'auto'" in msg
     assert "algorithm.ppo.gamma" in msg
 
 

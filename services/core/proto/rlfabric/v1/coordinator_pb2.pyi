@@ -195,3 +195,55 @@ class RunEvent(_message.Message):
     log: LogEvent
     status: RunStatus
     def __init__(self, metrics: _Optional[_Union[MetricRow, _Mapping]] = ..., log: _Optional[_Union[LogEvent, _Mapping]] = ..., status: _Optional[_Union[RunStatus, _Mapping]] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("run_id", "role", "delta", "count", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    role: str
+    delta: int
+    count: int
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., role: _Optional[str] = ..., delta: _Optional[int] = ..., count: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ScaleReply(_message.Message):
+    __slots__ = ("role", "workers", "worker_ids", "applied_at_iteration", "detail")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_AT_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    workers: int
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    applied_at_iteration: int
+    detail: str
+    def __init__(self, role: _Optional[str] = ..., workers: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ..., applied_at_iteration: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PlanRow(_message.Message):
+    __slots__ = ("plan", "predicted_iteration_s", "measured_iteration_s", "chosen", "description")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ITERATION_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ITERATION_S_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    predicted_iteration_s: float
+    measured_iteration_s: float
+    chosen: bool
+    description: str
+    def __init__(self, plan: _Optional[str] = ..., predicted_iteration_s: _Optional[float] = ..., measured_iteration_s: _Optional[float] = ..., chosen: _Optional[bool] = ..., description: _Optional[str] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("plan", "description", "decisions")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    description: str
+    decisions: _containers.RepeatedCompositeFieldContainer[PlanRow]
+    def __init__(self, plan: _Optional[str] = ..., description: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlanRow, _Mapping]]] = ...) -> None: ...

@@ -80,6 +80,16 @@ class CoordinatorStub:
                 request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.RunRef.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.RunStatus.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/rlfabric.v1.Coordinator/Scale',
+                request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.ScaleReply.FromString,
+                _registered_method=True)
+        self.GetPlan = channel.unary_unary(
+                '/rlfabric.v1.Coordinator/GetPlan',
+                request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.RunRef.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.PlanReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -142,6 +152,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Online scaling: add or remove workers of a role in a live run, applied at the next epoch boundary.
+        Joiners receive the current weight version before their first step; leavers drain.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlan(self, request, context):
+        """The plan a run executes, and (mode auto) the static scheduler's decision table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +214,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.StopRun,
                     request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.RunRef.FromString,
                     response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.RunStatus.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.ScaleRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.ScaleReply.SerializeToString,
+            ),
+            'GetPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlan,
+                    request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.RunRef.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.PlanReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +469,60 @@ class Coordinator:
             '/rlfabric.v1.Coordinator/StopRun',
             rlfabric_dot_v1_dot_coordinator__pb2.RunRef.SerializeToString,
             rlfabric_dot_v1_dot_coordinator__pb2.RunStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Coordinator/Scale',
+            rlfabric_dot_v1_dot_coordinator__pb2.ScaleRequest.SerializeToString,
+            rlfabric_dot_v1_dot_coordinator__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Coordinator/GetPlan',
+            rlfabric_dot_v1_dot_coordinator__pb2.RunRef.SerializeToString,
+            rlfabric_dot_v1_dot_coordinator__pb2.PlanReply.FromString,
             options,
             channel_credentials,
             insecure,

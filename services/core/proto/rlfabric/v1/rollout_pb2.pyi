@@ -18,7 +18,7 @@ class CollectRequest(_message.Message):
     def __init__(self, batch_index: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CollectReply(_message.Message):
-    __slots__ = ("batch_index", "env_steps", "weight_version", "episodes", "collect_seconds", "env_seconds", "policy_seconds", "weight_wait_seconds", "episode_returns")
+    __slots__ = ("batch_index", "env_steps", "weight_version", "episodes", "collect_seconds", "env_seconds", "policy_seconds", "weight_wait_seconds", "episode_returns", "shard", "shard_envs")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class CollectReply(_message.Message):
     POLICY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_RETURNS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ENVS_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     env_steps: int
     weight_version: int
@@ -37,7 +39,9 @@ class CollectReply(_message.Message):
     policy_seconds: float
     weight_wait_seconds: float
     episode_returns: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, batch_index: _Optional[int] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., collect_seconds: _Optional[float] = ..., env_seconds: _Optional[float] = ..., policy_seconds: _Optional[float] = ..., weight_wait_seconds: _Optional[float] = ..., episode_returns: _Optional[_Iterable[float]] = ...) -> None: ...
+    shard: int
+    shard_envs: int
+    def __init__(self, batch_index: _Optional[int] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., collect_seconds: _Optional[float] = ..., env_seconds: _Optional[float] = ..., policy_seconds: _Optional[float] = ..., weight_wait_seconds: _Optional[float] = ..., episode_returns: _Optional[_Iterable[float]] = ..., shard: _Optional[int] = ..., shard_envs: _Optional[int] = ...) -> None: ...
 
 class ProduceRequest(_message.Message):
     __slots__ = ("first_batch_index", "max_batches", "staleness")
@@ -70,6 +74,12 @@ class EvaluateReply(_message.Message):
     returns: _containers.RepeatedScalarFieldContainer[float]
     seconds: float
     def __init__(self, episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., weight_version: _Optional[int] = ..., returns: _Optional[_Iterable[float]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("last_batch_index",)
+    LAST_BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    last_batch_index: int
+    def __init__(self, last_batch_index: _Optional[int] = ...) -> None: ...
 
 class RolloutState(_message.Message):
     __slots__ = ("weight_version", "batches", "env_steps", "discarded_batches")

@@ -60,6 +60,11 @@ class RolloutStub:
                 request_serializer=rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutState.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/rlfabric.v1.Rollout/Drain',
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.DrainRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutState.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -98,6 +103,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Let the batch in flight of a Produce stream finish and be stored, then end the stream (a worker leaving a
+        run, or a run being re-sharded, at an epoch boundary). Nothing acknowledged is discarded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +137,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
                     request_deserializer=rlfabric_dot_v1_dot_common__pb2.Empty.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutState.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.DrainRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutState.SerializeToString,
             ),
     }
@@ -261,6 +279,33 @@ class Rollout:
             target,
             '/rlfabric.v1.Rollout/GetState',
             rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.RolloutState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Rollout/Drain',
+            rlfabric_dot_v1_dot_rollout__pb2.DrainRequest.SerializeToString,
             rlfabric_dot_v1_dot_rollout__pb2.RolloutState.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,116 @@
+"""Execution plans on real service processes: the staleness bound under disaggregation, sharded rollout
+workers, and online scaling (scale up and down in a live run, with drained leavers and fresh joiners)."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.coordinator.client import STATE_NAMES
+from services.launcher import LocalStack
+from tests.conftest import short_config
+
+
+def _rows(run_dir: str) -> list[dict[str, float]]:
+    with open(Path(run_dir) / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)]
+
+
+def _wait_iteration(client, run_id: str, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.status(run_id).iteration < n:
+        status = client.status(run_id)
+        assert STATE_NAMES[status.state] in ("PENDING", "RUNNING"), status.reason
+        assert time.monotonic() < deadline, f"run stuck at iteration {status.iteration}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def scaling_stack(tmp_path):
+    """Coordinator, env, replay, learner and two rollout workers (the second one idle until a run scales)."""
+    from services.coordinator.client import CoordinatorClient
+
+    s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs",
+                   roles=("env", "replay", "learner", "rollout", "rollout", "env"))
+    s.start()
+    s.client = CoordinatorClient(s.address)
+    s.client.wait_ready(30)
+    deadline = time.monotonic() + 60
+    while len([w for w in s.client.workers() if w.alive]) < 6:
+        assert time.monotonic() < deadline and not s.dead(), f"workers did not register; logs in {tmp_path}"
+        time.sleep(0.1)
+    try:
+        yield s
+    finally:
+        s.client.close()
+        s.stop()
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_staleness_bound_holds_with_sharded_streams(scaling_stack, tmp_path, staleness):
+    cfg = short_config(scheduling={"mode": "disaggregated", "staleness": staleness, "rollout_workers": 2,
+                                   "env_workers": 2, "pipeline_chunks": 1},
+                       train={"total_env_steps": 64 * 40, "eval_every_iterations": 0})
+    client = scaling_stack.client
+    run_dir = tmp_path / f"k{staleness}"
+    status = client.wait(client.submit(cfg, run_dir=run_dir).run_id)
+    assert STATE_NAMES[status.state] == "SUCCEEDED", status.reason
+    rows = _rows(run_dir)
+    assert len(rows) == 40 and [r["iteration"] for r in rows] == list(range(1, 41))
+    for r in rows:  # update i (weight version i+1 after it) consumed data of version >= i - k
+        lag = (r["weight_version"] - 1) - r["batch_version"]
+        assert 0 <= lag <= staleness, r
+        assert r["rollout_workers"] == 2 and r["env_workers"] == 2
+    assert max((r["weight_version"] - 1) - r["batch_version"] for r in rows) >= 1  # the bound was used
+    assert rows[-1]["env_steps"] == 64 * 40
+
+
+@pytest.mark.parametrize("mode", ["collocated", "disaggregated"])
+def test_scale_rollout_up_and_down_mid_run(scaling_stack, tmp_path, mode):
+    cfg = short_config(scheduling={"mode": mode, "pipeline_chunks": 2},
+                       train={"total_env_steps": 64 * 400, "eval_every_iterations": 0})
+    client = scaling_stack.client
+    run_dir = tmp_path / mode
+    run_id = client.submit(cfg, run_dir=run_dir).run_id
+    _wait_iteration(client, run_id, 3)
+    up = client.scale(run_id, "rollout", delta=+1, timeout_s=30)
+    assert up.workers == 2 and len(set(up.worker_ids)) == 2 and up.applied_at_iteration >= 3
+    assert "shards [2, 2]" in up.detail
+    _wait_iteration(client, run_id, up.applied_at_iteration + 5)
+    down = client.scale(run_id, "rollout", delta=-1, timeout_s=30)
+    assert down.workers == 1 and down.applied_at_iteration > up.applied_at_iteration
+    with pytest.raises(grpc.RpcError, match="at least one rollout worker"):
+        client.scale(run_id, "rollout", delta=-1, timeout_s=5)
+    _wait_iteration(client, run_id, down.applied_at_iteration + 3)
+    client.stop(run_id)
+    status = client.status(run_id)
+    assert STATE_NAMES[status.state] == "STOPPED", status.reason
+    rows = _rows(run_dir)
+    workers = [int(r["rollout_workers"]) for r in rows]
+    assert 2 in workers and workers[0] == 1 and workers[-1] == 1
+    # every update consumed exactly one env batch of on-policy data, across both re-shardings
+    assert [r["env_steps"] for r in rows] == [64 * (i + 1) for i in range(len(rows))]
+    assert all(r["batch_version"] == r["weight_version"] - 1 for r in rows)
+    # the leaver was released: it is idle again, and no run holds it
+    idle = [w for w in client.workers() if w.role and not w.run_id]
+    assert len(idle) >= 1
+
+
+def test_scale_errors_are_clear(scaling_stack, tmp_path):
+    client = scaling_stack.client
+    cfg = short_config(train={"total_env_steps": 64 * 400, "eval_every_iterations": 0})
+    run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id
+    _wait_iteration(client, run_id, 1)
+    with pytest.raises(grpc.RpcError, match="only 'rollout' and 'env'"):
+        client.scale(run_id, "learner", delta=1, timeout_s=5)
+    with pytest.raises(grpc.RpcError, match="cannot run 9 rollout workers on env.num_envs=4"):
+        client.scale(run_id, "rollout", count=9, timeout_s=5)
+    with pytest.raises(grpc.RpcError, match="missing 2 rollout"):
+        client.scale(run_id, "rollout", count=4, timeout_s=1)
+    client.stop(run_id)
+    with pytest.raises(grpc.RpcError, match="not running"):
+        client.scale(run_id, "rollout", delta=1, timeout_s=5)
