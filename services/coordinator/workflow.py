@@ -122,7 +122,8 @@ class PPOWorkflow:
         self.acquire, self.release = acquire, release
         self.sched: SchedulingConfig = self.cfg.scheduling
         self.plan_name = self.sched.mode
-        self.decisions: list[dict] = []
+        self.decisions: list[dict] = []  # the static scheduler's table (mode auto)
+        self.rows: list[dict] = []  # every recorded iteration of this execution
         self.changes: list[ScaleChange] = []
         self.arrived: list[rollout_pb2.CollectReply] = []
         self.recent_returns: deque[float] = deque(maxlen=100)
@@ -320,7 +321,7 @@ class PPOWorkflow:
             row["eval_return_std"] = ev.episodes.return_std
             row["eval_weight_version"] = ev.weight_version - self.base_version
             self.best_eval = max(self.best_eval, ev.episodes.return_mean)
-        self.last_row = row
+        self.rows.append(row)
         self.runlog.write(row)
         run.metrics(row)
 

@@ -107,7 +107,7 @@ class SchedulingConfig(_Strict):
                             "chunks are pipelined, else the env service")
     rollout_workers: int = Field(1, ge=1, le=1024, description="rollout workers sharing the env batch")
     env_workers: int = Field(1, ge=1, le=1024, description="env services (rollout worker w uses env w % n)")
-    profile_iterations: int = Field(2, ge=1, le=100, description="auto: iterations measured per profiled plan")
+    profile_iterations: int = Field(3, ge=1, le=100, description="auto: iterations measured per profiled plan")
     candidates: list[str] = Field(default_factory=list,
                                   description="auto: plan names to consider (default: every candidate)")
     dynamic: bool = Field(False, description="rebalance env shards across rollout workers from measured speed")

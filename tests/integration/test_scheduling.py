@@ -114,3 +114,38 @@ def test_scale_errors_are_clear(scaling_stack, tmp_path):
     client.stop(run_id)
     with pytest.raises(grpc.RpcError, match="not running"):
         client.scale(run_id, "rollout", delta=1, timeout_s=5)
+
+
+WORKLOADS = {
+    # many cheap envs, a tiny policy and one short epoch: stepping and acting are the iteration
+    "env-bound": {"env": {"num_envs": 32, "eval_envs": 2}, "policy": {"hidden_sizes": [16]},
+                  "algorithm": {"ppo": {"n_steps": 32, "batch_size": 1024, "n_epochs": 1}},
+                  "scheduling": {"mode": "auto", "staleness": 0, "pipeline_chunks": 2}},
+    # few envs, a wide policy and many epochs: the update is the iteration, so overlapping it pays
+    "learner-bound": {"env": {"num_envs": 4, "eval_envs": 2}, "policy": {"hidden_sizes": [256, 256]},
+                      "algorithm": {"ppo": {"n_steps": 32, "batch_size": 32, "n_epochs": 10}},
+                      "scheduling": {"mode": "auto", "staleness": 1, "pipeline_chunks": 2}},
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_static_scheduler_picks_the_fastest_measured_plan(stack, tmp_path, workload):
+    spec = WORKLOADS[workload]
+    steps = spec["env"]["num_envs"] * spec["algorithm"]["ppo"]["n_steps"]
+    cfg = short_config(**spec, train={"total_env_steps": steps * 24, "eval_every_iterations": 0})
+    client = stack.client
+    run_id = client.submit(cfg, run_dir=tmp_path / workload).run_id
+    status = client.wait(run_id)
+    assert STATE_NAMES[status.state] == "SUCCEEDED", status.reason
+    plan = client.plan(run_id)
+    table = {row.plan: row for row in plan.decisions}
+    assert set(table) == {"collocated", "hybrid env+rollout|learner", "hybrid env|rollout+learner", "disaggregated"}
+    assert all(r.predicted_iteration_s > 0 and r.measured_iteration_s > 0 for r in table.values())
+    chosen = [r for r in table.values() if r.chosen]
+    assert len(chosen) == 1 and plan.plan == chosen[0].plan == status.mode
+    fastest = min(r.measured_iteration_s for r in table.values())
+    assert chosen[0].measured_iteration_s <= 1.10 * fastest, table
+    if workload == "learner-bound":  # overlapping the update with acting is what makes this one fast
+        assert "learner" in chosen[0].plan.split("|")[-1] and chosen[0].plan != "hybrid env|rollout+learner"
+    rows = _rows(tmp_path / workload)
+    assert [r["iteration"] for r in rows] == list(range(1, 25))  # profiling iterations are training iterations

@@ -1,0 +1,155 @@
+"""StaticScheduler (``scheduling.mode: auto``): profile the stages, predict every candidate plan with the cluster
+simulator, run the fastest, and say why.
+
+1. Profile: run a few real training iterations under the collocated plan (env in the rollout process: pure env
+   and policy costs) and under a pipelined plan (env service, chunks: IPC and per-env policy costs); fit a
+   ``StageProfile`` from the measured stage times.
+2. Predict every candidate plan's iteration time on this host with ``simulator.simulate``.
+3. Measure every candidate for a few iterations too (each is real, on-policy training within the run's
+   staleness bound, so nothing is thrown away) and print the decision table: predicted and measured seconds per
+   iteration. The predicted-best plan runs from then on, unless it measured over ``OVERRIDE`` slower than the
+   measured-best one: then measurement wins, and the table says so (the model was wrong about this workload).
+The profile and the table are written to ``<run_dir>/plan.json`` for ``rlfabric plan --profile``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from services.coordinator.simulator import PlanShape, Pool, StageProfile, simulate
+from services.core.config import SchedulingConfig
+
+if TYPE_CHECKING:
+    from services.coordinator.workflow import PPOWorkflow
+
+OVERRIDE = 0.10
+
+
+def candidates(sched: SchedulingConfig) -> dict[str, SchedulingConfig]:
+    """The run's candidate plans (its own rollout workers, chunks and staleness: the scheduler picks where stages
+    run, never the algorithm). Names: which stages share a pool, '|' between pools."""
+    base = json.loads(sched.model_dump_json())
+    base.update(env_placement="auto", pools={})
+    plans = {
+        "collocated": {"mode": "collocated"},
+        "hybrid env+rollout|learner": {"mode": "hybrid", "pipeline_chunks": 1,
+                                       "placement": {"env": "a", "rollout": "a", "learner": "b"}},
+        "hybrid env|rollout+learner": {"mode": "hybrid", "placement": {"env": "a", "rollout": "b", "learner": "b"}},
+        "disaggregated": {"mode": "disaggregated"},
+    }
+    wanted = sched.candidates or list(plans)
+    unknown = [n for n in wanted if n not in plans]
+    if unknown:
+        raise ValueError(f"scheduling.candidates names unknown plan(s) {unknown}; known: {list(plans)}")
+    return {name: SchedulingConfig.model_validate({**base, **plans[name]}) for name in wanted}
+
+
+def shape(name: str, sched: SchedulingConfig, num_envs: int, n_steps: int, workers: int, env_workers: int) -> PlanShape:
+    """The simulator's view of a plan on this host: every process shares the host's cores (one pool)."""
+    in_rollout = sched.env_in_rollout()
+    return PlanShape(name=name, num_envs=num_envs, n_steps=n_steps, rollout_workers=workers,
+                     env_in_rollout=in_rollout, env_workers=0 if in_rollout else min(env_workers, workers),
+                     chunks=sched.chunks(), learner_overlaps=sched.learner_overlaps(),
+                     staleness=sched.effective_staleness(),
+                     placement={"env": "host", "rollout": "host", "learner": "host"})
+
+
+def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], piped: list[dict] | None) -> StageProfile:
+    """Stage costs from measured iterations. ``turns``: rows of the collocated plan (env in process); ``piped``:
+    rows of a plan whose env service pipelines ``chunks`` chunks (None when no such plan was profiled)."""
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in rows)
+
+    T, n = n_steps, shard_envs
+    policy_full = med(turns, "policy_seconds") / T  # one act call on the whole shard
+    env_full = max(0.0, med(turns, "collect_seconds") - med(turns, "policy_seconds")) / T
+    per_env, call = 0.0, policy_full
+    ipc = 0.0
+    if piped and chunks > 1:
+        policy_chunk = med(piped, "policy_seconds") / (T * chunks)  # one act call on n / chunks envs
+        per_env = max(0.0, (policy_full - policy_chunk) / (n - n / chunks))
+        call = max(0.0, policy_full - per_env * n)
+        # what the pipelined collection took beyond its compute, per env message (overlap makes this a floor)
+        extra = med(piped, "collect_seconds") - T * chunks * policy_chunk - T * env_full
+        ipc = max(0.0, extra / (T * chunks))
+    elif piped:
+        ipc = max(0.0, (med(piped, "collect_seconds") - T * (policy_full + env_full)) / T)
+    train = med(turns + (piped or []), "train_seconds")
+    return StageProfile(env_step_s=env_full / n, policy_call_s=call, policy_per_env_s=per_env, ipc_s=ipc,
+                        train_call_s=train, sync_s=med(turns, "weight_wait_seconds"))
+
+
+def control_overhead(turns: list[dict]) -> float:
+    """Per-iteration time no stage accounts for (control-plane round trips, recording): measured in the plan whose
+    stages take turns, where it is the iteration minus its stage times; added to every prediction."""
+    return max(0.0, statistics.median(r["iteration_seconds"] - r.get("collect_seconds", 0.0)
+                                      - r.get("train_seconds", 0.0) - r.get("weight_wait_seconds", 0.0)
+                                      for r in turns))
+
+
+class StaticScheduler:
+    def __init__(self, workflow: PPOWorkflow):
+        self.wf = workflow
+        self.cfg = workflow.cfg
+        self.iterations = workflow.cfg.scheduling.profile_iterations
+
+    async def _measure(self, name: str, sched: SchedulingConfig, i: int, n_iters: int) -> tuple[int, bool, list]:
+        """Run ``profile_iterations`` (+1 warm-up: re-planning and pipeline fill) iterations under a plan."""
+        wf = self.wf
+        wf.plan_name = name
+        await wf.configure_rollouts(i, sched)
+        first = len(wf.rows)
+        i, done = await wf.segment(i, min(i + self.iterations + 1, n_iters))
+        rows = wf.rows[first + 1:] or wf.rows[first:]
+        quiet = [r for r in rows if "eval_return_mean" not in r]  # an evaluation is not the plan's cost
+        return i, done, quiet or rows
+
+    async def choose(self, i: int, n_iters: int) -> tuple[int, bool]:
+        wf, cfg = self.wf, self.cfg
+        plans = candidates(cfg.scheduling)
+        T, N = cfg.algorithm.ppo.n_steps, cfg.env.num_envs
+        W, E = len(wf.rollouts), len(wf.envs)
+        measured: dict[str, list[dict]] = {}
+        # profile first: the in-process plan and a pipelined one (whether or not they are candidates), then measure
+        # the other candidates
+        every = candidates(cfg.scheduling.model_copy(update={"candidates": []}))
+        order = ["collocated", "disaggregated"] + [n for n in plans if n not in ("collocated", "disaggregated")]
+        for name in order:
+            i, done, rows = await self._measure(name, every[name], i, n_iters)
+            measured[name] = rows
+            if done or i >= n_iters:
+                return i, done
+        profile = fit_profile(T, N // W, every["disaggregated"].chunks(), measured["collocated"],
+                              measured["disaggregated"])
+        host = {"host": Pool("host", max(1, os.cpu_count() or 1))}
+        overhead = control_overhead(measured["collocated"])
+        table = []
+        for name, sched in plans.items():
+            pred = simulate(profile, shape(name, sched, N, T, W, E), host, iterations=max(4, 2 + sched.staleness + 2))
+            got = statistics.median(r["iteration_seconds"] for r in measured[name])
+            table.append({"plan": name, "predicted_s": pred.iteration_s + overhead, "measured_s": got,
+                          "description": wf.describe_plan(sched, W)})
+        best_predicted = min(table, key=lambda r: r["predicted_s"])
+        best_measured = min(table, key=lambda r: r["measured_s"])
+        chosen = best_predicted
+        why = "fastest predicted"
+        if best_predicted["measured_s"] > (1 + OVERRIDE) * best_measured["measured_s"]:
+            chosen, why = best_measured, (f"fastest measured (the predicted best, {best_predicted['plan']}, measured "
+                                          f"{best_predicted['measured_s'] / best_measured['measured_s']:.2f}x slower)")
+        for row in table:
+            row["chosen"] = row is chosen
+        wf.decisions = table
+        lines = [f"{'plan':<28} {'predicted s/it':>14} {'measured s/it':>14}"]
+        lines += [f"{r['plan']:<28} {r['predicted_s']:>14.4f} {r['measured_s']:>14.4f}{'  <- chosen' if r['chosen'] else ''}"
+                  for r in table]
+        wf.run.log("static scheduler decision (" + why + "):\n" + "\n".join(lines))
+        (wf.run.run_dir / "plan.json").write_text(json.dumps(
+            {"profile": asdict(profile), "control_overhead_s": overhead, "decisions": table, "chosen": chosen["plan"], "why": why,
+             "host_cores": host["host"].units, "num_envs": N, "n_steps": T, "rollout_workers": W}, indent=2))
+        wf.plan_name = chosen["plan"]
+        await wf.configure_rollouts(i, plans[chosen["plan"]])
+        return i, False
