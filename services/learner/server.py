@@ -47,6 +47,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.algo = None
         self.policy: ActorCritic | None = None
         self.publisher: WeightPublisher | None = None
+        self.publisher_sync = None
         self.replay: DataClient | None = None
         self.store: ObjectStore | None = None
         self.version = -1
@@ -67,9 +68,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.replay.close()
         self.replay = DataClient(replay_endpoint, max_bytes=config.data_plane.max_message_bytes,
                                  timeout_s=config.data_plane.timeout_s, peer="replay")
+        if self.publisher is not None and self.publisher_sync != config.weight_sync:
+            self.publisher.close()  # a run with other weight-sync options (transport, buckets, deltas)
+            self.publisher = None
         if self.publisher is None:
             self.publisher = WeightPublisher(self.host, config.data_plane.max_message_bytes,
-                                             self.runtime.advertise_host)
+                                             self.runtime.advertise_host, sync=config.weight_sync)
+            self.publisher_sync = config.weight_sync
         self.store = open_store(config.storage, run_dir, run_id)
         self.config, self.env_spec = config, env_spec
         self.held: dict[int, list[TensorBatch]] = {}  # shards of later updates, taken early (see _take_batch)

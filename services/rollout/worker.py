@@ -92,7 +92,8 @@ class RolloutWorker:
                                       hwm=dp.high_water_mark, peer="env")
             self.replay = DataClient(self.peers["replay"], max_bytes=dp.max_message_bytes,
                                      timeout_s=dp.timeout_s, hwm=dp.high_water_mark, peer="replay")
-            self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s)
+            self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s,
+                                            sync=cfg.weight_sync)
             self.chunks = cfg.scheduling.chunks()
             self.chunk_size = self.shard_envs // self.chunks
             self.obs = self._reset(self.pool, cfg.seed + 7919 * self.start_iteration + self.env_offset,
