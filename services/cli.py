@@ -7,6 +7,7 @@
   rlfabric status --coordinator HOST:PORT             workers and runs
   rlfabric stop RUN_ID --coordinator HOST:PORT
   rlfabric scale RUN_ID rollout +1 --coordinator HOST:PORT [--spawn]   online scaling of a live run
+  rlfabric plan CONFIG --cluster rollout=24,learner=8 --profile RUN_DIR   rank plans on a cluster (simulator)
   rlfabric eval CHECKPOINT [--episodes N]             play episodes with a saved policy
 
 Exit codes: 0 success, 2 bad input (reason on stderr), 1 anything else.
@@ -245,6 +246,41 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Rank the candidate plans of a run spec on a cluster with the simulator, from a measured stage profile."""
+    import json
+
+    from services.coordinator.simulator import StageProfile, candidate_plans, parse_cluster, rank
+
+    try:
+        config = load_config(args.config, args.set)
+        pools = parse_cluster(args.cluster)
+    except (ConfigError, ValueError) as exc:
+        return _fail(str(exc), 2)
+    path = Path(args.profile)
+    if path.is_dir():
+        path = path / "plan.json"
+    if not path.is_file():
+        return _fail(f"--profile {args.profile}: no plan.json there. Fix: run the spec once with "
+                     f"--set scheduling.mode=auto (it measures the stages and writes <run_dir>/plan.json)", 2)
+    try:
+        profile = StageProfile(**json.loads(path.read_text())["profile"])
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        return _fail(f"{path}: not a stage profile written by a mode-auto run ({exc})", 2)
+    T, N = config.algorithm.ppo.n_steps, config.env.num_envs
+    ranked = rank(profile, candidate_plans(N, T, pools, staleness_options=(config.scheduling.staleness,)), pools)
+    table = Table(title=f"plans for {config.name} on {args.cluster} (profile {path}; units = {profile.device})")
+    for col in ("#", "plan", "s/iteration", "env steps/s", "busiest pool"):
+        table.add_column(col)
+    for n, (plan, pred) in enumerate(ranked[:args.top], 1):
+        table.add_row(str(n), plan.name, f"{pred.iteration_s:.4g}", f"{pred.env_steps_per_s:,.0f}",
+                      f"{pred.bottleneck} {pred.utilisation[pred.bottleneck]:.0%}")
+    Console().print(table)
+    best, pred = ranked[0]
+    print(json.dumps({"best": best.name, "iteration_s": pred.iteration_s, "env_steps_per_s": pred.env_steps_per_s}))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from services.core.evaluate import evaluate_checkpoint
 
@@ -292,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", action="store_true", help="start the added workers as local processes first")
     p.add_argument("--log-dir", default="runs/logs", help="where --spawn writes the new workers' logs")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for workers and the boundary")
+    p = sub.add_parser("plan", help="predict every candidate plan of a spec on a cluster (cluster simulator)")
+    p.add_argument("config")
+    p.add_argument("--cluster", required=True, help="pools as NAME=UNITS,..., e.g. 'rollout=24,learner=8'")
+    p.add_argument("--profile", required=True, help="plan.json (or the run dir) of a scheduling.mode=auto run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--top", type=int, default=10)
     p = sub.add_parser("eval", help="play episodes with a checkpoint's policy")
     p.add_argument("checkpoint")
     p.add_argument("--episodes", type=int, default=10)
@@ -308,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(cmd_serve(args, rest))
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
-                "scale": cmd_scale, "eval": cmd_eval}
+                "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval}
     sys.exit(handlers[args.command](args))
 
 

@@ -58,13 +58,15 @@ def shape(name: str, sched: SchedulingConfig, num_envs: int, n_steps: int, worke
                      placement={"env": "host", "rollout": "host", "learner": "host"})
 
 
-def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], piped: list[dict] | None) -> StageProfile:
+def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], piped: list[dict] | None,
+                num_envs: int | None = None) -> StageProfile:
     """Stage costs from measured iterations. ``turns``: rows of the collocated plan (env in process); ``piped``:
     rows of a plan whose env service pipelines ``chunks`` chunks (None when no such plan was profiled)."""
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in rows)
 
     T, n = n_steps, shard_envs
+    num_envs = num_envs or n
     policy_full = med(turns, "policy_seconds") / T  # one act call on the whole shard
     env_full = max(0.0, med(turns, "collect_seconds") - med(turns, "policy_seconds")) / T
     per_env, call = 0.0, policy_full
@@ -79,8 +81,11 @@ def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], p
     elif piped:
         ipc = max(0.0, (med(piped, "collect_seconds") - T * (policy_full + env_full)) / T)
     train = med(turns + (piped or []), "train_seconds")
+    # the update's cost scales with the batch (minibatch epochs over T * N transitions): per transition, so a
+    # plan with data-parallel learner ranks divides it
     return StageProfile(env_step_s=env_full / n, policy_call_s=call, policy_per_env_s=per_env, ipc_s=ipc,
-                        train_call_s=train, sync_s=med(turns, "weight_wait_seconds"))
+                        train_s_per_transition=train / (T * num_envs),
+                        sync_s=med(turns, "weight_wait_seconds"))
 
 
 def control_overhead(turns: list[dict]) -> float:
@@ -124,7 +129,7 @@ class StaticScheduler:
             if done or i >= n_iters:
                 return i, done
         profile = fit_profile(T, N // W, every["disaggregated"].chunks(), measured["collocated"],
-                              measured["disaggregated"])
+                              measured["disaggregated"], N)
         host = {"host": Pool("host", max(1, os.cpu_count() or 1))}
         overhead = control_overhead(measured["collocated"])
         table = []
