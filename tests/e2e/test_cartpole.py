@@ -51,3 +51,27 @@ def test_cartpole_ppo_disaggregated_pipelined_solves_on_seed_0(tmp_path):
     proc, rows = _train(tmp_path, "scheduling.mode=disaggregated", "scheduling.pipeline_chunks=2")
     _assert_solved(proc, rows, tmp_path)
     assert {int(r["weight_version"]) - 1 - int(r["batch_version"]) for r in rows} == {0}  # strictly on-policy
+
+
+HYBRID = ["scheduling.mode=hybrid", "scheduling.placement={env: a, rollout: a, learner: b}",
+          "scheduling.pipeline_chunks=1"]
+
+
+@pytest.mark.slow
+def test_cartpole_ppo_hybrid_two_rollout_workers_solves_on_seed_0(tmp_path):
+    proc, rows = _train(tmp_path, *HYBRID, "scheduling.rollout_workers=2")
+    _assert_solved(proc, rows, tmp_path)
+    assert {int(r["weight_version"]) - 1 - int(r["batch_version"]) for r in rows} == {0}  # strictly on-policy
+    assert {r["rollout_workers"] for r in rows} == {"2"}
+
+
+def test_one_logical_workflow_same_learning_under_turns_and_streams(tmp_path):
+    """On-policy (staleness 0), the collocated plan (stages take turns) and the hybrid plan (learner on its own
+    pool, consuming a stream) run the same workflow: the same batches, hence bit-identical updates."""
+    curves = []
+    for name, sets in (("collocated", []), ("hybrid", HYBRID)):
+        proc, rows = _train(tmp_path / name, *sets, "train.total_env_steps=5120", "train.eval_every_iterations=0")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        curves.append([(r["env_steps"], r["batch_version"], r["policy_loss"], r["value_loss"], r["train_return_mean"])
+                       for r in rows])
+    assert len(curves[0]) == 20 and curves[0] == curves[1]
