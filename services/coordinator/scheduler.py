@@ -21,7 +21,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from services.coordinator.simulator import PlanShape, Pool, StageProfile, simulate
+from services.coordinator.workflow import rpc
 from services.core.config import SchedulingConfig
+from services.core.proto.rlfabric.v1 import rollout_pb2
 
 if TYPE_CHECKING:
     from services.coordinator.workflow import PPOWorkflow
@@ -58,8 +60,23 @@ def shape(name: str, sched: SchedulingConfig, num_envs: int, n_steps: int, worke
                      placement={"env": "host", "rollout": "host", "learner": "host"})
 
 
+def steady(rows: list[dict]) -> list[dict]:
+    """The measured rows of a plan: without its first (re-planning, pipeline fill) and evaluation rows."""
+    rest = rows[1:] or rows
+    return [r for r in rest if "eval_return_mean" not in r] or rest
+
+
+def iteration_time(rows: list[dict]) -> float:
+    """A plan's seconds per iteration: wall clock over its iterations after the first, evaluations excluded. Wall
+    clock, not a per-row median: a streaming plan records iterations in bursts as shards arrive."""
+    if len(rows) < 2:
+        return rows[0]["iteration_seconds"]
+    evals = sum(r.get("eval_seconds", 0.0) for r in rows[1:])
+    return (rows[-1]["wall_time_s"] - rows[0]["wall_time_s"] - evals) / (len(rows) - 1)
+
+
 def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], piped: list[dict] | None,
-                num_envs: int | None = None) -> StageProfile:
+                num_envs: int | None = None, ipc_s: float | None = None) -> StageProfile:
     """Stage costs from measured iterations. ``turns``: rows of the collocated plan (env in process); ``piped``:
     rows of a plan whose env service pipelines ``chunks`` chunks (None when no such plan was profiled)."""
     def med(rows: list[dict], key: str) -> float:
@@ -75,12 +92,15 @@ def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], p
         policy_chunk = med(piped, "policy_seconds") / (T * chunks)  # one act call on n / chunks envs
         per_env = max(0.0, (policy_full - policy_chunk) / (n - n / chunks))
         call = max(0.0, policy_full - per_env * n)
+    if ipc_s is not None:  # probed: the round trip of a step-sized message to the env service
+        ipc = ipc_s
+    elif piped and chunks > 1:
         # what the pipelined collection took beyond its compute, per env message (overlap makes this a floor)
-        extra = med(piped, "collect_seconds") - T * chunks * policy_chunk - T * env_full
+        extra = med(piped, "collect_seconds") - med(piped, "policy_seconds") - T * env_full
         ipc = max(0.0, extra / (T * chunks))
     elif piped:
         ipc = max(0.0, (med(piped, "collect_seconds") - T * (policy_full + env_full)) / T)
-    train = med(turns + (piped or []), "train_seconds")
+    train = med(turns, "train_seconds")  # the learner alone: a pipelined plan shares its cores
     # the update's cost scales with the batch (minibatch epochs over T * N transitions): per transition, so a
     # plan with data-parallel learner ranks divides it
     return StageProfile(env_step_s=env_full / n, policy_call_s=call, policy_per_env_s=per_env, ipc_s=ipc,
@@ -102,16 +122,20 @@ class StaticScheduler:
         self.cfg = workflow.cfg
         self.iterations = workflow.cfg.scheduling.profile_iterations
 
-    async def _measure(self, name: str, sched: SchedulingConfig, i: int, n_iters: int) -> tuple[int, bool, list]:
-        """Run ``profile_iterations`` (+1 warm-up: re-planning and pipeline fill) iterations under a plan."""
+    async def _measure(self, name: str, sched: SchedulingConfig, i: int,
+                       n_iters: int) -> tuple[int, bool, list[dict], float | None]:
+        """Run ``profile_iterations`` (+1 warm-up: re-planning and pipeline fill) iterations under a plan; for a
+        plan with an env service, first probe the round trip of a step-sized message to it."""
         wf = self.wf
         wf.plan_name = name
         await wf.configure_rollouts(i, sched)
+        ipc = None
+        if not sched.env_in_rollout():
+            probe = await rpc(wf.rollouts[0], "Probe", rollout_pb2.ProbeRequest(round_trips=64), 60)
+            ipc = probe.round_trip_seconds
         first = len(wf.rows)
         i, done = await wf.segment(i, min(i + self.iterations + 1, n_iters))
-        rows = wf.rows[first + 1:] or wf.rows[first:]
-        quiet = [r for r in rows if "eval_return_mean" not in r]  # an evaluation is not the plan's cost
-        return i, done, quiet or rows
+        return i, done, wf.rows[first:], ipc
 
     async def choose(self, i: int, n_iters: int) -> tuple[int, bool]:
         wf, cfg = self.wf, self.cfg
@@ -119,23 +143,25 @@ class StaticScheduler:
         T, N = cfg.algorithm.ppo.n_steps, cfg.env.num_envs
         W, E = len(wf.rollouts), len(wf.envs)
         measured: dict[str, list[dict]] = {}
+        ipc: float | None = None
         # profile first: the in-process plan and a pipelined one (whether or not they are candidates), then measure
         # the other candidates
         every = candidates(cfg.scheduling.model_copy(update={"candidates": []}))
         order = ["collocated", "disaggregated"] + [n for n in plans if n not in ("collocated", "disaggregated")]
         for name in order:
-            i, done, rows = await self._measure(name, every[name], i, n_iters)
+            i, done, rows, probed = await self._measure(name, every[name], i, n_iters)
             measured[name] = rows
+            ipc = probed if probed is not None and ipc is None else ipc
             if done or i >= n_iters:
                 return i, done
-        profile = fit_profile(T, N // W, every["disaggregated"].chunks(), measured["collocated"],
-                              measured["disaggregated"], N)
+        profile = fit_profile(T, N // W, every["disaggregated"].chunks(), steady(measured["collocated"]),
+                              steady(measured["disaggregated"]), N, ipc)
         host = {"host": Pool("host", max(1, os.cpu_count() or 1))}
-        overhead = control_overhead(measured["collocated"])
+        overhead = control_overhead(steady(measured["collocated"]))
         table = []
         for name, sched in plans.items():
             pred = simulate(profile, shape(name, sched, N, T, W, E), host, iterations=max(4, 2 + sched.staleness + 2))
-            got = statistics.median(r["iteration_seconds"] for r in measured[name])
+            got = iteration_time(measured[name])
             table.append({"plan": name, "predicted_s": pred.iteration_s + overhead, "measured_s": got,
                           "description": wf.describe_plan(sched, W)})
         best_predicted = min(table, key=lambda r: r["predicted_s"])

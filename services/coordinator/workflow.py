@@ -102,6 +102,14 @@ class ScaleChange:
     done: asyncio.Future
 
 
+@dataclass
+class PlanChange:
+    """Re-place stages (the dynamic scheduler): the same workers, another plan, from the next boundary."""
+
+    sched: SchedulingConfig
+    why: str
+
+
 Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
 
 
@@ -124,7 +132,8 @@ class PPOWorkflow:
         self.plan_name = self.sched.mode
         self.decisions: list[dict] = []  # the static scheduler's table (mode auto)
         self.rows: list[dict] = []  # every recorded iteration of this execution
-        self.changes: list[ScaleChange] = []
+        self.changes: list[ScaleChange | PlanChange] = []
+        self.dynamic = None  # DynamicScheduler when scheduling.dynamic
         self.arrived: list[rollout_pb2.CollectReply] = []
         self.recent_returns: deque[float] = deque(maxlen=100)
         self.runlog: RunLog | None = None
@@ -276,6 +285,8 @@ class PPOWorkflow:
         self.record(i, shards, t, ev)
         if self.reached(ev):
             return True
+        if self.dynamic is not None:
+            await self.dynamic.at_boundary(i)
         if self.checkpoint_due(i, n_iters):
             await self.save_checkpoint()
         if self.run.stop_requested.is_set():
@@ -320,6 +331,7 @@ class PPOWorkflow:
             row["eval_return_mean"] = ev.episodes.return_mean
             row["eval_return_std"] = ev.episodes.return_std
             row["eval_weight_version"] = ev.weight_version - self.base_version
+            row["eval_seconds"] = ev.seconds
             self.best_eval = max(self.best_eval, ev.episodes.return_mean)
         self.rows.append(row)
         self.runlog.write(row)
@@ -345,6 +357,12 @@ class PPOWorkflow:
             from services.coordinator.scheduler import StaticScheduler
 
             i, done = await StaticScheduler(self).choose(i, n_iters)
+        if self.cfg.scheduling.dynamic:
+            from services.coordinator.dynamic import DynamicScheduler
+
+            self.dynamic = DynamicScheduler(self)
+            self.dynamic.start_row = len(self.rows)
+            self.dynamic.env_seconds = await self.dynamic._env_seconds()
         while not done and i < n_iters:
             i, done = await self.segment(i, n_iters)
             if not done and i < n_iters:
@@ -472,11 +490,20 @@ class PPOWorkflow:
         self.changes.append(change)
         return change
 
+    async def request_plan(self, sched: SchedulingConfig, why: str) -> None:
+        """Queue a re-placement for the next epoch boundary (the dynamic scheduler)."""
+        self.changes.append(PlanChange(sched, why))
+
     async def apply_changes(self, next_index: int) -> None:
-        """Apply queued scale changes between iterations: joiners are configured (current weights first),
-        leavers were drained and are released, and every rollout worker gets its new shard."""
+        """Apply queued changes between iterations: joiners are configured (current weights first), leavers were
+        drained and are released, a re-placement takes effect, and every rollout worker gets its new shard."""
         changes, self.changes = self.changes, []
+        sched = None
         for change in changes:
+            if isinstance(change, PlanChange):
+                sched = change.sched
+                self.plan_name = f"{self.plan_name.split(' [')[0]} [{change.why}]"
+                continue
             stages = self.pools[change.role]
             leaving = stages[change.target:]
             kept = stages[:change.target] + [self._stage(w) for w in change.joiners]
@@ -491,13 +518,14 @@ class PPOWorkflow:
                     self.release(stage.worker)
         if not changes:
             return
+        scaled = [c for c in changes if isinstance(c, ScaleChange)]
         try:
-            await self.configure_rollouts(next_index)
+            await self.configure_rollouts(next_index, sched)
         except RunFailed as exc:
-            for change in changes:
+            for change in scaled:
                 if not change.done.done():
                     change.done.set_exception(exc)
             raise
-        for change in changes:
+        for change in scaled:
             if not change.done.done():
                 change.done.set_result(next_index)

@@ -110,7 +110,9 @@ class SchedulingConfig(_Strict):
     profile_iterations: int = Field(3, ge=1, le=100, description="auto: iterations measured per profiled plan")
     candidates: list[str] = Field(default_factory=list,
                                   description="auto: plan names to consider (default: every candidate)")
-    dynamic: bool = Field(False, description="rebalance env shards across rollout workers from measured speed")
+    dynamic: bool = Field(False, description="move the env stage between env services and rollout workers at epoch "
+                                             "boundaries from measured utilisation (kept only if it pays)")
+    dynamic_every: int = Field(10, ge=2, le=10_000, description="iterations per dynamic-scheduling window")
 
     @model_validator(mode="after")
     def _placement(self) -> SchedulingConfig:

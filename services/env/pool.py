@@ -141,7 +141,10 @@ class EnvPools:
         return pool
 
     def handle(self, kind: str, meta: dict, tensors: dict) -> tuple[str, dict]:
-        """reset {pool, seed, num_envs?} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, ..."""
+        """reset {pool, seed, num_envs?} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, ... ;
+        echo tensors -> the same tensors"""
+        if kind == "echo":  # the scheduler's IPC probe: the same bytes back, no simulation
+            return "echo", dict(tensors)
         pool_name = str(meta.get("pool", "train"))
         if kind == "reset" and pool_name.split("/")[0] == "train":
             pool = self._shard(pool_name, meta)
@@ -155,7 +158,7 @@ class EnvPools:
             if "actions" not in tensors:
                 raise ValueError("step needs an 'actions' tensor")
             return "stepped", pool.step(int(meta.get("chunk", 0)), np.asarray(tensors["actions"]))
-        raise ValueError(f"unknown request kind {kind!r}; expected 'reset' or 'step'")
+        raise ValueError(f"unknown request kind {kind!r}; expected 'reset', 'step' or 'echo'")
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -153,6 +153,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         worker.drain_after = request.last_batch_index
         return await self.GetState(request, context)
 
+    async def Probe(self, request, context):
+        worker = await self._require(context)
+        rtt, size, local = await self._call(context, worker.submit(worker.probe, request.round_trips or 64))
+        return rollout_pb2.ProbeReply(round_trip_seconds=rtt, payload_bytes=size, in_process=local)
+
     async def GetState(self, request, context):
         w = self.worker
         if w is None:

@@ -267,6 +267,16 @@ class RolloutWorker:
             i += 1
         return i - first
 
+    def probe(self, round_trips: int) -> tuple[float, int, bool]:
+        """Median round trip of a message as large as one chunk's step (its observations) to the env and back."""
+        payload = {"obs": np.ascontiguousarray(self.obs[:self.chunk_size])}
+        times = []
+        for _ in range(max(1, round_trips)):
+            t0 = time.perf_counter()
+            self.env.request("echo", TensorBatch(payload))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)), int(payload["obs"].nbytes), self.config.scheduling.env_in_rollout()
+
     def evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
         """Play ``episodes`` episodes on the eval pool, spread evenly over its envs (no short-episode bias),
         with the newest published weight version (what a checkpoint taken now would hold)."""

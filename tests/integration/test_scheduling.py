@@ -149,3 +149,24 @@ def test_static_scheduler_picks_the_fastest_measured_plan(stack, tmp_path, workl
         assert "learner" in chosen[0].plan.split("|")[-1] and chosen[0].plan != "hybrid env|rollout+learner"
     rows = _rows(tmp_path / workload)
     assert [r["iteration"] for r in rows] == list(range(1, 25))  # profiling iterations are training iterations
+
+
+def test_dynamic_scheduler_moves_the_env_stage_and_keeps_it_only_if_faster(stack, tmp_path):
+    """CartPole steps in microseconds: an env service only adds messages. The dynamic scheduler sees the env
+    service idle, moves the env into the rollout worker at an epoch boundary, measures, and keeps the move."""
+    cfg = short_config(scheduling={"mode": "disaggregated", "staleness": 0, "pipeline_chunks": 2, "dynamic": True,
+                                   "dynamic_every": 6},
+                       algorithm={"ppo": {"n_steps": 64, "batch_size": 256, "n_epochs": 1}},
+                       train={"total_env_steps": 256 * 30, "eval_every_iterations": 0})
+    client = stack.client
+    run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id
+    logs = [e.log.message for e in client.watch(run_id) if e.HasField("log")]
+    status = client.status(run_id)
+    assert STATE_NAMES[status.state] == "SUCCEEDED", status.reason
+    moves = [m for m in logs if m.startswith("dynamic scheduler: env -> rollout")]
+    assert len(moves) == 2 and "at iteration 6" in moves[0] and "kept" in moves[1], logs
+    rows = _rows(tmp_path / "run")
+    placed = [int(r["env_workers"]) for r in rows]
+    assert placed[:6] == [1] * 6 and placed[-10:] == [0] * 10  # env service, then inside the rollout worker
+    assert all(r["batch_version"] == r["weight_version"] - 1 for r in rows)  # on-policy throughout
+    assert [r["env_steps"] for r in rows] == [256 * (i + 1) for i in range(30)]

@@ -81,6 +81,22 @@ class DrainRequest(_message.Message):
     last_batch_index: int
     def __init__(self, last_batch_index: _Optional[int] = ...) -> None: ...
 
+class ProbeRequest(_message.Message):
+    __slots__ = ("round_trips",)
+    ROUND_TRIPS_FIELD_NUMBER: _ClassVar[int]
+    round_trips: int
+    def __init__(self, round_trips: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("round_trip_seconds", "payload_bytes", "in_process")
+    ROUND_TRIP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_PROCESS_FIELD_NUMBER: _ClassVar[int]
+    round_trip_seconds: float
+    payload_bytes: int
+    in_process: bool
+    def __init__(self, round_trip_seconds: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., in_process: _Optional[bool] = ...) -> None: ...
+
 class RolloutState(_message.Message):
     __slots__ = ("weight_version", "batches", "env_steps", "discarded_batches")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class RolloutStub:
                 request_serializer=rlfabric_dot_v1_dot_rollout__pb2.DrainRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutState.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/rlfabric.v1.Rollout/Probe',
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -111,6 +116,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Measure the round trip of one env-step-sized message to this worker's env (the scheduler's IPC cost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.DrainRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_rollout__pb2.RolloutState.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.ProbeRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class Rollout:
             '/rlfabric.v1.Rollout/Drain',
             rlfabric_dot_v1_dot_rollout__pb2.DrainRequest.SerializeToString,
             rlfabric_dot_v1_dot_rollout__pb2.RolloutState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Rollout/Probe',
+            rlfabric_dot_v1_dot_rollout__pb2.ProbeRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,
