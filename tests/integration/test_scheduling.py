@@ -170,3 +170,21 @@ def test_dynamic_scheduler_moves_the_env_stage_and_keeps_it_only_if_faster(stack
     assert placed[:6] == [1] * 6 and placed[-10:] == [0] * 10  # env service, then inside the rollout worker
     assert all(r["batch_version"] == r["weight_version"] - 1 for r in rows)  # on-policy throughout
     assert [r["env_steps"] for r in rows] == [256 * (i + 1) for i in range(30)]
+
+
+def test_scale_env_services_mid_run(scaling_stack, tmp_path):
+    """Two rollout workers share one env service; a second one joins at a boundary and takes worker 1's shard."""
+    cfg = short_config(scheduling={"mode": "disaggregated", "staleness": 0, "pipeline_chunks": 1,
+                                   "rollout_workers": 2},
+                       train={"total_env_steps": 64 * 400, "eval_every_iterations": 0})
+    client = scaling_stack.client
+    run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id
+    _wait_iteration(client, run_id, 3)
+    reply = client.scale(run_id, "env", delta=+1, timeout_s=30)
+    assert reply.workers == 2 and "in 2 env service(s)" in reply.detail
+    _wait_iteration(client, run_id, reply.applied_at_iteration + 4)
+    client.stop(run_id)
+    rows = _rows(tmp_path / "run")
+    assert [int(r["env_workers"]) for r in rows][:3] == [1, 1, 1] and int(rows[-1]["env_workers"]) == 2
+    assert [r["env_steps"] for r in rows] == [64 * (i + 1) for i in range(len(rows))]
+    assert all(r["batch_version"] == r["weight_version"] - 1 for r in rows)
