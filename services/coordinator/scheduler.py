@@ -140,7 +140,7 @@ class StaticScheduler:
     async def choose(self, i: int, n_iters: int) -> tuple[int, bool]:
         wf, cfg = self.wf, self.cfg
         plans = candidates(cfg.scheduling)
-        T, N = cfg.algorithm.ppo.n_steps, cfg.env.num_envs
+        T, N = cfg.algorithm.n_steps, cfg.env.num_envs
         W, E = len(wf.rollouts), len(wf.envs)
         measured: dict[str, list[dict]] = {}
         ipc: float | None = None

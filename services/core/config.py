@@ -59,9 +59,34 @@ class PPOConfig(_Strict):
     target_kl: float | None = Field(None, gt=0)
 
 
+class SACConfig(_Strict):
+    n_steps: int = Field(32, ge=1, description="steps per env per iteration (one epoch: collect, then update)")
+    batch_size: int = Field(256, ge=1, description="minibatch size sampled from the replay window")
+    learning_rate: float = Field(3e-4, gt=0)
+    gamma: float = Field(0.99, gt=0, le=1)
+    tau: float = Field(0.005, gt=0, le=1, description="Polyak factor of the target critics")
+    learning_starts: int = Field(1000, ge=0, description="env steps of uniform random actions before updates")
+    updates_per_env_step: float = Field(1.0, gt=0, le=64, description="gradient steps per env step collected")
+    ent_coef: float | Literal["auto"] = Field("auto", description="entropy weight alpha, or auto-tuned")
+    target_entropy: float | None = Field(None, description="auto alpha target; default -action_dim")
+
+
+ALGORITHM_FAMILY = {"ppo": "on-policy", "sac": "off-policy"}
+
+
 class AlgorithmConfig(_Strict):
-    name: Literal["ppo"] = "ppo"
+    name: Literal["ppo", "sac"] = "ppo"
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    sac: SACConfig = Field(default_factory=SACConfig)
+
+    @property
+    def family(self) -> str:
+        """on-policy: the learner consumes each batch once; off-policy: it samples a replay window."""
+        return ALGORITHM_FAMILY[self.name]
+
+    @property
+    def n_steps(self) -> int:
+        return self.sac.n_steps if self.name == "sac" else self.ppo.n_steps
 
 
 class TrainConfig(_Strict):
@@ -249,7 +274,7 @@ class RunConfig(_Strict):
         return self.seed + 100_000
 
     def batch_env_steps(self) -> int:
-        return self.algorithm.ppo.n_steps * self.env.num_envs
+        return self.algorithm.n_steps * self.env.num_envs
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.core.actor import build_policy
 from services.core.config import RunConfig
-from services.core.policy import ActorCritic
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None,
@@ -24,7 +24,7 @@ def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None
     ckpt = unpack(path.read_bytes(), str(path))
     config = RunConfig.from_json(ckpt["config_json"])
     spec = json.loads(ckpt["env_spec_json"])
-    policy = ActorCritic(spec["observation_space"], spec["action_space"], config.policy)
+    policy = build_policy(config, spec)
     policy.load_state_dict(ckpt["policy"])
     seed = config.eval_seed() if seed is None else seed
     n = min(episodes, config.env.eval_envs)

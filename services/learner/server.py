@@ -18,7 +18,6 @@ from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataClient, PeerTimeout, RemoteError
 from services.core.objectstore import ObjectStore, open_store
-from services.core.policy import ActorCritic
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
@@ -29,8 +28,10 @@ log = logging.getLogger(__name__)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
-def build_policy(config: RunConfig, env_spec: dict) -> ActorCritic:
-    return ActorCritic(env_spec["observation_space"], env_spec["action_space"], config.policy)
+def build_policy(config: RunConfig, env_spec: dict) -> torch.nn.Module:
+    from services.core.actor import build_policy as policy_for
+
+    return policy_for(config, env_spec)
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
@@ -45,7 +46,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.executor.submit(_warm_up)
         self.config: RunConfig | None = None
         self.algo = None
-        self.policy: ActorCritic | None = None
+        self.policy: torch.nn.Module | None = None
         self.publisher: WeightPublisher | None = None
         self.publisher_sync = None
         self.replay: DataClient | None = None
@@ -159,13 +160,33 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                 "batch_index": batch_index}
         return TensorBatch(tensors, meta=meta, version=min(b.version for b in shards))
 
+    def _sample_minibatches(self, timeout_s: float) -> TensorBatch | None:
+        """Off-policy: the gradient steps this epoch owes, as [U, B] minibatches sampled uniformly from the replay
+        window in one request (None before learning_starts)."""
+        updates = self.algo.updates_for(self.config.batch_env_steps())
+        if updates == 0:
+            return None
+        B = self.config.algorithm.sac.batch_size
+        kind, batch = self.replay.request("sample", TensorBatch(meta={"n": updates * B}), timeout_s=timeout_s + 5)
+        if kind != "batch":
+            raise PeerTimeout(f"replay answered {kind!r} to a sample of {updates * B} transitions")
+        tensors = {k: v.reshape(updates, B, *v.shape[1:]) for k, v in batch.tensors.items()
+                   if k in ("obs", "actions", "rewards", "next_obs", "terminated")}
+        return TensorBatch(tensors, meta={"updates": updates}, version=batch.version)
+
     def _train(self, batch_index: int, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
         t0 = time.perf_counter()
+        # the epoch's shards: on-policy they are the update's batch; off-policy taking them only confirms the
+        # epoch's data is stored (and leaves the FIFO empty), then the update samples the whole window
         batch = self._take_batch(batch_index, min_version, timeout_s)
         waited = time.perf_counter() - t0
-        tensors = batch.to_torch()
         u0 = time.perf_counter()
-        stats = self.algo.update(tensors)
+        if getattr(self.algo, "off_policy", False):
+            sampled = self._sample_minibatches(timeout_s)
+            stats = self.algo.update(sampled.to_torch()) if sampled is not None else {}
+            stats["updates"] = sampled.meta["updates"] if sampled is not None else 0
+        else:
+            stats = self.algo.update(batch.to_torch())
         stats["update_seconds"] = time.perf_counter() - u0
         self.version += 1
         p0 = time.perf_counter()

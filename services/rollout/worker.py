@@ -188,7 +188,7 @@ class RolloutWorker:
         if drainable:
             self._check_drain(batch_index)
         t_start = time.perf_counter()
-        T, N, C, S = cfg.algorithm.ppo.n_steps, self.shard_envs, self.chunks, self.chunk_size
+        T, N, C, S = cfg.algorithm.n_steps, self.shard_envs, self.chunks, self.chunk_size
         gamma = cfg.algorithm.ppo.gamma
         obs_buf = np.zeros((T, N, *self.obs.shape[1:]), dtype=np.float32)
         act_shape = tuple(self.env_spec["action_space"]["shape"])
@@ -200,12 +200,22 @@ class RolloutWorker:
         done_buf = np.zeros((T, N), dtype=np.float32)
         result = CollectResult(batch_index, T * N, self.version, shard=self.shard, shard_envs=N)
         policy_s = env_s = 0.0
+        off_policy = cfg.algorithm.family == "off-policy"
+        if off_policy:  # transitions for a replay window: where each step led, and whether it ended the episode
+            next_buf = np.zeros_like(obs_buf)
+            term_buf = np.zeros((T, N), dtype=np.float32)
+        # off-policy warm-up: uniform actions until the run has collected learning_starts env steps
+        explore = off_policy and batch_index * cfg.batch_env_steps() < cfg.algorithm.sac.learning_starts
 
         def act(c: int, t: int) -> int:
             nonlocal policy_s
             sl = slice(c * S, (c + 1) * S)
             p0 = time.perf_counter()
-            raw, env_actions, logp, values = self.backend.act(self.obs[sl])
+            if explore:
+                raw, env_actions = self.backend.random_actions(S)
+                logp, values = np.zeros(S, np.float32), np.zeros(S, np.float32)
+            else:
+                raw, env_actions, logp, values = self.backend.act(self.obs[sl])
             policy_s += time.perf_counter() - p0
             obs_buf[t, sl], act_buf[t, sl], logp_buf[t, sl], val_buf[t, sl] = self.obs[sl], raw, logp, values
             return self.env.send("step", TensorBatch({"actions": env_actions}, meta={"pool": self.pool, "chunk": c}))
@@ -224,7 +234,13 @@ class RolloutWorker:
                 reward = np.array(out["reward"], dtype=np.float32)
                 terminated, truncated = np.asarray(out["terminated"]), np.asarray(out["truncated"])
                 bootstrap = np.logical_and(truncated, np.logical_not(terminated))
-                if bootstrap.any():  # a time limit is not a failure: add the value of where the episode stopped
+                if off_policy:  # the critic bootstraps from next_obs itself unless the episode terminated
+                    nxt = np.array(out["obs"], dtype=np.float32)
+                    done_now = np.logical_or(terminated, truncated)
+                    if done_now.any():  # autoreset replaced them: where the episode really ended
+                        nxt[done_now] = np.asarray(out["final_obs"])[done_now]
+                    next_buf[t, sl], term_buf[t, sl] = nxt, terminated
+                elif bootstrap.any():  # a time limit is not a failure: add the value of where the episode stopped
                     idx = np.flatnonzero(bootstrap)
                     reward[idx] += gamma * self.backend.value(np.asarray(out["final_obs"])[idx])
                 rew_buf[t, sl] = reward
@@ -236,10 +252,14 @@ class RolloutWorker:
                 self.obs[sl] = out["obs"]
                 if t + 1 < T:
                     pending[c] = act(c, t + 1)
-        last_values = self.backend.value(self.obs)
+        if off_policy:
+            tensors = {"obs": obs_buf, "actions": act_buf, "rewards": rew_buf, "next_obs": next_buf,
+                       "terminated": term_buf}
+        else:
+            tensors = {"obs": obs_buf, "actions": act_buf, "logp": logp_buf, "values": val_buf, "rewards": rew_buf,
+                       "dones": done_buf, "last_values": self.backend.value(self.obs).astype(np.float32)}
         batch = TensorBatch(
-            {"obs": obs_buf, "actions": act_buf, "logp": logp_buf, "values": val_buf, "rewards": rew_buf,
-             "dones": done_buf, "last_values": last_values.astype(np.float32)},
+            tensors,
             meta={"batch_index": batch_index, "env_steps": T * N, "shard": self.shard, "env_offset": self.env_offset},
             version=self.version,
         )

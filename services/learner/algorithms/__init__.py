@@ -26,4 +26,4 @@ def build(name: str, *args: Any, **kwargs: Any) -> Any:
     return ALGORITHMS[name](*args, **kwargs)
 
 
-from services.learner.algorithms import ppo  # noqa: E402,F401  (registers "ppo")
+from services.learner.algorithms import ppo, sac  # noqa: E402,F401  (each registers itself)

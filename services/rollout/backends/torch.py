@@ -1,17 +1,18 @@
-"""TorchBackend: batched acting with an ActorCritic for all envs of a step, and weight-version loading."""
+"""TorchBackend: batched acting with the run's policy (an ActorCritic on-policy, a squashed Gaussian actor for
+SAC) for all envs of a step, and weight-version loading."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from services.core.actor import build_policy
 from services.core.config import RunConfig
-from services.core.policy import ActorCritic
 
 
 class TorchBackend:
     def __init__(self, config: RunConfig, env_spec: dict):
-        self.policy = ActorCritic(env_spec["observation_space"], env_spec["action_space"], config.policy)
+        self.policy = build_policy(config, env_spec)
         self.policy.eval()
         self.version = -1
         self.generator = torch.Generator().manual_seed(config.seed + 1)
@@ -31,6 +32,11 @@ class TorchBackend:
             t = torch.from_numpy(obs if obs.flags.writeable else obs.copy())
             actions, logp, values = self.policy.act(t, deterministic, self.generator)
         return actions.numpy(), self.policy.env_actions(actions), logp.numpy(), values.numpy()
+
+    def random_actions(self, n: int):
+        """Uniform actions in the policy's action space (off-policy warm-up, before learning_starts)."""
+        raw = torch.rand((n, self.policy.act_dim), generator=self.generator) * 2 - 1
+        return raw.numpy(), self.policy.env_actions(raw)
 
     def value(self, obs: np.ndarray) -> np.ndarray:
         with torch.no_grad():

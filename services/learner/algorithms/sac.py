@@ -1,0 +1,128 @@
+"""SAC (Haarnoja et al. 2018), continuous actions, twin critics, target critics, auto-tuned entropy, as CleanRL
+writes it. The off-policy family: the learner samples minibatches from the replay window instead of consuming
+each batch once, ``updates_per_env_step`` gradient steps per env step collected.
+
+    critic:  y = r + gamma * (1 - terminated) * (min_j Q'_j(s', a') - alpha * log pi(a'|s')),  a' ~ pi(s')
+             L_Q = sum_j E[(Q_j(s, a) - y)^2]
+    actor:   L_pi = E[alpha * log pi(a|s) - min_j Q_j(s, a)],  a ~ pi(s) (reparameterised)
+    alpha:   L_alpha = E[-log alpha * (log pi(a|s) + target_entropy)]
+    targets: Q'_j <- tau * Q_j + (1 - tau) * Q'_j
+
+Actions are the actor's squashed actions in [-1, 1] (the replay stores them so); ``terminated`` (not truncated)
+stops bootstrapping: a time limit is not a terminal state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from services.core.actor import SquashedGaussianActor, mlp
+from services.core.config import RunConfig, SACConfig
+from services.learner.algorithms import register
+
+
+def critic_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
+                  next_logp: torch.Tensor, gamma: float, alpha: float) -> torch.Tensor:
+    return rewards + gamma * (1.0 - terminated) * (torch.min(next_q1, next_q2) - alpha * next_logp)
+
+
+@torch.no_grad()
+def polyak(target: nn.Module, source: nn.Module, tau: float) -> None:
+    for t, s in zip(target.parameters(), source.parameters(), strict=True):
+        t.lerp_(s, tau)
+
+
+class Critic(nn.Module):
+    def __init__(self, obs_dim: int, act_dim: int, hidden: list[int]):
+        super().__init__()
+        self.q = mlp([obs_dim + act_dim, *hidden], "relu", 1)
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        return self.q(torch.cat([obs.reshape(obs.shape[0], -1), actions.reshape(actions.shape[0], -1)], -1)).squeeze(-1)
+
+
+@register("sac")
+class SAC:
+    off_policy = True
+
+    def __init__(self, actor: SquashedGaussianActor, config: RunConfig, generator: torch.Generator | None = None):
+        cfg: SACConfig = config.algorithm.sac
+        self.cfg, self.actor, self.generator = cfg, actor, generator
+        hidden = config.policy.hidden_sizes
+        self.q1, self.q2 = Critic(actor.obs_dim, actor.act_dim, hidden), Critic(actor.obs_dim, actor.act_dim, hidden)
+        self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
+        self.q_optimizer = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=cfg.learning_rate)
+        self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate)
+        self.auto_alpha = cfg.ent_coef == "auto"
+        self.target_entropy = cfg.target_entropy if cfg.target_entropy is not None else -float(actor.act_dim)
+        self.log_alpha = torch.zeros(1, requires_grad=self.auto_alpha)
+        if not self.auto_alpha:
+            self.log_alpha.data.fill_(float(cfg.ent_coef)).log_()
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate) if self.auto_alpha else None
+        self.env_steps = 0
+        self.optimizer_steps = 0
+
+    def updates_for(self, env_steps: int) -> int:
+        """Gradient steps owed for ``env_steps`` more env steps (none before learning_starts)."""
+        self.env_steps += env_steps
+        if self.env_steps < self.cfg.learning_starts:
+            return 0
+        return max(1, round(self.cfg.updates_per_env_step * env_steps))
+
+    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One gradient step per minibatch: tensors are [U, B, ...] (U minibatches of B transitions)."""
+        stats: dict[str, float] = {}
+        for u in range(batch["rewards"].shape[0]):
+            stats = self.step({k: v[u] for k, v in batch.items()})
+        return stats
+
+    def step(self, b: dict[str, torch.Tensor]) -> dict[str, float]:
+        obs, actions, rewards = b["obs"].float(), b["actions"].float(), b["rewards"].float()
+        next_obs, terminated = b["next_obs"].float(), b["terminated"].float()
+        alpha = self.log_alpha.exp().item()
+        with torch.no_grad():
+            next_actions, next_logp = self.actor.sample(next_obs, self.generator)
+            y = critic_target(rewards, terminated, self.q1_target(next_obs, next_actions),
+                              self.q2_target(next_obs, next_actions), next_logp, self.cfg.gamma, alpha)
+        q1, q2 = self.q1(obs, actions), self.q2(obs, actions)
+        q_loss = (q1 - y).pow(2).mean() + (q2 - y).pow(2).mean()
+        self.q_optimizer.zero_grad(set_to_none=True)
+        q_loss.backward()
+        self.q_optimizer.step()
+
+        new_actions, logp = self.actor.sample(obs, self.generator)
+        q_new = torch.min(self.q1(obs, new_actions), self.q2(obs, new_actions))
+        actor_loss = (alpha * logp - q_new).mean()
+        self.actor_optimizer.zero_grad(set_to_none=True)
+        actor_loss.backward()
+        self.actor_optimizer.step()
+
+        if self.auto_alpha:
+            alpha_loss = (-self.log_alpha * (logp.detach() + self.target_entropy)).mean()
+            self.alpha_optimizer.zero_grad(set_to_none=True)
+            alpha_loss.backward()
+            self.alpha_optimizer.step()
+        polyak(self.q1_target, self.q1, self.cfg.tau)
+        polyak(self.q2_target, self.q2, self.cfg.tau)
+        self.optimizer_steps += 1
+        return {"q_loss": q_loss.item(), "actor_loss": actor_loss.item(), "alpha": alpha,
+                "q_mean": q1.mean().item(), "entropy": -logp.mean().item()}
+
+    def state_dict(self) -> dict:
+        return {"q1": self.q1.state_dict(), "q2": self.q2.state_dict(), "q1_target": self.q1_target.state_dict(),
+                "q2_target": self.q2_target.state_dict(), "q_optimizer": self.q_optimizer.state_dict(),
+                "actor_optimizer": self.actor_optimizer.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
+                "alpha_optimizer": self.alpha_optimizer.state_dict() if self.alpha_optimizer else {},
+                "env_steps": self.env_steps, "optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("q1", "q2", "q1_target", "q2_target", "q_optimizer", "actor_optimizer"):
+            getattr(self, name).load_state_dict(state[name])
+        self.log_alpha.data.copy_(state["log_alpha"])
+        if self.alpha_optimizer is not None:
+            self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
+        self.env_steps = int(state["env_steps"])
+        self.optimizer_steps = int(state["optimizer_steps"])
