@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from services.core.batch import TensorBatch
-from services.core.codec import decode
+from services.core.codec import decode, encode
 from services.core.config import RunConfig
 from services.core.objectstore import FilesystemObjectStore, ObjectStore
 from services.replay.stores import open_replay_store
@@ -24,6 +24,7 @@ from services.replay.stores.redis import (
     RedisStore,
     ReplayStoreError,
     ReplayStoreUnavailable,
+    _batch_frames,
     redact_url,
     unpack_frames,  # re-exported from services.core.codec
 )
@@ -139,19 +140,90 @@ def test_key_layout_holds_codec_frames_and_eviction_deletes_keys(redis_server): 
     for v in range(3):
         s.put(_batch(v))  # 8 transitions each: the third put evicts the first
     r = redis.Redis.from_url(redis_server)
-    window = [i.decode() for i in r.lrange("lab:run-7:window", 0, -1)]
-    assert len(window) == 2 and r.lrange("lab:run-7:pending", 0, -1) == [i.encode() for i in window]
-    assert sorted(k.decode() for k in r.keys("*")) == sorted(
-        [f"lab:run-7:batch:{i}" for i in window] + [f"lab:run-7:{k}" for k in ("window", "pending", "meta", "stats")])
+    entries = [e.decode().split(" ") for e in r.lrange("lab:run-7:window", 0, -1)]
+    window = [e[0] for e in entries]
+    assert [e[1:] for e in entries] == [["8", "1", "136", "0"], ["8", "2", "136", "0"]]  # transitions, version,
+    assert sorted(k.decode() for k in r.keys("*")) == sorted(  # bytes, offloaded
+        [f"lab:run-7:batch:{i}" for i in window] + [f"lab:run-7:{k}" for k in ("window", "stats")])
     frames = unpack_frames(r.get(f"lab:run-7:batch:{window[0]}"))
     header = json.loads(frames[0].tobytes())
     assert header["id"] == window[0] and header["refs"] == []
     kind, batch = decode(frames[1:], 1 << 20)  # the data plane's own frames: JSON header + raw buffers
     assert kind == "batch" and batch.version == 1 and batch.meta == {"chunk": 1}
     _same(batch, _batch(1))
-    assert r.hget("lab:run-7:meta", window[0]) == b"8 1 136 0"  # transitions, version, bytes, offloaded
     stats = {k.decode(): int(v) for k, v in r.hgetall("lab:run-7:stats").items()}
-    assert stats == {"transitions": 16, "bytes": 272, "puts": 3, "evicted": 1, "newest_version": 2}
+    assert stats == {"transitions": 16, "bytes": 272, "puts": 3, "evicted": 1, "newest_version": 2, "samples": 0,
+                     "pending": 2}
+    assert s.take_onpolicy(0).version == 1 and r.hget("lab:run-7:stats", "pending") == b"1"
+
+
+def _odd_batches() -> list[TensorBatch]:
+    strided = np.arange(48, dtype=np.float32).reshape(4, 2, 6)[:, :, ::2]  # not C-contiguous
+    return [
+        _batch(3),
+        TensorBatch({"b": np.ones((4, 2), bool), "i8": np.full((4, 2, 3), -3, np.int8), "h": np.zeros((4, 2), np.float16),
+                     "c": np.full((4, 2), 1 + 2j, np.complex64), "u": np.arange(8, dtype=np.uint64).reshape(4, 2),
+                     "scalar": np.array(2.5), "empty": np.zeros((0, 4), np.float32), "ünï \"q\"": np.zeros(3)},
+                    meta={"name": "é ü \u2603", "x": [1, 2.5, None], "flag": True, "n": {"a": -1}}, version=7, seq=11),
+        TensorBatch({"obs": strided, "r": np.zeros((4, 2), np.float32)}, version=1),  # (through codec.encode)
+        TensorBatch({"obs": np.zeros((4, 2), ">f4")}, version=2),  # (likewise)
+    ]
+
+
+@pytest.mark.parametrize("batch", _odd_batches(), ids=["plain", "dtypes-meta-names", "strided", "big-endian"])
+def test_stored_frames_are_byte_for_byte_the_codecs(batch):
+    """The store encodes batches itself (faster); what it writes must stay exactly what codec.encode writes."""
+    frames, nbytes = _batch_frames(batch)
+    assert [bytes(f) for f in frames] == [bytes(f) for f in encode("batch", batch)]
+    assert nbytes == batch.nbytes
+    assert _batch_frames(batch)[0][0] == frames[0]  # (the second time from the per-layout cache)
+
+
+def test_keys_of_the_previous_layout_are_rewritten_at_open(redis_server):  # noqa: F811
+    """Keys written by the previous layout (bare ids in window, a pending list and a meta hash) are rewritten in
+    place when a replay service opens them: same batches, FIFO and counters."""
+    s = _store(redis_server, capacity=100, cache_bytes=0)
+    for v in range(5):
+        s.put(_batch(v))
+    assert s.take_onpolicy(1).version == 1  # drops version 0 as stale; 2, 3, 4 stay pending
+    s.close()
+    r = redis.Redis.from_url(redis_server)
+    entries = [e.decode().split(" ", 1) for e in r.lrange("rlfabric:t:window", 0, -1)]
+    ids = [i for i, _ in entries]
+    r.delete("rlfabric:t:window")  # now as the previous layout kept it
+    r.rpush("rlfabric:t:window", *ids)
+    r.rpush("rlfabric:t:pending", *ids[2:])
+    r.hset("rlfabric:t:meta", mapping=dict(entries))
+    r.hdel("rlfabric:t:stats", "pending")
+    again = _store(redis_server, capacity=100, cache_bytes=0)
+    assert (len(again), again.pending, again.transitions, again.puts, again.onpolicy_gets, again.stale_dropped) == (
+        5, 3, 40, 5, 1, 1)
+    assert r.exists("rlfabric:t:pending", "rlfabric:t:meta") == 0
+    assert [e.decode() for e in r.lrange("rlfabric:t:window", 0, -1)] == [f"{i} {m}" for i, m in entries]
+    assert [again.take_onpolicy(0).version for _ in range(3)] == [2, 3, 4] and again.take_onpolicy(0) is None
+    assert again.put(_batch(5)) == 6 and len(again) == 6 and again.transitions == 48
+    assert set(again.sample(64, np.random.default_rng(0))["version"]) == set(range(6))
+
+
+@pytest.mark.parametrize("inline_bytes,protocol", [(0, 2), (1 << 30, 2), (0, 3)],
+                         ids=["value-in-multi", "value-in-script", "resp3"])
+def test_puts_and_takes_on_the_stores_own_connection(redis_server, inline_bytes, protocol):  # noqa: F811
+    """Replies are parsed by the store itself: RESP2 and RESP3, values larger than one read (received into a
+    buffer of their own, handed out read-only), and a Redis that lost its script cache (SCRIPT FLUSH, or a restart)
+    in the middle of a MULTI."""
+    url = f"{redis_server}{'&' if '?' in redis_server else '?'}protocol={protocol}"
+    s = _store(url, capacity=10_000, cache_bytes=0, inline_bytes=inline_bytes)
+    big = _batch(2, T=64, N=8, width=64)  # 128 KiB of observations
+    s.put(_batch(0))
+    redis.Redis.from_url(redis_server).script_flush()
+    s.put(_batch(1))
+    s.put(big)
+    _same(s.take_onpolicy(0), _batch(0))
+    _same(s.take_onpolicy(1), _batch(1))
+    taken = s.take_onpolicy(2)
+    _same(taken, big)
+    assert not taken["obs"].flags.writeable
+    assert s.take_onpolicy(0) is None and (s.puts, s.onpolicy_gets, s.pending, len(s)) == (3, 3, 0, 3)
 
 
 def test_a_reopened_store_has_the_same_batches_fifo_and_counters(redis_server):  # noqa: F811
@@ -299,9 +371,23 @@ def test_redis_lost_mid_run_recovers_if_it_returns_within_the_retries(tmp_path, 
         s = _store(server.url, retry_attempts=8, retry_backoff_s=0.05)  # waits 0.05, 0.1, 0.2, ... up to 2 s
         s.put(_batch(0))
         server.kill()
-        threading.Timer(0.3, server.start).start()
+        # The put runs on a helper thread while this one brings Redis back: a redis-server started by a short-lived
+        # thread (a threading.Timer) dies with it, PR_SET_PDEATHSIG being per thread.
+        answer: dict = {}
+
+        def put() -> None:
+            try:
+                answer["puts"] = s.put(_batch(1))
+            except Exception as exc:  # noqa: BLE001 — reported by the assert below
+                answer["error"] = exc
+
         with caplog.at_level(logging.WARNING):
-            assert s.put(_batch(1)) == 2  # blocked in retries until Redis was back
+            helper = threading.Thread(target=put)
+            helper.start()
+            time.sleep(0.3)
+            server.start()
+            helper.join(30)
+        assert answer == {"puts": 2}  # blocked in retries until Redis was back
         assert "Redis connection lost" in caplog.text and "retry 1/8" in caplog.text
         _same(s.take_onpolicy(0), _batch(0))
         _same(_store(server.url, cache_bytes=0).take_onpolicy(1), _batch(1))
@@ -391,11 +477,12 @@ def test_a_retry_after_a_lost_reply_neither_duplicates_nor_skips(redis_server, i
         proxy.drop_after = request_marker
         assert s.put(_batch(1)) == 2  # Redis stored it, the ack was lost, the retry found it already there
         assert _evalsha_calls(real) - evalsha_before == 2 and proxy.connections == 2  # it really ran twice
-        assert real.llen("rlfabric:t:window") == 2 and real.llen("rlfabric:t:pending") == 2 and len(s) == 2
+        assert real.llen("rlfabric:t:window") == 2 and real.hget("rlfabric:t:stats", "pending") == b"2"
+        assert len(s) == 2
         assert real.hget("rlfabric:t:stats", "puts") == b"2"
         proxy.drop_after = b"EVALSHA"
         _same(s.take_onpolicy(0), _batch(0))  # the retried take answers with what the first attempt popped
-        assert real.llen("rlfabric:t:pending") == 1 and s.onpolicy_gets == 1 and s.pending == 1
+        assert real.hget("rlfabric:t:stats", "pending") == b"1" and s.onpolicy_gets == 1 and s.pending == 1
         _same(s.take_onpolicy(0), _batch(1))
         fresh = _store(redis_server, cache_bytes=0)
         _same(fresh.sample(9, np.random.default_rng(0)), s.sample(9, np.random.default_rng(0)))

@@ -7,20 +7,25 @@ transitions), kept in Redis under ``<replay.key_prefix>:<run_id>:``:
                       headers and raw buffers, no pickle), length-prefixed: b"RLF1", u32 count, u64 length each,
                       then the frames. A tensor larger than replay.offload_bytes goes to the object store under
                       ``replay/<run_id>/<id>/<tensor>``: its frame is empty and the store header records the key.
-  window       list   batch ids, oldest first: what ``sample`` draws from and what capacity evicts
-  pending      list   batch ids not yet taken on-policy, oldest first (always a subsequence of window)
-  meta         hash   id -> "transitions version nbytes offloaded": what the scripts need without the frames
+  window       list   one entry per batch, oldest first: "id transitions version nbytes offloaded" (offloaded: 1
+                      if it has tensors in the object store). What ``sample`` draws from and what capacity evicts; the
+                      newest ``pending`` entries are the batches not yet taken on-policy (oldest first)
   refs         hash   id -> JSON list of object keys, for batches with offloaded tensors (deleted on eviction)
-  stats        hash   transitions, bytes, puts, onpolicy_gets, samples, evicted, stale_dropped, newest_version
+  stats        hash   transitions, bytes, puts, onpolicy_gets, samples, evicted, stale_dropped, newest_version, pending
   take         hash   the last take's token and id, so a retried take returns the same batch
+
+(The previous layout kept bare ids in window, the not-yet-taken ids in a pending list and each batch's numbers in a
+meta hash; a replay service opening such keys rewrites them into this one first. Keeping the numbers in the window
+entries and the pending batches as a count makes a put's script a handful of O(1) commands.)
 
 One string per batch, because a large SET is zero-copy in Redis (a list or hash copies every element into its
 packed encoding: ~0.3 ms per 3 MiB batch measured here).
 
 Every mutation is one atomic round trip (MULTI/EXEC or a Lua script) and is idempotent, so a retry after a lost
-reply neither duplicates nor drops a batch. One replay service owns a run's keys at a time: it mirrors the window
-(ids and counts) and caches what it stored, so sampling needs no Redis round trip when the window fits in
-``cache_bytes``. A restarted replay service opens the same keys and carries on.
+reply neither duplicates nor drops a batch. Puts and takes go out on the store's own connection, written and parsed
+here (_Wire): a small put is one write, one read and a few microseconds of Lua. One replay service owns a run's keys
+at a time: it mirrors the window (ids and counts) and caches what it stored, so sampling needs no Redis round trip
+when the window fits in ``cache_bytes``. A restarted replay service opens the same keys and carries on.
 
 Connection loss: each operation is retried ``replay.retry_attempts`` times with exponential backoff from
 ``replay.retry_backoff_s`` (redis-py's Retry/ExponentialBackoff), then fails with ReplayStoreUnavailable, whose
@@ -33,8 +38,8 @@ import hashlib
 import itertools
 import json
 import logging
+import random
 import re
-import secrets
 import struct
 import time
 from collections import OrderedDict, deque
@@ -45,11 +50,21 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
+from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from services.core.batch import TensorBatch
-from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
+from services.core.codec import (
+    DTYPES,
+    MAX_HEADER_BYTES,
+    WIRE_VERSION,
+    FrameError,
+    decode,
+    encode,
+    frame_parts,
+    unpack_frames,
+)
 from services.replay.stores import check_trajectory
 
 log = logging.getLogger(__name__)
@@ -58,8 +73,14 @@ R = TypeVar("R")
 STORE_FORMAT = 1
 _FIELDS = ("transitions", "bytes", "puts", "onpolicy_gets", "samples", "evicted", "stale_dropped", "newest_version")
 _DECODE_BOUND = 1 << 40  # frames were validated when put; this only guards against a corrupted value
-INLINE_BYTES = 32 << 10  # batches up to this size go to Redis inside the script call; larger ones in a MULTI
+INLINE_BYTES = 1 << 10  # values up to this size go to Redis inside the script call, larger ones SET in a MULTI (Lua
+#                         takes an argument at ~1 us per KiB; the MULTI costs ~1 us and three more replies)
+_BIG_PIECE = 64 << 10  # a request's pieces up to this size are joined and sent at once; larger ones sent as they are
 _MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
+# what MULTI, SET, EVALSHA, EXEC answer before the script's own reply (+OK, QUEUED, QUEUED, then EXEC's array of
+# the SET's OK and the script's reply), and those replies as parsed
+_PUT_EXEC = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n+OK\r\n"
+_EXPECTED = {_PUT_EXEC: lambda reply: [b"OK", b"QUEUED", b"QUEUED", [b"OK", reply]]}
 
 
 class ReplayStoreError(RuntimeError):
@@ -75,140 +96,168 @@ class ReplayStoreUnavailable(ReplayStoreError):
     """Redis could not be reached (at open, or mid-run after the bounded retries)."""
 
 
-# Shared by every script. KEYS: window, pending, meta, stats, take, refs. Scripts report the state as one line,
-# "window_len pending_len c1 ... c8": both list lengths and the counters in _FIELDS order ('' where never set), for
-# the caller's mirror. (One bulk string: redis-py parses it far faster than nested arrays.) Scripts keep
-# redis.call()s few: each costs about a microsecond, and passing arguments into Lua costs about as much per KiB.
+# KEYS of every script: window, stats, take, refs (the migration script also gets the previous layout's pending and
+# meta). Scripts report the state as one line, "window_len pending_len c1 ... c8": the window's length, the pending
+# count and the counters in _FIELDS order (0, or -1 for newest_version, where never set), for the caller's mirror
+# (one bulk string: far cheaper to parse than nested arrays). Costs measured on Redis 7.0, which shaped these scripts:
+# a redis.call() about 0.5 us, a new field in a hash of a few hundred (a listpack, scanned) a few us, an argument
+# passed into Lua about 1 us per KiB, and a MULTI around a plain SET and the script about 1 us.
 _PROLOGUE = """
-local W, P, M, S, TK, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local W, S, TK, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local FIELDS = {'transitions', 'bytes', 'puts', 'onpolicy_gets', 'samples', 'evicted', 'stale_dropped',
-                'newest_version'}
+                'newest_version', 'pending'}
 local function line(c, wl, pl)
-  local out = {tostring(wl), tostring(pl)}
-  for i = 1, 8 do out[i + 2] = c[i] or '' end
-  return table.concat(out, ' ')
-end
-local function status(wl, pl)
-  return line(redis.call('HMGET', S, unpack(FIELDS)), wl, pl)
+  return table.concat({wl, pl, c[1] or 0, c[2] or 0, c[3] or 0, c[4] or 0, c[5] or 0, c[6] or 0, c[7] or 0,
+                       c[8] or -1}, ' ')
 end
 """
 
 # ARGV: capacity, batch key prefix, id ('' = only trim), transitions, version, nbytes, refs JSON ('' = none), samples
-# to add, then the value if it comes inline (small batches: one command). A larger value is SET by the same MULTI
-# just before (zero-copy; through Lua it would cost ~1 us/KiB). A retried put whose first attempt landed finds its
-# id in meta and changes nothing. Evicts the oldest batches while the window holds more than the capacity. The
-# counters are read once and written back once (one HMGET, one HSET) rather than incremented field by field.
-# Returns the status line, then for each evicted batch its id and refs JSON (empty unless it has offloaded tensors,
-# which the caller deletes), all joined by newlines (ids and JSON hold none).
+# to add, the puts count once this put is in, then the value if it comes inline (tiny batches: one command). A
+# larger value is SET by the same MULTI just before (zero-copy; through Lua it would cost ~1 us/KiB). A retried put
+# whose first attempt landed (the puts count is already there and the entry is in the window) changes nothing.
+# Evicts the oldest batches while the window holds more than the capacity. The counters are read once and written
+# back once (one HMGET, one HSET) rather than incremented field by field. Returns the status line, then for each
+# evicted batch its id and refs JSON (empty unless it has offloaded tensors, which the caller deletes), all joined
+# by newlines (ids and JSON hold none).
 _PUT_LUA = _PROLOGUE + """
 local cap, prefix, id = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local c = redis.call('HMGET', S, unpack(FIELDS))
-local function num(i) return tonumber(c[i] or '0') end
-local upd = {}  -- counter index -> new value
-local t, wl, pl = num(1), 0, 0
-local off = (ARGV[7] ~= '') and '1' or '0'
-if id ~= '' and redis.call('HSETNX', M, id, ARGV[4] .. ' ' .. ARGV[5] .. ' ' .. ARGV[6] .. ' ' .. off) == 1 then
-  if #ARGV > 8 then redis.call('SET', prefix .. id, ARGV[9]) end
-  if off == '1' then redis.call('HSET', R, id, ARGV[7]) end
-  wl = redis.call('RPUSH', W, id)
-  pl = redis.call('RPUSH', P, id)
-  t = t + tonumber(ARGV[4])
-  upd[1], upd[2], upd[3] = t, num(2) + tonumber(ARGV[6]), num(3) + 1
-  if ARGV[8] ~= '0' then upd[5] = num(5) + tonumber(ARGV[8]) end
-  if not c[8] or tonumber(ARGV[5]) > tonumber(c[8]) then upd[8] = tonumber(ARGV[5]) end
-else
-  wl = redis.call('LLEN', W)
-  pl = redis.call('LLEN', P)
+local t, nb, puts, pl = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]) or 0, tonumber(c[9]) or 0
+local wl, dirty = nil, false
+if id ~= '' then
+  local entry = id .. ' ' .. ARGV[4] .. ' ' .. ARGV[5] .. ' ' .. ARGV[6] .. ' ' .. (ARGV[7] == '' and '0' or '1')
+  -- (the usual case needs no search: the count is the one before this put)
+  if puts + 1 == tonumber(ARGV[9]) or not redis.call('LPOS', W, entry, 'RANK', -1) then
+    if #ARGV > 9 then redis.call('SET', prefix .. id, ARGV[10]) end
+    if ARGV[7] ~= '' then redis.call('HSET', R, id, ARGV[7]) end
+    wl = redis.call('RPUSH', W, entry)
+    t, nb, puts, pl = t + tonumber(ARGV[4]), nb + tonumber(ARGV[6]), puts + 1, pl + 1
+    c[3] = string.format('%d', puts)  -- (numbers made strings once: HSET and the status line both take them)
+    if ARGV[8] ~= '0' then c[5] = string.format('%d', (tonumber(c[5]) or 0) + tonumber(ARGV[8])) end
+    if not c[8] or tonumber(ARGV[5]) > tonumber(c[8]) then c[8] = ARGV[5] end
+    dirty = true
+  end
 end
-local out, ids, keys = {''}, {}, {}
-local nbytes = upd[2] or num(2)
+wl = wl or redis.call('LLEN', W)
+if pl > wl then pl = wl end
+local out, keys = {''}, {}
 while t > cap do
   local old = redis.call('LPOP', W)
   if not old then break end
+  if pl >= wl then pl = wl - 1 end  -- pending is the newest pl entries: the oldest was pending only if all were
   wl = wl - 1
-  local m = redis.call('HGET', M, old)
-  local refs = ''
-  if m then
-    local n, v, nb, o = string.match(m, '(%S+) (%S+) (%S+) (%S+)')
-    t, nbytes = t - tonumber(n), nbytes - tonumber(nb)
+  local oid, n, b, o = string.match(old, '^(%S+) (%d+) %S+ (%d+) (%d)$')
+  if oid then
+    t, nb = t - tonumber(n), nb - tonumber(b)
+    local refs = ''
     if o ~= '0' then
-      refs = redis.call('HGET', R, old) or ''
-      redis.call('HDEL', R, old)
+      refs = redis.call('HGET', R, oid) or ''
+      redis.call('HDEL', R, oid)
     end
+    keys[#keys + 1] = prefix .. oid
+    out[#out + 1] = oid
+    out[#out + 1] = refs
   end
-  -- pending is a subsequence of window, so the oldest window entry, if still pending, heads pending
-  if redis.call('LINDEX', P, 0) == old then
-    redis.call('LPOP', P)
-    pl = pl - 1
-  end
-  ids[#ids + 1], keys[#keys + 1] = old, prefix .. old
-  out[#out + 1] = old
-  out[#out + 1] = refs
+  dirty = true
 end
-if #ids > 0 then
-  upd[1], upd[2], upd[6] = t, nbytes, num(6) + #ids
-  for i = 1, #ids, 1000 do  -- (unpack takes a few thousand values at most)
-    local j = math.min(i + 999, #ids)
-    redis.call('HDEL', M, unpack(ids, i, j))
-    redis.call('DEL', unpack(keys, i, j))
+if #keys > 0 then
+  c[6] = string.format('%d', (tonumber(c[6]) or 0) + #keys)
+  for i = 1, #keys, 1000 do  -- (unpack takes a few thousand values at most)
+    redis.call('DEL', unpack(keys, i, math.min(i + 999, #keys)))
   end
 end
-local kv = {}
-for i = 1, 8 do
-  if upd[i] then
-    c[i] = string.format('%d', upd[i])
-    kv[#kv + 1] = FIELDS[i]
-    kv[#kv + 1] = c[i]
-  end
+if dirty then
+  c[1], c[2], pl = string.format('%d', t), string.format('%d', nb), string.format('%d', pl)
+  redis.call('HSET', S, 'transitions', c[1], 'bytes', c[2], 'puts', c[3] or '0', 'samples', c[5] or '0',
+             'evicted', c[6] or '0', 'newest_version', c[8] or '-1', 'pending', pl)
 end
-if #kv > 0 then redis.call('HSET', S, unpack(kv)) end
 out[1] = line(c, wl, pl)
 return table.concat(out, '\\n')
 """
 
-# ARGV: min_version, token, samples to add, '1' to get the batch's value too, batch key prefix. Pops stale ids
-# (counted) until one is new enough; returns [id or '', status line, value or false]. Returning the value in the same
-# call means a batch is never popped without being read (a later read could fail).
+# ARGV: min_version, token, samples to add, '1' to get the batch's value too, batch key prefix. Walks the pending
+# entries (the newest ``pending`` of the window) oldest first, dropping (and counting) stale ones until one is new
+# enough; returns [id or '', status line, value or false]. Returning the value in the same call means a batch is
+# never taken without being read (a later read could fail).
 _TAKE_LUA = _PROLOGUE + """
 local function value_of(id)
   if id ~= '' and ARGV[4] == '1' then return redis.call('GET', ARGV[5] .. id) end
   return false
 end
+local c = redis.call('HMGET', S, unpack(FIELDS))
+local wl = redis.call('LLEN', W)
+local pl = math.min(tonumber(c[9]) or 0, wl)
 local last = redis.call('HMGET', TK, 'token', 'id')
 if last[1] == ARGV[2] then
   local id = last[2] or ''
-  return {id, status(redis.call('LLEN', W), redis.call('LLEN', P)), value_of(id)}
+  return {id, line(c, wl, pl), value_of(id)}
 end
-if ARGV[3] ~= '0' then redis.call('HINCRBY', S, 'samples', ARGV[3]) end
 local minv = tonumber(ARGV[1])
-local found, stale = '', 0
-while true do
-  local id = redis.call('LPOP', P)
-  if not id then break end
-  local m = redis.call('HGET', M, id)
-  if m then
-    if tonumber(string.match(m, '%S+ (%S+)')) >= minv then
+local found, stale, size = '', 0, 1
+while found == '' and pl > 0 do
+  size = math.min(size, pl)  -- read 1, 2, 4, ... 256 entries at a time: usually the first is taken
+  for _, e in ipairs(redis.call('LRANGE', W, -pl, size - pl - 1)) do
+    pl = pl - 1
+    local id, v = string.match(e, '^(%S+) %S+ (%S+)')
+    if id and tonumber(v) >= minv then
       found = id
-      redis.call('HINCRBY', S, 'onpolicy_gets', 1)
       break
     end
     stale = stale + 1
   end
+  size = math.min(2 * size, 256)
 end
-if stale > 0 then redis.call('HINCRBY', S, 'stale_dropped', stale) end
+local kv = {'pending', pl}
+if found ~= '' then
+  c[4] = (tonumber(c[4]) or 0) + 1
+  kv[3], kv[4] = 'onpolicy_gets', c[4]
+end
+if stale > 0 then
+  c[7] = (tonumber(c[7]) or 0) + stale
+  kv[#kv + 1], kv[#kv + 2] = 'stale_dropped', c[7]
+end
+if ARGV[3] ~= '0' then
+  c[5] = (tonumber(c[5]) or 0) + tonumber(ARGV[3])
+  kv[#kv + 1], kv[#kv + 2] = 'samples', c[5]
+end
+redis.call('HSET', S, unpack(kv))
 redis.call('HSET', TK, 'token', ARGV[2], 'id', found)
-return {found, status(redis.call('LLEN', W), redis.call('LLEN', P)), value_of(found)}
+return {found, line(c, wl, pl), value_of(found)}
 """
 
 # ARGV: batch key prefix. Drops every batch, keeps the counters; [{id, refs JSON, ...}, status line].
 _CLEAR_LUA = _PROLOGUE + """
-for _, id in ipairs(redis.call('LRANGE', W, 0, -1)) do
-  redis.call('DEL', ARGV[1] .. id)
+for _, e in ipairs(redis.call('LRANGE', W, 0, -1)) do
+  redis.call('DEL', ARGV[1] .. string.match(e, '^%S+'))
 end
 local refs = redis.call('HGETALL', R)
-redis.call('DEL', W, P, M, R)
-redis.call('HSET', S, 'transitions', 0, 'bytes', 0)
-return {refs, status(0, 0)}
+redis.call('DEL', W, R)
+redis.call('HSET', S, 'transitions', 0, 'bytes', 0, 'pending', 0)
+return {refs, line(redis.call('HMGET', S, unpack(FIELDS)), 0, 0)}
+"""
+
+# The previous layout kept bare ids in window, the not-yet-taken ids in a pending list and each batch's "transitions
+# version nbytes offloaded" in a meta hash. Rewrites such keys into this layout, atomically (once, when a replay
+# service opens them). KEYS: window, stats, take, refs, pending, meta. Returns the number of entries.
+_MIGRATE_LUA = _PROLOGUE + """
+local P, M = KEYS[5], KEYS[6]
+if redis.call('EXISTS', M) == 0 then
+  redis.call('DEL', P)
+  return 0
+end
+local entries = {}
+for _, id in ipairs(redis.call('LRANGE', W, 0, -1)) do
+  local m = redis.call('HGET', M, id)
+  if m and not string.find(id, ' ', 1, true) then entries[#entries + 1] = id .. ' ' .. m end
+end
+local pl = math.min(redis.call('LLEN', P), #entries)  -- pending was always the newest ids of window
+redis.call('DEL', W, P, M)
+for i = 1, #entries, 1000 do
+  redis.call('RPUSH', W, unpack(entries, i, math.min(i + 999, #entries)))
+end
+redis.call('HSET', S, 'pending', pl)
+return #entries
 """
 
 
@@ -218,13 +267,16 @@ def _bulk(arg: Any) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(data), data)
 
 
-def _coalesce(pieces: list[Any], big: int = 64 << 10) -> list[Any]:
+def _coalesce(pieces: list[Any], big: int = _BIG_PIECE) -> list[Any]:
     """The pieces joined into as few buffers as possible, copying only small ones: one sendall per buffer, and a
     request in one buffer reaches Redis in one read."""
+    sizes = [piece.nbytes if type(piece) is memoryview else len(piece) for piece in pieces]
+    if sum(sizes) <= big:
+        return [b"".join(pieces)]
     out: list[Any] = []
     small: list[Any] = []
-    for piece in pieces:
-        if memoryview(piece).nbytes > big:
+    for piece, size in zip(pieces, sizes, strict=True):
+        if size > big:
             if small:
                 out.append(b"".join(small))
                 small = []
@@ -234,6 +286,171 @@ def _coalesce(pieces: list[Any], big: int = 64 << 10) -> list[Any]:
     if small:
         out.append(b"".join(small))
     return out
+
+
+_WIRE_DTYPES = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}  # native dtype -> wire name
+_specs_json: dict[tuple, str | None] = {}  # batch layout -> the codec header's "tensors" JSON (None: use encode)
+
+
+def _batch_frames(batch: TensorBatch) -> tuple[list[Any], int]:
+    """``codec.encode("batch", batch)`` and the tensors' byte count: byte for byte the frames encode makes, without
+    its per-tensor dtype-name lookups and JSON of the tensor specs (both cached per layout here: a put of a small
+    batch spent more time in them than Redis did storing it). Anything but C-contiguous numpy arrays of the wire's
+    native dtypes and int seq/version goes through encode itself. (test_redis_store checks the two agree.)"""
+    layout: list[Any] = []
+    buffers: list[Any] = []
+    nbytes = 0
+    for name, value in batch.tensors.items():
+        if type(value) is not np.ndarray:
+            return _encoded(batch)
+        view = memoryview(value)
+        if not view.c_contiguous:
+            return _encoded(batch)
+        layout.append((name, value.dtype, value.shape))
+        size = view.nbytes
+        buffers.append(view.cast("B") if size else b"")
+        nbytes += size
+    key = tuple(layout)
+    specs = _specs_json.get(key, "")
+    if specs == "":
+        if len(_specs_json) >= 256:
+            _specs_json.clear()
+        names = [_WIRE_DTYPES.get(dtype) for _, dtype, _ in layout]
+        specs = _specs_json[key] = None if None in names else json.dumps(
+            [{"name": name, "dtype": wire, "shape": list(shape)}
+             for (name, _, shape), wire in zip(layout, names, strict=True)], separators=(",", ":"))
+    seq, version, meta = batch.seq, batch.version, batch.meta
+    if specs is None or type(seq) is not int or type(version) is not int or type(meta) is not dict:
+        return _encoded(batch)
+    meta_json = json.dumps(meta, separators=(",", ":")) if meta else "{}"
+    header = (f'{{"w":{WIRE_VERSION},"kind":"batch","seq":{seq},"version":{version},"meta":{meta_json},'
+              f'"tensors":{specs}}}').encode()
+    if len(header) > MAX_HEADER_BYTES:
+        return _encoded(batch)
+    return [header, *buffers], nbytes
+
+
+def _encoded(batch: TensorBatch) -> tuple[list[Any], int]:
+    return encode("batch", batch), batch.nbytes
+
+
+class _Wire:
+    """The store's own connection for puts and takes: each request written whole, its replies parsed here.
+
+    redis-py connects it (TLS, AUTH, SELECT: whatever the URL asks) and stays the owner of the socket; this only
+    writes and reads it between handshakes, and redis-py's own reader never sees it in between. Bypassing the pool
+    checkout (which polls the socket), command packing (a large argument goes out in three sends) and the reply
+    parser (pure Python, four replies for a MULTI) saves most of the client time of a small put.
+
+    Errors are redis-py's: a lost or confused connection is disconnected (the next request reconnects) and raised as
+    ConnectionError/TimeoutError; error replies come back as exception objects (redis-py's classes, e.g.
+    NoScriptError), for the caller to raise once every reply was read, so the connection stays in step."""
+
+    BIG = 1 << 16  # a bulk reply larger than this is received straight into its own buffer
+
+    def __init__(self, client: redis.Redis):
+        self._client = client
+        self._conn: Any = None
+        self._sock: Any = None
+        self._buf = b""
+        self._pos = 0
+
+    def request(self, pieces: list[Any], replies: int, expect: bytes = b"") -> list[Any]:
+        """Send the pieces (one or more pipelined commands) and read ``replies`` replies. ``expect``: what the
+        replies but the last usually are, byte for byte (then they are skipped rather than parsed; the result
+        is the same)."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self._client.connection_pool.get_connection()
+        if conn._sock is None:
+            conn.connect()
+        self._sock = sock = conn._sock
+        self._buf, self._pos = b"", 0
+        try:
+            for buf in _coalesce(pieces) if len(pieces) > 1 else pieces:
+                sock.sendall(buf)
+            if expect:
+                self._fill()
+                if self._buf.startswith(expect):
+                    self._pos = len(expect)
+                    return _EXPECTED[expect](self._reply())
+            return [self._reply() for _ in range(replies)]
+        except TimeoutError:  # (socket.timeout)
+            self.disconnect()
+            raise redis.TimeoutError("Timeout talking to Redis") from None
+        except OSError as exc:
+            self.disconnect()
+            raise redis.ConnectionError(f"Error talking to Redis: {exc}") from None
+        except BaseException:
+            self.disconnect()
+            raise
+
+    def disconnect(self) -> None:
+        self._buf, self._pos, self._sock = b"", 0, None
+        if self._conn is not None:
+            self._conn.disconnect()
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self._client.connection_pool.release(self._conn)
+            self._conn = None
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(self.BIG)
+        if not chunk:
+            raise redis.ConnectionError("Connection closed by server.")
+        self._buf = self._buf[self._pos:] + chunk if self._pos < len(self._buf) else chunk
+        self._pos = 0
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n", self._pos)) < 0:
+            self._fill()
+        line = self._buf[self._pos:end]
+        self._pos = end + 2
+        return line
+
+    def _reply(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$" or kind == b"=":  # bulk string (RESP3: verbatim string)
+            return None if rest == b"-1" else self._bulk(int(rest))
+        if kind == b"+":
+            return rest
+        if kind == b"*" or kind == b"~" or kind == b">":  # array (RESP3: set, push)
+            return None if rest == b"-1" else [self._reply() for _ in range(int(rest))]
+        if kind == b"-":
+            return BaseParser.parse_error(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"_":  # RESP3 null
+            return None
+        raise redis.ConnectionError(f"Protocol error: unexpected reply {line[:40]!r} from Redis")
+
+    def _bulk(self, n: int) -> Any:
+        end = self._pos + n
+        if end + 2 <= len(self._buf):
+            data = self._buf[self._pos:end]
+            self._pos = end + 2
+            return data
+        if n <= self.BIG:
+            while end + 2 > len(self._buf):
+                self._fill()
+                end = self._pos + n
+            data = self._buf[self._pos:end]
+            self._pos = end + 2
+            return data
+        # a large value: received straight into a buffer of its size, handed out read-only (as bytes would be)
+        out = bytearray(n + 2)
+        have = len(self._buf) - self._pos
+        out[:have] = memoryview(self._buf)[self._pos:]
+        view = memoryview(out)
+        while have < n + 2:
+            got = self._sock.recv_into(view[have:])
+            if not got:
+                raise redis.ConnectionError("Connection closed by server.")
+            have += got
+        self._buf, self._pos = b"", 0
+        return view[:n].toreadonly()
 
 
 @dataclass
@@ -390,7 +607,7 @@ class RedisStore:
         self.inline_bytes = inline_bytes
         self.prefix = f"{key_prefix}:{run_id}:"
         self._batch_prefix = self.prefix + "batch:"
-        self._keys = [self.prefix + k for k in ("window", "pending", "meta", "stats", "take", "refs")]
+        self._keys = [self.prefix + k for k in ("window", "stats", "take", "refs")]
         self._object_prefix = f"replay/{_safe_key_part(run_id, 'run')}"
         self._window: deque[_Entry] = deque()
         self._window_rows = 0  # transitions in the mirrored window
@@ -402,7 +619,6 @@ class RedisStore:
         self._columns: _Columns | None = None
         self._columns_blocked_by = ""  # a window batch whose layout the columns cannot hold
         self._warned_no_delete = False
-        self._conn: Any = None  # the store's own connection for puts and takes (see _roundtrip)
         try:
             # No retries inside redis-py: the store retries whole operations (idempotent ones) with its own policy.
             self._client = redis.Redis.from_url(
@@ -416,9 +632,19 @@ class RedisStore:
         self._retry = Retry(ExponentialBackoff(cap=max(2.0, retry_backoff_s), base=retry_backoff_s / 2),
                             retry_attempts)
         self._scripts = {name: (body, hashlib.sha1(body.encode()).hexdigest())
-                         for name, body in (("put", _PUT_LUA), ("take", _TAKE_LUA), ("clear", _CLEAR_LUA))}
+                         for name, body in (("put", _PUT_LUA), ("take", _TAKE_LUA), ("clear", _CLEAR_LUA),
+                                            ("migrate", _MIGRATE_LUA))}
+        self._wire = _Wire(self._client)  # the store's own connection for puts and takes
+        self._random = random.Random()  # (seeded from os.urandom)
         # what every EVALSHA sends after the script's sha: the key count and the keys
         self._key_args = b"".join(map(_bulk, [len(self._keys), *(k.encode() for k in self._keys)]))
+        self._shas = {name: sha.encode() for name, (_, sha) in self._scripts.items()}
+        # the constant parts of a put's MULTI/EXEC request: MULTI, SET's name, the script's sha, keys and first args
+        self._batch_prefix_b = self._batch_prefix.encode()
+        self._put_set = _MULTI + b"*3\r\n$3\r\nSET\r\n"
+        self._put_head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b%b%b" % (
+            3 + len(self._keys) + 9, self._shas["put"], self._key_args, _bulk(capacity_transitions),
+            _bulk(self._batch_prefix_b))
         self._open()
 
     @classmethod
@@ -449,9 +675,17 @@ class RedisStore:
         except redis.ResponseError as exc:
             raise self._refused("open", exc) from None
         self._warn_if_not_persistent()
+        self._migrate()
         self._resync()
         if self.transitions > self.capacity:  # reopened with a smaller capacity
-            self._after_put(self._run("trim", lambda: self._put_tx("", None, (0, 0, 0, "", 0))), None)
+            self._after_put(self._run("trim", lambda: self._put_tx("", None, (0, 0, 0, "", 0, 0))), None)
+
+    def _migrate(self) -> None:
+        """Bring keys an older replay service wrote in the previous layout (see _MIGRATE_LUA) into this one."""
+        old = [self.prefix + "pending", self.prefix + "meta"]
+        if self._run("open", lambda: self._client.exists(*old)):
+            n = self._run("open", lambda: self._client.evalsha(self._scripts["migrate"][1], 6, *self._keys, *old))
+            log.info("replay keys under %s rewritten from the previous layout (%d batches)", self.prefix, n)
 
     def _load_scripts(self) -> None:
         for body, _ in self._scripts.values():
@@ -519,31 +753,20 @@ class RedisStore:
     def _evalsha_request(self, name: str, args: list[Any], value: tuple[int, list[Any]] | None = None) -> list[Any]:
         """The pieces of an EVALSHA request for the script, with a value given as (length, pieces) last."""
         count = 3 + len(self._keys) + len(args) + (value is not None)
-        pieces = [b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n" % (count, self._scripts[name][1].encode()),
-                  self._key_args, *map(_bulk, args)]
-        if value is not None:
-            pieces += [b"$%d\r\n" % value[0], *value[1], b"\r\n"]
-        return pieces
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b%b" % (
+            count, self._shas[name], self._key_args, b"".join(map(_bulk, args)))
+        if value is None:
+            return [head]
+        return [head + b"$%d\r\n" % value[0], *value[1], b"\r\n"]
 
-    def _roundtrip(self, pieces: list[Any], replies: int = 1) -> Any:
-        """Send one request (one or more pipelined commands) on the store's own connection and return the last of
-        its replies. Bypasses the pool and command packing of redis-py (a pool checkout polls the socket, and a
-        large argument goes out in three sends): about half the client time of a small put. Errors are redis-py's:
-        a lost connection is disconnected (the next call reconnects) and raised; an error reply is raised once every
-        reply was read, so the connection stays in step."""
-        conn = self._conn
-        if conn is None:
-            conn = self._conn = self._client.connection_pool.get_connection()
-        conn.send_packed_command(_coalesce(pieces), check_health=False)
-        error, reply = None, None
-        for _ in range(replies):
-            try:
-                reply = conn.read_response()
-            except redis.ResponseError as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return reply
+    def _roundtrip(self, pieces: list[Any], replies: int = 1, expect: bytes = b"") -> Any:
+        """Send one request (one or more pipelined commands) on the store's own connection (see _Wire) and return
+        the last of its replies; an error reply is raised once every reply was read."""
+        done = self._wire.request(pieces, replies, expect)
+        for result in done:
+            if isinstance(result, Exception):
+                raise result
+        return done[-1]
 
     # ---- state mirror -------------------------------------------------------------------------------------------
 
@@ -551,20 +774,18 @@ class RedisStore:
         """Reload the window mirror and counters from Redis (at open, or when Redis changed under us)."""
         def load() -> list:
             p = self._client.pipeline(transaction=True)
-            p.hgetall(self._keys[3])
+            p.hgetall(self._keys[1])
             p.lrange(self._keys[0], 0, -1)
-            p.llen(self._keys[1])
-            p.hgetall(self._keys[2])
             return p.execute()
 
-        stats, window, pending, meta = self._run("load", load)
+        stats, window = self._run("load", load)
         self._stats = {k.decode(): int(v) for k, v in stats.items()}
-        self._pending = int(pending)
         self._window = deque()
         for raw in window:
-            if (m := meta.get(raw)) is not None:
-                n, v, _, _ = m.split()
-                self._window.append(_Entry(raw.decode(), int(n), int(v)))
+            parts = raw.split(b" ")
+            if len(parts) == 5:
+                self._window.append(_Entry(parts[0].decode(), int(parts[1]), int(parts[2])))
+        self._pending = min(self._stats.get("pending", 0), len(self._window))
         self._window_rows = sum(e.transitions for e in self._window)
         live = {e.id for e in self._window}
         for stale in [k for k in self._cache if k not in live]:
@@ -572,12 +793,11 @@ class RedisStore:
         self._columns, self._columns_blocked_by = None, ""
 
     def _apply_status(self, status: bytes) -> None:
-        """Take in a script's status line: b"window_len pending_len c1 ... c8" (counters in _FIELDS order, empty
-        where never set)."""
-        window_len, pending_len, *values = status.split(b" ")
-        self._stats = {k: int(v) for k, v in zip(_FIELDS, values, strict=True) if v}
-        self._pending = int(pending_len)
-        if int(window_len) != len(self._window):
+        """Take in a script's status line: b"window_len pending_len c1 ... c8" (counters in _FIELDS order)."""
+        window_len, pending, *counters = map(int, status.split(b" "))
+        self._stats = dict(zip(_FIELDS, counters, strict=True))
+        self._pending = pending
+        if window_len != len(self._window):
             log.warning("Redis replay state under %s changed outside this store (Redis restarted without "
                         "appendonly, or a second replay service uses the same run_id); reloading it", self.prefix)
             self._resync()
@@ -609,8 +829,8 @@ class RedisStore:
 
     # ---- in-process copies (batches are immutable once stored, so these never go stale) ------------------------
 
-    def _cache_put(self, bid: str, batch: TensorBatch) -> None:
-        size = batch.nbytes
+    def _cache_put(self, bid: str, batch: TensorBatch, size: int | None = None) -> None:
+        size = batch.nbytes if size is None else size
         if size > self.cache_bytes:
             return
         self._cache[bid] = (batch, size)
@@ -653,21 +873,21 @@ class RedisStore:
         used.add(part)
         return f"{self._object_prefix}/{bid}/{part}"
 
-    def _value_for(self, bid: str, batch: TensorBatch) -> tuple[tuple[int, list[Any]], list[dict]]:
-        """The batch as one length-prefixed value of the codec's frames (as its length and the pieces to send), with
+    def _value_for(self, bid: str, batch: TensorBatch, frames: list[Any]) -> tuple[tuple[int, list[Any]], list[dict]]:
+        """The batch's codec frames as one length-prefixed value (as its length and the pieces to send), with
         tensors over offload_bytes written to the object store first (so a stored header never points at a missing
         object) and left empty here."""
-        frames = encode("batch", batch)
         refs: list[dict] = []
-        names = list(batch.tensors)
-        used: set[str] = set()
-        for i in range(1, len(frames)):
-            size = len(frames[i])
-            if self.objects is not None and size > self.offload_bytes:
-                key = self._object_key(bid, names[i - 1], i, used)
-                self.objects.put_bytes(key, bytes(frames[i]))
-                refs.append({"frame": i, "tensor": names[i - 1], "key": key, "bytes": size})
-                frames[i] = b""
+        if self.objects is not None:
+            names = list(batch.tensors)
+            used: set[str] = set()
+            for i in range(1, len(frames)):
+                size = len(frames[i])
+                if size > self.offload_bytes:
+                    key = self._object_key(bid, names[i - 1], i, used)
+                    self.objects.put_bytes(key, bytes(frames[i]))
+                    refs.append({"frame": i, "tensor": names[i - 1], "key": key, "bytes": size})
+                    frames[i] = b""
         if refs:
             header = json.dumps({"store": STORE_FORMAT, "id": bid, "refs": refs}, separators=(",", ":")).encode()
         else:  # (the same bytes: ids hold no characters JSON escapes)
@@ -728,18 +948,26 @@ class RedisStore:
 
     def _put_tx(self, bid: str, value: tuple[int, list[Any]] | None, args: tuple) -> bytes:
         """The batch's value (length, pieces) and the bookkeeping script (which also evicts), atomically: inside
-        the script call for small values, else SET and the script in one MULTI/EXEC. One request either way."""
-        script_args = [self.capacity, self._batch_prefix, bid, *args]
+        the script call for tiny values, else SET and the script in one MULTI/EXEC. One request either way."""
         if value is None or value[0] <= self.inline_bytes:
-            return self._roundtrip(self._evalsha_request("put", script_args, value))
-        key = (self._batch_prefix + bid).encode()
-        pieces = [_MULTI, b"*3\r\n$3\r\nSET\r\n", _bulk(key),  # a retry rewrites the same value
-                  b"$%d\r\n" % value[0], *value[1], b"\r\n", *self._evalsha_request("put", script_args), _EXEC]
-        results = self._roundtrip(pieces, replies=4)  # +OK, QUEUED, QUEUED, [OK, script reply]
-        for result in results:
+            return self._roundtrip(self._evalsha_request("put", [self.capacity, self._batch_prefix, bid, *args],
+                                                         value))
+        # MULTI, SET batch:<id> <value> (a retry rewrites the same value), EVALSHA put ..., EXEC; the script's
+        # arguments after the constant ones are ints, the id and JSON: ASCII, so characters are bytes
+        n, version, nbytes, refs, samples, puts = map(str, args)
+        script = (f"${len(bid)}\r\n{bid}\r\n${len(n)}\r\n{n}\r\n${len(version)}\r\n{version}\r\n"
+                  f"${len(nbytes)}\r\n{nbytes}\r\n${len(refs)}\r\n{refs}\r\n${len(samples)}\r\n{samples}\r\n"
+                  f"${len(puts)}\r\n{puts}\r\n").encode("ascii")
+        set_head = b"%b$%d\r\n%b%b\r\n$%d\r\n" % (self._put_set, len(self._batch_prefix_b) + len(bid),
+                                                 self._batch_prefix_b, bid.encode(), value[0])
+        pieces = [set_head, *value[1], b"\r\n%b%b%b" % (self._put_head, script, _EXEC)]
+        if value[0] <= _BIG_PIECE:
+            pieces = [b"".join(pieces)]
+        done = self._roundtrip(pieces, 4, _PUT_EXEC)  # +OK, QUEUED, QUEUED, then EXEC's [OK, script reply]
+        for result in done:
             if isinstance(result, Exception):
                 raise result
-        return results[-1]
+        return done[-1]
 
     def _after_put(self, reply: bytes, entry: _Entry | None) -> None:
         status, *evicted = reply.split(b"\n")
@@ -757,27 +985,30 @@ class RedisStore:
             self._uncache(bid)
             if bid == self._columns_blocked_by:
                 self._columns_blocked_by = ""
-        self._delete_objects([h for h in evicted[1::2] if h])
+        if any(evicted[1::2]):
+            self._delete_objects([h for h in evicted[1::2] if h])
         self._apply_status(status)
 
     def put(self, batch: TensorBatch) -> int:
         """Store the batch; returns the put count. Returns only once Redis has it (the caller then acknowledges).
         Like MemoryStore, the store keeps references to the batch's arrays: don't modify them afterwards."""
         n = check_trajectory(batch, self.capacity)
-        bid = f"{self.puts + 1:010d}-{secrets.token_hex(4)}"
-        value, refs = self._value_for(bid, batch)
+        puts = self._stats.get("puts", 0) + 1  # (this put's count: the script's retry check)
+        bid = f"{puts:010d}-{self._random.getrandbits(32):08x}"  # (unique, not secret)
+        frames, nbytes = _batch_frames(batch)
+        value, refs = self._value_for(bid, batch, frames)
         samples = self._unflushed_samples
         refs_json = json.dumps([r["key"] for r in refs]) if refs else ""
-        args = (n, batch.version, batch.nbytes, refs_json, samples)
+        args = (n, batch.version, nbytes, refs_json, samples, puts)
         try:
             reply = self._run("put", lambda: self._put_tx(bid, value, args))
         except ReplayStoreError:
             self._delete_keys([r["key"] for r in refs])  # not acknowledged: leave none of its objects behind
             raise
         self._unflushed_samples -= samples
-        stored = TensorBatch(dict(batch.tensors), meta=dict(batch.meta), version=batch.version, seq=batch.seq)
         if self.cache_bytes:
-            self._cache_put(bid, stored)
+            self._cache_put(bid, TensorBatch(dict(batch.tensors), meta=dict(batch.meta), version=batch.version,
+                                             seq=batch.seq), nbytes)
         self._after_put(reply, _Entry(bid, n, batch.version))
         return self.puts
 
@@ -785,12 +1016,14 @@ class RedisStore:
         """Oldest unconsumed batch with version >= min_version; older ones are dropped and counted."""
         if not self._pending:
             return None
-        token = secrets.token_hex(8)  # a retried take answers with what the first attempt popped
+        token = f"{self._random.getrandbits(64):016x}"  # a retried take answers with what the first attempt took
         samples = self._unflushed_samples
-        # pending is always the newest entries of the window, so the mirror knows which batch the take will pop:
-        # ask Redis for its value too unless it is cached here.
-        expect = next((e.id for e in itertools.islice(self._window, len(self._window) - self._pending, None)
-                       if e.version >= min_version), None)
+        # pending is always the newest entries of the window, so the mirror knows which batch the take will pop
+        # (the oldest pending one new enough): ask Redis for its value too unless it is cached here.
+        expect = None
+        for e in itertools.islice(reversed(self._window), self._pending):
+            if e.version >= min_version:
+                expect = e.id
         want_value = "1" if expect is None or expect not in self._cache else "0"
         found, status, value = self._run("take", lambda: self._roundtrip(self._evalsha_request(
             "take", [min_version, token, samples, want_value, self._batch_prefix])))
@@ -865,14 +1098,12 @@ class RedisStore:
         """Write the sample count and disconnect; the data stays in Redis for the next replay service."""
         if self._unflushed_samples:
             try:
-                self._client.hincrby(self._keys[3], "samples", self._unflushed_samples)
+                self._client.hincrby(self._keys[1], "samples", self._unflushed_samples)
                 self._unflushed_samples = 0
             except redis.RedisError as exc:
                 log.warning("could not write the replay sample count to Redis at close: %s", exc)
         self._cache.clear()
         self._cached_bytes = 0
         self._columns = None
-        if self._conn is not None:
-            self._client.connection_pool.release(self._conn)
-            self._conn = None
+        self._wire.release()
         self._client.close()
