@@ -67,11 +67,17 @@ class WorkerRegistry:
             w.alive = False
         return dead
 
-    def idle(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.alive and not w.run_id]
+    def idle(self, role: str, pool: str = "") -> list[Worker]:
+        """Idle workers of a role; with ``pool``, those registered in that pool (``--pool``) first, then those
+        registered in none (a worker pinned to another pool is never taken)."""
+        free = [w for w in self.workers.values() if w.role == role and w.alive and not w.run_id]
+        if not pool:
+            return free
+        return ([w for w in free if w.labels.get("pool") == pool] +
+                [w for w in free if not w.labels.get("pool")])
 
-    def acquire(self, role: str, run_id: str) -> Worker | None:
-        free = self.idle(role)
+    def acquire(self, role: str, run_id: str, pool: str = "") -> Worker | None:
+        free = self.idle(role, pool)
         if not free:
             return None
         free[0].run_id = run_id
