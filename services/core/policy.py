@@ -96,7 +96,14 @@ class ActorCritic(nn.Module):
         return actions, logp, value
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
-        """Log-probs, entropy and values of given actions: what PPO differentiates."""
+        """Log-probs, entropy and values of given actions: what PPO differentiates. Discrete actions take the
+        log-softmax path of ``act`` (one normalisation instead of the distribution object's three)."""
+        if self.discrete:
+            x = self._flat(obs)
+            log_probs = torch.log_softmax(self.pi_head(self.pi_body(x)), -1)
+            logp = log_probs.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            return logp, entropy, self.vf_head(self.vf_body(x)).squeeze(-1)
         dist = self.distribution(obs)
         if not self.discrete:
             actions = actions.reshape(actions.shape[0], -1)

@@ -41,9 +41,6 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.torch_threads = torch_threads
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
         self.executor.submit(set_torch_threads, torch_threads).result()
-        # Building the first optimiser imports torch._dynamo (~1 s). Do it now, while the run is not yet
-        # configured, instead of on the critical path of Configure.
-        self.executor.submit(_warm_up)
         self.config: RunConfig | None = None
         self.algo = None
         self.policy: torch.nn.Module | None = None
@@ -253,10 +250,6 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if self.publisher is not None:
             self.publisher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _warm_up() -> None:
-    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], fused=True)
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:

@@ -86,6 +86,20 @@ def test_act_fast_path_agrees_with_distributions(kind):
         assert policy.env_actions(det * 100).max() <= 1.0  # clipped to the Box bounds
 
 
+@pytest.mark.parametrize("n", [2, 5])
+def test_discrete_evaluate_matches_the_categorical_distribution(n):
+    """evaluate's log-softmax path (one normalisation) computes what the Categorical distribution does."""
+    torch.manual_seed(0)
+    policy = ActorCritic({"kind": "box", "shape": [4]}, {"kind": "discrete", "n": n, "shape": []}, RunConfig().policy)
+    obs = torch.randn(300, 4) * 3
+    actions = torch.randint(0, n, (300,))
+    logp, entropy, value = policy.evaluate(obs, actions)
+    dist = policy.distribution(obs)
+    assert torch.allclose(logp, dist.log_prob(actions), atol=1e-6)
+    assert torch.allclose(entropy, dist.entropy(), atol=1e-6)
+    assert torch.allclose(value, policy.value(obs))
+
+
 def test_update_moves_policy_towards_advantageous_actions():
     torch.manual_seed(0)
     cfg = RunConfig.model_validate({"algorithm": {"ppo": {"n_epochs": 10, "batch_size": 64,
