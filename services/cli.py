@@ -15,11 +15,19 @@ Exit codes: 0 success, 2 bad input (reason on stderr), 1 anything else.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and sys.argv[1:2] in (["train"], ["resume"]) and not any(
+        a == "--coordinator" or a.startswith("--coordinator=") for a in sys.argv):
+    # local services: their forkserver starts importing now, beside this process's own imports (rich, pydantic)
+    from services.launcher import prestart
+
+    prestart()
+
 import argparse
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,6 +49,10 @@ def _fail(message: str, code: int) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if not args.coordinator:  # local services: their forkserver starts importing (if __main__ has not yet)
+        from services.launcher import prestart
+
+        prestart()
     try:
         config = load_config(args.config, args.set)
     except ConfigError as exc:
@@ -87,6 +99,17 @@ def cmd_resume(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def _await_workers(client, stack, timeout_s: float = 30.0) -> None:
+    """Wait (briefly) until every worker of a local stack has registered. The coordinator places a submitted run
+    once the workers it needs are registered, looking again every 0.1 s; submitting once they are all in spares
+    the first iteration most of one such wait. Returns early if a service died: the run then reports it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stack.dead():
+        if sum(w.alive for w in client.workers()) >= len(stack.roles):
+            return
+        time.sleep(0.005)
+
+
 def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total_steps: int,
             resume: bool = False) -> int:
     import grpc
@@ -96,6 +119,8 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total_
     client = CoordinatorClient(address)
     try:
         client.wait_ready(30)
+        if stack is not None:
+            _await_workers(client, stack)
         status = client.resume(run_dir) if resume else client.submit(Path(args.config), args.set, run_dir)
     except grpc.RpcError as exc:
         code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1

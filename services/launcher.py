@@ -3,10 +3,13 @@
 The coordinator writes its bound port to a file; workers register with it and report their own ports, so no
 port is ever guessed. Children die with the parent (PR_SET_PDEATHSIG) so a crashed CLI leaves no orphans.
 
-Services that need torch (learner, rollout) are forked from a multiprocessing forkserver that imported torch
-once instead of twice: on 2 cores those imports are most of the start-up CPU. Nothing but imports happens
-before the fork; each service still is its own process with its own gRPC server, sockets and threads. The
-others are plain ``python -m`` processes that never import torch.
+Services are forked from a multiprocessing forkserver that imported what they all import (torch, numpy, grpc,
+pydantic, the service modules) once, instead of once per process: on 2 cores those imports are most of the
+start-up CPU, and five processes importing them side by side took ~2 s of it. The forkserver is started first
+(``prestart``, before the CLI reads the run spec). Nothing but imports happens before the fork (no threads,
+sockets, gRPC channels or servers); each service still is its own process with its own gRPC server, sockets
+and threads, started from its own ``main`` with the flags and environment a plain process would get.
+``RLFABRIC_LAUNCH=exec`` starts plain ``python -m`` processes instead.
 """
 
 from __future__ import annotations
@@ -20,11 +23,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
-TORCH_ROLES = ("learner", "rollout")
-PRELOAD = ["numpy", "torch"]
+# What the forked services import anyway (the collocated rollout hosts its env pool: services.env.local). A
+# child also re-runs the launching program's main module (multiprocessing's rule), so the CLI is preloaded too.
+PRELOAD = ["services.launcher", "numpy", "torch", "services.coordinator.server", "services.env.server",
+           "services.replay.server", "services.learner.server", "services.rollout.server", "services.env.local",
+           "services.cli"]
+
+# A forked child re-runs the launching main module (e.g. services.cli), which the forkserver preloaded: runpy's
+# "found in sys.modules" warning about that is expected here, not a sign of a double import going wrong.
+warnings.filterwarnings("ignore", message=r"'services\.[a-z_.]+' found in sys\.modules", category=RuntimeWarning)
 
 
 def _die_with_parent() -> None:
@@ -34,8 +45,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def _forked_service(module: str, argv: list[str], log_path: str, torch_threads: int) -> None:
-    """Entry of a service forked from the preloaded forkserver: stdout/stderr to its log, dies with its parent."""
+def _service_env(torch_threads: int) -> dict[str, str]:
+    """A local service's environment: the launcher's, less RLFABRIC_* (they configure deployed services, e.g.
+    compose; a local stack sets everything by flags, and an inherited RLFABRIC_PORT would make every local service
+    bind the same port)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch_threads))
+    return env
+
+
+def _forked_service(module: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """Entry of a service forked from the preloaded forkserver: the environment the launcher has now (not the one
+    the forkserver started with), stdout/stderr to its log, dies with its parent."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -43,9 +64,8 @@ def _forked_service(module: str, argv: list[str], log_path: str, torch_threads: 
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     _die_with_parent()
-    for key in [k for k in os.environ if k.startswith("RLFABRIC_")]:
-        del os.environ[key]
-    os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+    os.environ.clear()
+    os.environ.update(env)
     sys.argv = [module, *argv]
     importlib.import_module(module).main(argv)
 
@@ -101,13 +121,25 @@ _forkserver = None
 
 
 def _forkserver_context(torch_threads: int):
-    """One forkserver per launcher process; it inherits OMP_NUM_THREADS when it starts."""
+    """One forkserver per launcher process; it inherits OMP_NUM_THREADS when it starts (each forked service sets
+    its own torch thread count from its flags either way)."""
     global _forkserver
     if _forkserver is None:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
         _forkserver = multiprocessing.get_context("forkserver")
         _forkserver.set_forkserver_preload(PRELOAD)
     return _forkserver
+
+
+def prestart(torch_threads: int = 1) -> None:
+    """Start the forkserver's imports now, without waiting for them: a launcher about to start torch services
+    calls this before its own remaining work (reading the run spec, starting the other services)."""
+    if os.environ.get("RLFABRIC_LAUNCH", "fork") != "fork":
+        return
+    from multiprocessing import forkserver
+
+    _forkserver_context(torch_threads)
+    forkserver.ensure_running()
 
 
 class LocalStack:
@@ -125,24 +157,18 @@ class LocalStack:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if self.preload and module.split(".")[1] in TORCH_ROLES:
-            argv = ["--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
-                    "--torch-threads", str(self.torch_threads), *args]
+        argv = ["--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
+                "--torch-threads", str(self.torch_threads), *args]
+        env = _service_env(self.torch_threads)
+        if self.preload:
             proc = _forkserver_context(self.torch_threads).Process(
-                target=_forked_service, name=name,
-                args=(module, argv, str(self.log_dir / f"{name}.stderr"), self.torch_threads))
+                target=_forked_service, name=name, args=(module, argv, str(self.log_dir / f"{name}.stderr"), env))
             proc.start()
             self.procs[name] = ForkedProcess(proc)
             return self.procs[name]
-        # RLFABRIC_* variables configure deployed services (compose); a local stack sets everything by flags,
-        # and an inherited RLFABRIC_PORT would make every local service bind the same port
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.torch_threads))
-        cmd = [sys.executable, "-m", module, "--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
-               "--torch-threads", str(self.torch_threads), *args]
         stderr = open(self.log_dir / f"{name}.stderr", "w")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stderr, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.DEVNULL, stdout=stderr,
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         self.procs[name] = proc
         return proc
 
@@ -150,6 +176,8 @@ class LocalStack:
         """Start the coordinator (and, at the same moment, ``workers`` that register once it is up)."""
         port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
         self.port_file = port_file
+        if self.preload:
+            prestart(self.torch_threads)
         proc = self._spawn("coordinator", "services.coordinator.server",
                            ["--port-file", str(port_file), "--runs-root", str(self.runs_root),
                             "--heartbeat-timeout", str(self.heartbeat_timeout_s)])
@@ -162,12 +190,14 @@ class LocalStack:
                                    f"{self.log_dir / 'coordinator.stderr'}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"coordinator did not start within {timeout_s:.0f}s")
-            time.sleep(0.02)
+            time.sleep(0.005)
         self.address = port_file.read_text().strip()
         return self.address
 
-    def start_worker(self, role: str, name: str | None = None) -> subprocess.Popen:
-        return self._spawn(name or role, f"services.{role}.server", ["--coordinator", self.address])
+    def start_worker(self, role: str, name: str | None = None, pool: str = "") -> subprocess.Popen:
+        """One more worker of ``role``; ``pool`` registers it in that resource pool (``--pool``)."""
+        return self._spawn(name or role, f"services.{role}.server",
+                           ["--coordinator", self.address, *(["--pool", pool] if pool else [])])
 
     def start(self) -> str:
         return self.start_coordinator(workers=self.roles)
