@@ -104,13 +104,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _acquire(self, run: Run, counts: dict[str, int], wait_s: float | None = None) -> dict[str, list]:
         """``counts[role]`` idle workers per role for ``run``, waiting up to ``wait_s`` for them to register."""
         wait_s = run.config.runtime.worker_wait_s if wait_s is None else wait_s
+        sched = run.config.scheduling
+        # stages placed on declared pools run on the workers registered in them (replay goes with the learner)
+        where = sched.resolved_placement() if sched.pools and sched.mode != "auto" else {}
+        pools = {**where, "replay": where.get("learner", "")} if where else {}
         deadline = time.monotonic() + wait_s
         workers: dict[str, list] = {role: [] for role in counts}
         try:
             while True:
                 for role, n in counts.items():
                     while len(workers[role]) < n:
-                        w = self.registry.acquire(role, run.run_id)
+                        w = self.registry.acquire(role, run.run_id, pools.get(role, ""))
                         if w is None:
                             break
                         workers[role].append(w)

@@ -73,6 +73,8 @@ class ServiceOptions:
                             help="wait for this file (a coordinator's --port-file) and register with that address")
         parser.add_argument("--log-file", default="", help="JSON-lines log file (default stderr)")
         parser.add_argument("--torch-threads", type=_positive_int, default=1, help="torch intra-op threads")
+        parser.add_argument("--pool", default="", help="the resource pool this worker belongs to: a run places a "
+                                                        "stage on the workers of the pool scheduling.placement names")
 
 
 ENV_PREFIX = "RLFABRIC_"
@@ -309,7 +311,7 @@ def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace],
     os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
     options = ServiceOptions(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                              coordinator=args.coordinator, port_file=args.port_file,
-                             advertise_host=args.advertise_host)
+                             advertise_host=args.advertise_host, labels={"pool": args.pool} if args.pool else {})
 
     async def main() -> None:
         if args.coordinator_file:
@@ -331,7 +333,7 @@ async def _wait_for_file(path: str, timeout_s: float) -> str:
     while not os.path.exists(path):
         if loop.time() > deadline:
             raise SystemExit(f"coordinator address file {path} did not appear within {timeout_s:.0f}s")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.005)
     with open(path) as f:
         return f.read().strip()
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.coordinator.client import STATE_NAMES
+from services.core.proto.rlfabric.v1 import common_pb2
 from services.launcher import LocalStack
 from tests.conftest import short_config
 
@@ -188,3 +189,43 @@ def test_scale_env_services_mid_run(scaling_stack, tmp_path):
     assert [int(r["env_workers"]) for r in rows][:3] == [1, 1, 1] and int(rows[-1]["env_workers"]) == 2
     assert [r["env_steps"] for r in rows] == [64 * (i + 1) for i in range(len(rows))]
     assert all(r["batch_version"] == r["weight_version"] - 1 for r in rows)
+
+
+def test_hybrid_placement_runs_each_stage_on_its_pools_workers(tmp_path):
+    """Workers registered with ``--pool``: a run whose placement puts env and rollout on pool ``a`` and the
+    learner on pool ``b`` takes the pool-a rollout worker, never the pool-b one, and learns as usual."""
+    from services.coordinator.client import CoordinatorClient
+
+    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs")
+    stack.start_coordinator()
+    client = CoordinatorClient(stack.address)
+
+    def registered(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len([w for w in client.workers() if w.alive]) < n:
+            assert time.monotonic() < deadline and not stack.dead(), f"workers did not register; logs in {tmp_path}"
+            time.sleep(0.05)
+
+    try:
+        client.wait_ready(30)
+        stack.start_worker("rollout", "rollout-b", "b")  # registered first: what a pool-blind pick would take
+        registered(1)
+        for role, name, pool in [("rollout", "rollout-a", "a"), ("env", "env", "a"), ("learner", "learner", "b"),
+                                 ("replay", "replay", "")]:
+            stack.start_worker(role, name, pool)
+        registered(5)
+        pids = {name: stack.procs[name].pid for name in ("rollout-a", "rollout-b")}
+        cfg = short_config(scheduling={"mode": "hybrid", "pools": {"a": {"cores": 1}, "b": {"cores": 1}},
+                                       "placement": {"env": "a", "rollout": "a", "learner": "b"}},
+                           train={"total_env_steps": 64 * 30, "eval_every_iterations": 0})
+        run_id = client.submit(cfg, run_dir=tmp_path / "hybrid").run_id
+        _wait_iteration(client, run_id, 2)
+        busy = {w.pid for w in client.workers() if w.run_id == run_id and w.role == common_pb2.ROLLOUT}
+        status = client.wait(run_id)
+        assert STATE_NAMES[status.state] == "SUCCEEDED", status.reason
+    finally:
+        client.close()
+        stack.stop()
+    assert pids["rollout-a"] in busy and pids["rollout-b"] not in busy
+    rows = _rows(tmp_path / "hybrid")
+    assert rows[-1]["env_steps"] == 64 * 30 and rows[-1]["rollout_workers"] == 1
