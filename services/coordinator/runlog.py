@@ -18,6 +18,7 @@ COLUMNS = [
     "learning_rate", "clip_range", "collect_seconds", "train_seconds", "update_seconds", "publish_seconds",
     "env_seconds", "policy_seconds",
     "weight_wait_seconds", "train_wait_seconds", "iteration_seconds", "rollout_workers", "env_workers",
+    "offload_bytes", "offload_seconds", "onload_seconds",
 ]
 
 

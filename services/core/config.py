@@ -138,6 +138,10 @@ class SchedulingConfig(_Strict):
     dynamic: bool = Field(False, description="move the env stage between env services and rollout workers at epoch "
                                              "boundaries from measured utilisation (kept only if it pays)")
     dynamic_every: int = Field(10, ge=2, le=10_000, description="iterations per dynamic-scheduling window")
+    offload: Literal["off", "auto", "host", "disk"] = Field(
+        "off", description="when learner and rollout share a pool and take turns, the idle one moves its model "
+                           "(and optimiser) state off the device between turns: host = to host memory (a GPU "
+                           "device), disk = to a file (frees RAM on a CPU host), auto = host on a GPU, else disk")
 
     @model_validator(mode="after")
     def _placement(self) -> SchedulingConfig:
@@ -187,6 +191,14 @@ class SchedulingConfig(_Strict):
     def effective_staleness(self) -> int:
         return self.staleness if self.learner_overlaps() else 0
 
+    def offload_target(self, device: str) -> str | None:
+        """Where the idle stage's model state goes between turns, or None when stages do not take turns."""
+        if self.offload == "off" or self.learner_overlaps():
+            return None
+        if self.offload == "auto":
+            return "disk" if device == "cpu" else "host"
+        return self.offload
+
 
 class WeightSyncConfig(_Strict):
     transport: Literal["zmq", "gloo", "nccl"] = Field(
@@ -230,7 +242,9 @@ class DataPlaneConfig(_Strict):
 
 class RuntimeConfig(_Strict):
     torch_threads: int = Field(1, ge=1, le=256)
-    device: str = "cpu"
+    device: Literal["cpu"] = Field(
+        "cpu", description="where learner and rollout models live. Only cpu for now: placing the models on a GPU "
+                           "(cuda) is not implemented yet; weights can still move over NCCL (weight_sync)")
     worker_wait_s: float = Field(60.0, gt=0, description="how long a run waits for workers to register")
 
 
@@ -252,6 +266,9 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         sched = self.scheduling
+        if sched.offload == "host" and self.runtime.device == "cpu":
+            raise ValueError("scheduling.offload=host moves model state to host memory, but runtime.device is cpu: "
+                             "it is there already; use offload: disk (frees the RAM) or auto")
         if sched.rollout_workers > self.env.num_envs:
             raise ValueError(f"scheduling.rollout_workers={sched.rollout_workers} exceeds env.num_envs="
                              f"{self.env.num_envs}: every rollout worker needs at least one env")
@@ -298,6 +315,17 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(getattr(current, "model_fields", {}).keys())
 
 
+def _description_at(model: type[BaseModel], loc: tuple) -> str:
+    """A field's documented meaning, where a bare list of allowed values would not say why."""
+    current: Any = model
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        current = field.annotation
+    return field.description or ""
+
+
 def _explain(exc: Exception, source: str) -> str:
     if isinstance(exc, json.JSONDecodeError):
         return f"{source}: not valid JSON ({exc}). Fix: send RunConfig.to_json() output"
@@ -313,9 +341,13 @@ def _explain(exc: Exception, source: str) -> str:
             hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else f"valid keys: {', '.join(valid)}"
             lines.append(f"  {field}: unknown field. Fix: remove it; {hint}")
         elif err["type"] == "literal_error":
-            lines.append(f"  {field}: {err['msg']} (got {got!r}). Fix: use one of the listed values")
+            why = _description_at(RunConfig, loc)
+            lines.append(f"  {field}: {err['msg']} (got {got!r}). Fix: use one of the listed values"
+                         + (f" ({field}: {why})" if why else ""))
         elif err["type"] == "missing":
             lines.append(f"  {field}: required. Fix: add it")
+        elif not loc:  # a check across fields: its message names them and the fix
+            lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"  {field}: {msg} (got {got!r}). Fix: set {field} to a valid value")

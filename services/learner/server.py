@@ -18,6 +18,7 @@ from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataClient, PeerTimeout, RemoteError
 from services.core.objectstore import ObjectStore, open_store
+from services.core.offload import ModelOffload, state_tensors
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
@@ -50,6 +51,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.store: ObjectStore | None = None
         self.version = -1
         self.env_spec: dict = {}
+        self.offload: ModelOffload | None = None
         runtime.on_shutdown(self.close)
 
     async def _run(self, fn, *args):
@@ -57,6 +59,9 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
     def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str,
                    resume: bool, run_id: str) -> dict:
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         self.policy = build_policy(config, env_spec)
@@ -85,6 +90,10 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.publisher.reset(self.version, self.policy.state_dict())
         save_weights(self.store, self.version, self.policy.state_dict())  # cold starts read it from here
         VERSION.set(self.version)
+        target = config.scheduling.offload_target(config.runtime.device)
+        if target is not None:  # learner and rollout take turns: the idle learner's state leaves the device
+            self.offload = ModelOffload(lambda: state_tensors(self.policy, self.algo), target, name="learner")
+            self.offload.offload()
         return {"weight_version": self.version, "weights_endpoint": self.publisher.endpoint,
                 "env_steps": self.algo.env_steps, "optimizer_steps": self.algo.optimizer_steps, **detail}
 
@@ -177,6 +186,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         # epoch's data is stored (and leaves the FIFO empty), then the update samples the whole window
         batch = self._take_batch(batch_index, min_version, timeout_s)
         waited = time.perf_counter() - t0
+        if self.offload is not None:
+            self.offload.onload()
         u0 = time.perf_counter()
         if getattr(self.algo, "off_policy", False):
             sampled = self._sample_minibatches(timeout_s)
@@ -189,6 +200,10 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         p0 = time.perf_counter()
         self.publisher.publish(self.version, self.policy.state_dict())
         stats["publish_seconds"] = time.perf_counter() - p0
+        if self.offload is not None:  # the rollout's turn: free what the update used
+            stats["offload_bytes"] = self.offload.offload()
+            stats["onload_seconds"], stats["offload_seconds"] = self.offload.onload_seconds, \
+                self.offload.offload_seconds
         UPDATES.inc()
         VERSION.set(self.version)
         return learner_pb2.TrainReply(
@@ -210,6 +225,12 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")
 
     def _checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
+        if self.offload is not None:
+            with self.offload.onloaded():
+                return self._write_checkpoint(key, extra_json, periodic)
+        return self._write_checkpoint(key, extra_json, periodic)
+
+    def _write_checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
         np_state = np.random.get_state()
         state = {
             "config_json": self.config.to_json(),
@@ -249,6 +270,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+        if self.offload is not None:
+            self.offload.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -11,8 +11,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from services.core.batch import TensorBatch
 from services.core.config import RunConfig
 from services.core.dataplane import DataClient, PeerTimeout
 from services.core.objectstore import open_store
+from services.core.offload import ModelOffload, state_tensors
 from services.core.runtime import set_torch_threads
 from services.core.weights import WeightSubscriber, load_weights
 from services.rollout.backends.torch import TorchBackend
@@ -81,6 +83,10 @@ class RolloutWorker:
             set_torch_threads(cfg.runtime.torch_threads)
             dp = cfg.data_plane
             self.backend = TorchBackend(cfg, self.env_spec)
+            target = cfg.scheduling.offload_target(cfg.runtime.device)
+            # stages take turns on this pool: between its turns the policy leaves the device for the learner
+            self.offload = ModelOffload(lambda: state_tensors(self.backend.policy), target,
+                                        name=f"rollout{self.shard}") if target else None
             if self.start_iteration:  # a resumed run must not replay the episodes and samples of its start
                 self.backend.generator.manual_seed(cfg.seed + 1 + 7919 * self.start_iteration)
             if cfg.scheduling.env_in_rollout():  # stages share this worker: no hop per env step
@@ -101,6 +107,8 @@ class RolloutWorker:
         except BaseException as exc:  # noqa: BLE001 — surfaced to Configure
             self._ready.set_exception(exc)
             return
+        if self.offload is not None:
+            self.offload.offload()
         self._ready.set_result(True)
         while not self._closed:
             try:
@@ -136,6 +144,14 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._closed = True
+        if getattr(self, "offload", None) is not None:  # its file goes now: a stopping process may not wait for us
+            self.offload.close()
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This stage's turn: the policy is on its device for it (and leaves after it when it was offloaded)."""
+        with self.offload.onloaded() if self.offload is not None else nullcontext():
+            yield
 
     # -- acting --------------------------------------------------------------------------------------------
     def _reset(self, pool: str, seed: int, num_envs: int | None = None) -> np.ndarray:
@@ -152,7 +168,8 @@ class RolloutWorker:
             return -1
         version, tensors = found
         if version > self.version:
-            self.backend.load(version, tensors)
+            with self._turn():
+                self.backend.load(version, tensors)
             self.version = version
         return version
 
@@ -183,6 +200,11 @@ class RolloutWorker:
 
     def collect(self, batch_index: int, min_version: int, stop: threading.Event | None = None,
                 drainable: bool = False) -> CollectResult:
+        with self._turn():
+            return self._collect(batch_index, min_version, stop, drainable)
+
+    def _collect(self, batch_index: int, min_version: int, stop: threading.Event | None,
+                 drainable: bool) -> CollectResult:
         cfg = self.config
         waited = self.sync_weights(min_version, cfg.data_plane.timeout_s, stop, batch_index if drainable else None)
         if drainable:
@@ -300,6 +322,10 @@ class RolloutWorker:
     def evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
         """Play ``episodes`` episodes on the eval pool, spread evenly over its envs (no short-episode bias),
         with the newest published weight version (what a checkpoint taken now would hold)."""
+        with self._turn():
+            return self._evaluate(episodes, deterministic, seed)
+
+    def _evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
         try:
             self.sync_weights(0, self.config.data_plane.timeout_s)
         except PeerTimeout:
