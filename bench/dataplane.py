@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -72,7 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--serve", default="")
     parser.add_argument("--mib", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per side")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds per side (medians compared)")
     parser.add_argument("--json", action="store_true", help="print one JSON line (for other benches)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -80,10 +82,11 @@ def main() -> None:
         serve(args.serve)
         return
     raw, ours = [], []
-    for _ in range(2):  # alternate to even out drift
-        raw.append(measure("raw", args.mib, args.seconds / 2))
-        ours.append(measure("ours", args.mib, args.seconds / 2))
-    result = {"mib": args.mib, "ours_mib_s": max(ours), "raw_mib_s": max(raw)}
+    for _ in range(args.rounds):  # alternate so drift on the machine hits both sides alike; compare medians
+        raw.append(measure("raw", args.mib, args.seconds / args.rounds))
+        ours.append(measure("ours", args.mib, args.seconds / args.rounds))
+    result = {"mib": args.mib, "ours_mib_s": statistics.median(ours), "raw_mib_s": statistics.median(raw),
+              "ours_rounds_mib_s": ours, "raw_rounds_mib_s": raw}
     if args.json:
         print(json.dumps(result))
         return

@@ -72,7 +72,7 @@ def dataplane_throughput(mib: int = 4, seconds: float = 3.0) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--modes", nargs="+", default=["collocated", "disaggregated"])
     args = parser.parse_args()
     results: dict[str, list[dict]] = {"sb3": []} | {m: [] for m in args.modes}
