@@ -203,16 +203,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         queue: asyncio.Queue = asyncio.Queue()
         history = list(run.history)
         run.watchers.add(queue)
+        def final(event) -> bool:
+            return event.HasField("status") and event.status.state in (
+                coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED)
+
         try:
             for event in history:
                 yield event
-            if run.finished:
+            if any(final(event) for event in history):
                 return
+            # events emitted since the snapshot (the run may have ended while history was being sent) are queued
             while True:
                 event = await queue.get()
                 yield event
-                if event.HasField("status") and event.status.state in (
-                        coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED):
+                if final(event):
                     return
         finally:
             run.watchers.discard(queue)
