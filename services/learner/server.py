@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 
 import grpc
 import numpy as np
@@ -202,8 +203,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         stats["publish_seconds"] = time.perf_counter() - p0
         if self.offload is not None:  # the rollout's turn: free what the update used
             stats["offload_bytes"] = self.offload.offload()
-            stats["onload_seconds"], stats["offload_seconds"] = self.offload.onload_seconds, \
-                self.offload.offload_seconds
+            stats["onload_seconds"] = self.offload.onload_seconds
+            stats["offload_seconds"] = self.offload.offload_seconds
         UPDATES.inc()
         VERSION.set(self.version)
         return learner_pb2.TrainReply(
@@ -225,10 +226,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")
 
     def _checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
-        if self.offload is not None:
-            with self.offload.onloaded():
-                return self._write_checkpoint(key, extra_json, periodic)
-        return self._write_checkpoint(key, extra_json, periodic)
+        with self.offload.onloaded() if self.offload is not None else nullcontext():
+            return self._write_checkpoint(key, extra_json, periodic)
 
     def _write_checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
         np_state = np.random.get_state()

@@ -40,8 +40,10 @@ def _window(wf, n, it_s, collect, policy, train, env_blocked=0.0):
                         "env_seconds": env_blocked, "train_seconds": train})
 
 
-def test_env_bound_in_process_rollout_moves_env_out_and_rolls_back_when_slower(monkeypatch):
-    sched = parse_config("scheduling: {mode: collocated, dynamic: true, dynamic_every: 5}").scheduling
+
+def _scheduler(monkeypatch, mode: str, every: int):
+    """A DynamicScheduler over a fake workflow; the env services' busy seconds are what ``env_time[0]`` says."""
+    sched = parse_config(f"scheduling: {{mode: {mode}, dynamic: true, dynamic_every: {every}}}").scheduling
     wf = FakeWorkflow(sched)
     ds = dynamic.DynamicScheduler(wf)
     env_time = [0.0]
@@ -50,6 +52,10 @@ def test_env_bound_in_process_rollout_moves_env_out_and_rolls_back_when_slower(m
         return env_time[0]
 
     monkeypatch.setattr(ds, "_env_seconds", env_seconds)
+    return wf, ds, env_time
+
+def test_env_bound_in_process_rollout_moves_env_out_and_rolls_back_when_slower(monkeypatch):
+    wf, ds, env_time = _scheduler(monkeypatch, "collocated", 5)
     # rollout busy 90% of the iteration, 70% of it simulating, learner 8%: move the env out
     _window(wf, 5, 0.1, collect=0.09, policy=0.027, train=0.008)
     asyncio.run(ds.at_boundary(4))
@@ -67,15 +73,7 @@ def test_env_bound_in_process_rollout_moves_env_out_and_rolls_back_when_slower(m
 
 
 def test_idle_env_service_moves_env_in_and_the_kept_move_is_never_reversed(monkeypatch):
-    sched = parse_config("scheduling: {mode: disaggregated, dynamic: true, dynamic_every: 4}").scheduling
-    wf = FakeWorkflow(sched)
-    ds = dynamic.DynamicScheduler(wf)
-    env_time = [0.0]
-
-    async def env_seconds():
-        return env_time[0]
-
-    monkeypatch.setattr(ds, "_env_seconds", env_seconds)
+    wf, ds, env_time = _scheduler(monkeypatch, "disaggregated", 4)
     env_time[0] = 0.01  # 10 ms of simulation over a 0.3 s window: the env service is 3% busy
     _window(wf, 4, 0.1, collect=0.08, policy=0.02, train=0.05, env_blocked=0.05)
     asyncio.run(ds.at_boundary(3))
