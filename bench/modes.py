@@ -122,7 +122,7 @@ def main() -> None:
         # online scaling on an env-bound variant: one epoch per update, collocated, 1 -> 2 rollout workers
         scale_dir = work / "scale"
         cfg = json.loads(base.to_json())
-        cfg["algorithm"]["ppo"]["n_epochs"] = 1
+        cfg["algorithm"]["n_epochs"] = 1
         cfg["scheduling"].update(mode="collocated", rollout_workers=1)
         cfg["train"].update(total_env_steps=400 * batch, eval_every_iterations=0, stop_at_eval_return=None)
         cfg["checkpoint"]["every_iterations"] = 0

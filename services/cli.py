@@ -9,6 +9,7 @@
   rlfabric scale RUN_ID rollout +1 --coordinator HOST:PORT [--spawn]   online scaling of a live run
   rlfabric plan CONFIG --cluster rollout=24,learner=8 --profile RUN_DIR   rank plans on a cluster (simulator)
   rlfabric eval CHECKPOINT [--episodes N]             play episodes with a saved policy
+  rlfabric collect SOURCE --out FILE.npz [--random]   write an offline data set of transitions
 
 Exit codes: 0 success, 2 bad input (reason on stderr), 1 anything else.
 """
@@ -43,6 +44,11 @@ console = Console(stderr=True)
 SERVICES = ("coordinator", "learner", "rollout", "env", "replay")
 
 
+def _total(config) -> tuple[str, int]:
+    """What the progress bar counts: env steps, or iterations for an algorithm that collects nothing."""
+    return ("env steps", config.train.total_env_steps) if config.collects else ("iterations", config.iterations())
+
+
 def _fail(message: str, code: int) -> int:
     console.print(f"[bold red]error:[/] {rich_escape(message)}", highlight=False, soft_wrap=True)
     return code
@@ -60,7 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
         f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.coordinator:
-        return _follow(args.coordinator, args, run_dir, None, config.train.total_env_steps)
+        return _follow(args.coordinator, args, run_dir, None, _total(config))
     from services.launcher import LocalStack, roles_for
 
     roles = roles_for(config)
@@ -69,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         with console.status(f"starting services (coordinator, {', '.join(roles)})..."):
             stack.start()
-        return _follow(stack.address, args, run_dir, stack, config.train.total_env_steps)
+        return _follow(stack.address, args, run_dir, stack, _total(config))
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
@@ -84,7 +90,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return _fail(f"cannot resume {run_dir}: {exc}", 2)
     args.config, args.set = str(run_dir / "config.yaml"), []
     if args.coordinator:
-        return _follow(args.coordinator, args, run_dir, None, config.train.total_env_steps, resume=True)
+        return _follow(args.coordinator, args, run_dir, None, _total(config), resume=True)
     from services.launcher import LocalStack, roles_for
 
     stack = LocalStack(log_dir=run_dir / "logs" / time.strftime("resume-%Y%m%d-%H%M%S"),
@@ -92,7 +98,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         with console.status("starting services to resume the run..."):
             stack.start()
-        return _follow(stack.address, args, run_dir, stack, config.train.total_env_steps, resume=True)
+        return _follow(stack.address, args, run_dir, stack, _total(config), resume=True)
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
@@ -110,7 +116,7 @@ def _await_workers(client, stack, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total_steps: int,
+def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total: tuple[str, int],
             resume: bool = False) -> int:
     import grpc
 
@@ -140,13 +146,15 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total_
                TextColumn("return {task.fields[ret]}  eval {task.fields[eval]}  {task.fields[fps]} steps/s  "
                           "v{task.fields[version]}"), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False, disable=args.quiet) as progress:
-        task = progress.add_task("env steps", total=total_steps, ret="-", eval="-", fps="-", version=0)
+        unit, count = total
+        task = progress.add_task(unit, total=count, ret="-", eval="-", fps="-", version=0)
         for event in client.watch(run_id):
             kind = event.WhichOneof("event")
             if kind == "metrics":
                 m = event.metrics
                 v = m.values
-                progress.update(task, completed=m.env_steps, version=m.weight_version,
+                progress.update(task, completed=m.env_steps if unit == "env steps" else m.iteration,
+                                version=m.weight_version,
                                 ret=f"{v['train_return_mean']:.1f}" if "train_return_mean" in v else "-",
                                 eval=f"{v['eval_return_mean']:.1f}" if "eval_return_mean" in v else
                                 progress.tasks[0].fields["eval"],
@@ -307,7 +315,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from services.core.evaluate import evaluate_checkpoint
+    from services.rollout.evaluate import evaluate_checkpoint
 
     try:
         returns = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, not args.stochastic)
@@ -318,6 +326,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     console.print(f"{len(returns)} episodes: mean return {mean:.2f} +/- {std:.2f} "
                   f"(min {min(returns):.1f}, max {max(returns):.1f})")
     print(f"{mean:.4f}")
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    """Write an offline data set (.npz of transitions) from a checkpoint's policy, or uniform random actions."""
+    from services.core.batch import TensorBatch
+    from services.replay.datasets import DatasetError, load_dataset, save_dataset
+    from services.rollout.evaluate import collect_dataset, merge_datasets
+
+    try:
+        batch, returns = collect_dataset(args.source, args.episodes, args.seed, random=args.random,
+                                         deterministic=args.deterministic)
+        out = Path(args.out)
+        if args.append and out.exists():
+            old = load_dataset(out, max_rows=1 << 40)
+            batch = merge_datasets([TensorBatch(old.tensors, dims=("sample",)), batch])
+        path = save_dataset(out, batch)
+    except (FileNotFoundError, ValueError, ConfigError, DatasetError) as exc:
+        return _fail(str(exc), 2)
+    mean = sum(returns) / len(returns)
+    console.print(f"{len(returns)} episodes (mean return {mean:.2f}), {batch.rows} transitions -> {path}")
+    print(path)
     return 0
 
 
@@ -364,6 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: the run's own evaluation seed")
     p.add_argument("--stochastic", action="store_true")
+    p = sub.add_parser("collect", help="write an offline data set from a checkpoint's policy or random actions")
+    p.add_argument("source", help="a checkpoint (its policy acts), or with --random a run spec or checkpoint")
+    p.add_argument("--out", required=True, help="the .npz data set to write (replay.datasets reads it)")
+    p.add_argument("--episodes", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random", action="store_true", help="uniform random actions instead of the policy")
+    p.add_argument("--deterministic", action="store_true", help="the policy's mode instead of sampling")
+    p.add_argument("--append", action="store_true", help="add to an existing data set (episodes numbered on)")
     return parser
 
 
@@ -375,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(cmd_serve(args, rest))
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
-                "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval}
+                "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect}
     sys.exit(handlers[args.command](args))
 
 

@@ -30,6 +30,7 @@ WORKER_ROLES = ("env", "replay", "learner", "rollout")
 # What the forked services import anyway (the collocated rollout hosts its env pool: services.env.local). A
 # child also re-runs the launching program's main module (multiprocessing's rule), so the CLI is preloaded too.
 PRELOAD = ["services.launcher", "numpy", "torch", "services.coordinator.server", "services.env.server",
+           "services.rollout.collectors.gym", "services.rollout.backends.torch",
            "services.replay.server", "services.learner.server", "services.rollout.server", "services.env.local",
            "services.cli"]
 

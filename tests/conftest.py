@@ -15,7 +15,7 @@ def short_config(**overrides) -> RunConfig:
     """A small CartPole run for API tests (not for learning thresholds)."""
     data = {
         "name": "test", "env": {"num_envs": 4, "eval_envs": 2},
-        "algorithm": {"ppo": {"n_steps": 16, "batch_size": 64, "n_epochs": 2}},
+        "algorithm": {"name": "ppo", "n_steps": 16, "batch_size": 64, "n_epochs": 2},
         "train": {"total_env_steps": 640, "eval_every_iterations": 5, "eval_episodes": 2},
         "data_plane": {"timeout_s": 10},
         "runtime": {"worker_wait_s": 30},

@@ -18,13 +18,9 @@ streams were drained, so every batch still has the version its index requires.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from services.coordinator.records import IterationRecord, PlanControl
 from services.core.config import SchedulingConfig
-from services.core.proto.rlfabric.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from services.coordinator.workflow import PPOWorkflow
 
 ENV_IDLE = 0.30
 ROLLOUT_BUSY = 0.85
@@ -42,92 +38,90 @@ class Window:
 
 
 class DynamicScheduler:
-    def __init__(self, workflow: PPOWorkflow):
-        self.wf = workflow
-        self.every = workflow.cfg.scheduling.dynamic_every
-        self.start_row = 0
+    def __init__(self, control: PlanControl):
+        self.control = control
+        self.every = control.sched.dynamic_every
+        self.rows: list[IterationRecord] = []
         self.env_seconds = 0.0
+        self.base_name = ""
         self.trial: tuple[SchedulingConfig, Window, str] | None = None  # (plan to roll back to, its window, move)
         self.refused: set[str] = set()
         self.moves: list[dict] = []
 
-    async def _env_seconds(self) -> float:
-        from services.coordinator.workflow import rpc
+    async def begin(self) -> None:
+        """Start the first window now (after mode auto chose a plan, or at the run's start)."""
+        self.rows = []
+        self.env_seconds = await self.control.env_step_seconds()
 
-        total = 0.0
-        for stage in self.wf.envs:
-            total += (await rpc(stage, "GetStats", common_pb2.Empty(), 10)).step_seconds
-        return total
-
-    async def window(self) -> Window | None:
-        """Utilisation over the rows since the last decision (None until a full window is recorded)."""
-        rows = self.wf.rows[self.start_row:]
-        if len(rows) < self.every:
-            return None
-        env_total = await self._env_seconds()
+    def window(self, env_total: float) -> Window:
+        """Utilisation over the records since the last decision."""
+        rows = self.rows
         env_s, self.env_seconds = env_total - self.env_seconds, env_total
         first, last = rows[0], rows[-1]
-        wall = last["wall_time_s"] - first["wall_time_s"] - sum(r.get("eval_seconds", 0.0) for r in rows[1:])
-        n = len(rows) - 1
-        per_it = wall / max(n, 1)
+        wall = last.wall_time_s - first.wall_time_s - sum(r.eval_seconds for r in rows[1:])
+        per_it = wall / max(len(rows) - 1, 1)
         body = rows[1:]
-        collect = sum(r["collect_seconds"] for r in body) / len(body)
-        policy = sum(r["policy_seconds"] for r in body) / len(body)
-        blocked = sum(r["env_seconds"] for r in body) / len(body)
-        train = sum(r["train_seconds"] for r in body) / len(body)
-        in_rollout = self.wf.sched.env_in_rollout()
+        collect = sum(r.collect_seconds for r in body) / len(body)
+        policy = sum(r.policy_seconds for r in body) / len(body)
+        blocked = sum(r.env_seconds for r in body) / len(body)
+        train = sum(r.train_seconds for r in body) / len(body)
+        in_rollout = self.control.sched.env_in_rollout()
         busy = collect if in_rollout else collect - blocked
-        workers = max(1, len(self.wf.envs)) if not in_rollout else 1
-        return Window(steps_per_s=(last["env_steps"] - first["env_steps"]) / max(wall, 1e-9),
+        workers = max(1, self.control.env_workers) if not in_rollout else 1
+        return Window(steps_per_s=(last.env_steps - first.env_steps) / max(wall, 1e-9),
                       rollout=min(1.0, busy / per_it), env=min(1.0, env_s / max(wall, 1e-9) / workers),
                       env_in_rollout_share=(collect - policy) / collect if in_rollout and collect > 0 else 0.0,
                       learner=min(1.0, train / per_it))
 
     def _moved(self, to_rollout: bool) -> SchedulingConfig:
-        sched = self.wf.sched
+        sched = self.control.sched
         update = {"env_placement": "rollout"} if to_rollout else {
             "env_placement": "env_service", "pipeline_chunks": max(2, sched.pipeline_chunks)}
         return sched.model_copy(update=update)
 
-    async def at_boundary(self, i: int) -> None:
-        """Called after iteration ``i`` is recorded; may queue a plan change for the next boundary."""
-        if (i + 1) % self.every:
+    async def _replan(self, sched: SchedulingConfig, why: str) -> None:
+        self.base_name = self.base_name or self.control.plan_name.split(" [")[0]
+        await self.control.request_plan(sched, f"{self.base_name} [{why}]")
+
+    async def observe(self, record: IterationRecord) -> None:
+        """Every recorded iteration; every ``dynamic_every`` of them it may queue a plan change."""
+        self.rows.append(record)
+        if len(self.rows) < self.every:
             return
-        w = await self.window()
-        if w is None:
-            return
-        self.start_row = len(self.wf.rows)
+        w = self.window(await self.control.env_step_seconds())
+        i = record.iteration
+        self.rows = []
         if self.trial is not None:
             previous, before, move = self.trial
             self.trial = None
             gain = w.steps_per_s / before.steps_per_s - 1
             kept = gain >= MIN_GAIN
             self.moves[-1].update(after_steps_per_s=w.steps_per_s, kept=kept)
-            self.wf.run.log(f"dynamic scheduler: {move} {'kept' if kept else 'rolled back'} "
-                            f"({before.steps_per_s:.0f} -> {w.steps_per_s:.0f} env steps/s, {gain:+.0%})")
+            self.control.log(f"dynamic scheduler: {move} {'kept' if kept else 'rolled back'} "
+                             f"({before.steps_per_s:.0f} -> {w.steps_per_s:.0f} env steps/s, {gain:+.0%})")
             if kept:  # the reverse move was just measured slower: do not oscillate
                 self.refused.add(REVERSE[move])
             else:
                 self.refused.add(move)
-                await self.wf.request_plan(previous, f"{move} rolled back")
+                await self._replan(previous, f"{move} rolled back")
             return
         move = None
-        if not self.wf.sched.env_in_rollout() and w.env < ENV_IDLE:
+        sched = self.control.sched
+        if not sched.env_in_rollout() and w.env < ENV_IDLE:
             move = "env -> rollout"
-        elif (self.wf.sched.env_in_rollout() and w.rollout > ROLLOUT_BUSY and w.env_in_rollout_share > 0.5
-              and w.learner < 0.5):
+        elif sched.env_in_rollout() and w.rollout > ROLLOUT_BUSY and w.env_in_rollout_share > 0.5 and w.learner < 0.5:
             move = "rollout -> env"
         if move is None or move in self.refused:
             return
         target = self._moved(move == "env -> rollout")
         try:
-            self.wf.plan_config(target)
+            self.control.validate(target)
         except Exception:  # noqa: BLE001 — e.g. the chunks cannot split these shards: no such move
             self.refused.add(move)
             return
-        self.trial = (self.wf.sched, w, move)
-        self.moves.append({"iteration": i + 1, "move": move, "before_steps_per_s": w.steps_per_s,
+        self.trial = (sched, w, move)
+        self.moves.append({"iteration": i, "move": move, "before_steps_per_s": w.steps_per_s,
                            "env_utilisation": w.env, "rollout_utilisation": w.rollout, "learner_utilisation": w.learner})
-        self.wf.run.log(f"dynamic scheduler: {move} at iteration {i + 1} (env {w.env:.0%}, rollout {w.rollout:.0%}, "
-                        f"learner {w.learner:.0%} busy; {w.steps_per_s:.0f} env steps/s)")
-        await self.wf.request_plan(target, move)
+        self.control.log(f"dynamic scheduler: {move} at iteration {i} (env {w.env:.0%}, rollout {w.rollout:.0%}, "
+                         f"learner {w.learner:.0%} busy; {w.steps_per_s:.0f} env steps/s)")
+        await self._replan(target, move)

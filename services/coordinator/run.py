@@ -44,7 +44,7 @@ class Run:
         self.failure: RunFailed | None = None
         self.stop_requested = asyncio.Event()
         self.plan = config.scheduling.mode  # the plan executing now (mode auto: the one the scheduler chose)
-        self.workflow = None
+        self.loop = None  # the TrainingLoop once placed
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(

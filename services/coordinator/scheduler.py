@@ -18,15 +18,11 @@ import json
 import os
 import statistics
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from pathlib import Path
 
+from services.coordinator.records import IterationRecord, PlanControl
 from services.coordinator.simulator import PlanShape, Pool, StageProfile, simulate
-from services.coordinator.workflow import rpc
-from services.core.config import SchedulingConfig
-from services.core.proto.rlfabric.v1 import rollout_pb2
-
-if TYPE_CHECKING:
-    from services.coordinator.workflow import PPOWorkflow
+from services.core.config import RunConfig, SchedulingConfig
 
 OVERRIDE = 0.10
 
@@ -60,27 +56,28 @@ def shape(name: str, sched: SchedulingConfig, num_envs: int, n_steps: int, worke
                      placement={"env": "host", "rollout": "host", "learner": "host"})
 
 
-def steady(rows: list[dict]) -> list[dict]:
-    """The measured rows of a plan: without its first (re-planning, pipeline fill) and evaluation rows."""
+def steady(rows: list[IterationRecord]) -> list[IterationRecord]:
+    """The measured iterations of a plan: without its first (re-planning, pipeline fill) and evaluated ones."""
     rest = rows[1:] or rows
-    return [r for r in rest if "eval_return_mean" not in r] or rest
+    return [r for r in rest if not r.evaluated] or rest
 
 
-def iteration_time(rows: list[dict]) -> float:
+def iteration_time(rows: list[IterationRecord]) -> float:
     """A plan's seconds per iteration: wall clock over its iterations after the first, evaluations excluded. Wall
     clock, not a per-row median: a streaming plan records iterations in bursts as shards arrive."""
     if len(rows) < 2:
-        return rows[0]["iteration_seconds"]
-    evals = sum(r.get("eval_seconds", 0.0) for r in rows[1:])
-    return (rows[-1]["wall_time_s"] - rows[0]["wall_time_s"] - evals) / (len(rows) - 1)
+        return rows[0].iteration_seconds
+    evals = sum(r.eval_seconds for r in rows[1:])
+    return (rows[-1].wall_time_s - rows[0].wall_time_s - evals) / (len(rows) - 1)
 
 
-def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], piped: list[dict] | None,
-                num_envs: int | None = None, ipc_s: float | None = None) -> StageProfile:
-    """Stage costs from measured iterations. ``turns``: rows of the collocated plan (env in process); ``piped``:
-    rows of a plan whose env service pipelines ``chunks`` chunks (None when no such plan was profiled)."""
-    def med(rows: list[dict], key: str) -> float:
-        return statistics.median(r.get(key, 0.0) for r in rows)
+def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[IterationRecord],
+                piped: list[IterationRecord] | None, num_envs: int | None = None,
+                ipc_s: float | None = None) -> StageProfile:
+    """Stage costs from measured iterations. ``turns``: the collocated plan's (env in process); ``piped``: those of
+    a plan whose env service pipelines ``chunks`` chunks (None when no such plan was profiled)."""
+    def med(rows: list[IterationRecord], key: str) -> float:
+        return statistics.median(getattr(r, key) for r in rows)
 
     T, n = n_steps, shard_envs
     num_envs = num_envs or n
@@ -108,79 +105,83 @@ def fit_profile(n_steps: int, shard_envs: int, chunks: int, turns: list[dict], p
                         sync_s=med(turns, "weight_wait_seconds"))
 
 
-def control_overhead(turns: list[dict]) -> float:
+def control_overhead(turns: list[IterationRecord]) -> float:
     """Per-iteration time no stage accounts for (control-plane round trips, recording): measured in the plan whose
     stages take turns, where it is the iteration minus its stage times; added to every prediction."""
-    return max(0.0, statistics.median(r["iteration_seconds"] - r.get("collect_seconds", 0.0)
-                                      - r.get("train_seconds", 0.0) - r.get("weight_wait_seconds", 0.0)
-                                      for r in turns))
+    return max(0.0, statistics.median(r.iteration_seconds - r.collect_seconds - r.train_seconds
+                                      - r.weight_wait_seconds for r in turns))
 
 
 class StaticScheduler:
-    def __init__(self, workflow: PPOWorkflow):
-        self.wf = workflow
-        self.cfg = workflow.cfg
-        self.iterations = workflow.cfg.scheduling.profile_iterations
+    """Runs each candidate plan for ``profile_iterations`` (+1 warm-up) real iterations, in this order: collocated
+    and disaggregated first (the profile needs both), then the others; then decides, and the chosen plan runs from
+    the next boundary. Driven by the training loop: ``first()`` names the plan to start with, ``observe()`` sees
+    every recorded iteration until ``done``."""
 
-    async def _measure(self, name: str, sched: SchedulingConfig, i: int,
-                       n_iters: int) -> tuple[int, bool, list[dict], float | None]:
-        """Run ``profile_iterations`` (+1 warm-up: re-planning and pipeline fill) iterations under a plan; for a
-        plan with an env service, first probe the round trip of a step-sized message to it."""
-        wf = self.wf
-        wf.plan_name = name
-        await wf.configure_rollouts(i, sched)
-        ipc = None
-        if not sched.env_in_rollout():
-            probe = await rpc(wf.rollouts[0], "Probe", rollout_pb2.ProbeRequest(round_trips=64), 60)
-            ipc = probe.round_trip_seconds
-        first = len(wf.rows)
-        i, done = await wf.segment(i, min(i + self.iterations + 1, n_iters))
-        return i, done, wf.rows[first:], ipc
+    def __init__(self, control: PlanControl, cfg: RunConfig, run_dir: Path):
+        self.control, self.cfg, self.run_dir = control, cfg, run_dir
+        self.iterations = cfg.scheduling.profile_iterations
+        self.plans = candidates(cfg.scheduling)
+        self.every = candidates(cfg.scheduling.model_copy(update={"candidates": []}))
+        self.order = ["collocated", "disaggregated"] + [n for n in self.plans
+                                                        if n not in ("collocated", "disaggregated")]
+        self.measured: dict[str, list[IterationRecord]] = {name: [] for name in self.order}
+        self.current = 0
+        self.ipc: float | None = None
+        self.decisions: list[dict] = []
+        self.done = False
 
-    async def choose(self, i: int, n_iters: int) -> tuple[int, bool]:
-        wf, cfg = self.wf, self.cfg
-        plans = candidates(cfg.scheduling)
+    def first(self) -> tuple[str, SchedulingConfig]:
+        name = self.order[0]
+        return name, self.every[name]
+
+    async def observe(self, record: IterationRecord) -> None:
+        if self.done:
+            return
+        if record.plan in self.measured:
+            self.measured[record.plan].append(record)
+        name = self.order[self.current]
+        if len(self.measured[name]) < self.iterations + 1:
+            return
+        if self.ipc is None and not self.every[name].env_in_rollout():
+            self.ipc = await self.control.probe_ipc()  # while the plan with an env service is still in place
+        self.current += 1
+        if self.current < len(self.order):
+            nxt = self.order[self.current]
+            await self.control.request_plan(self.every[nxt], nxt)
+            return
+        self.done = True
+        chosen = self.decide()
+        await self.control.request_plan(self.plans[chosen], chosen)
+
+    def decide(self) -> str:
+        cfg, control = self.cfg, self.control
         T, N = cfg.algorithm.n_steps, cfg.env.num_envs
-        W, E = len(wf.rollouts), len(wf.envs)
-        measured: dict[str, list[dict]] = {}
-        ipc: float | None = None
-        # profile first: the in-process plan and a pipelined one (whether or not they are candidates), then measure
-        # the other candidates
-        every = candidates(cfg.scheduling.model_copy(update={"candidates": []}))
-        order = ["collocated", "disaggregated"] + [n for n in plans if n not in ("collocated", "disaggregated")]
-        for name in order:
-            i, done, rows, probed = await self._measure(name, every[name], i, n_iters)
-            measured[name] = rows
-            ipc = probed if probed is not None and ipc is None else ipc
-            if done or i >= n_iters:
-                return i, done
-        profile = fit_profile(T, N // W, every["disaggregated"].chunks(), steady(measured["collocated"]),
-                              steady(measured["disaggregated"]), N, ipc)
+        W, E = control.rollout_workers, control.env_workers
+        profile = fit_profile(T, N // W, self.every["disaggregated"].chunks(), steady(self.measured["collocated"]),
+                              steady(self.measured["disaggregated"]), N, self.ipc)
         host = {"host": Pool("host", max(1, os.cpu_count() or 1))}
-        overhead = control_overhead(steady(measured["collocated"]))
+        overhead = control_overhead(steady(self.measured["collocated"]))
         table = []
-        for name, sched in plans.items():
+        for name, sched in self.plans.items():
             pred = simulate(profile, shape(name, sched, N, T, W, E), host, iterations=max(4, 2 + sched.staleness + 2))
-            got = iteration_time(measured[name])
-            table.append({"plan": name, "predicted_s": pred.iteration_s + overhead, "measured_s": got,
-                          "description": wf.describe_plan(sched, W)})
+            table.append({"plan": name, "predicted_s": pred.iteration_s + overhead,
+                          "measured_s": iteration_time(self.measured[name]), "description": control.describe(sched)})
         best_predicted = min(table, key=lambda r: r["predicted_s"])
         best_measured = min(table, key=lambda r: r["measured_s"])
-        chosen = best_predicted
-        why = "fastest predicted"
+        chosen, why = best_predicted, "fastest predicted"
         if best_predicted["measured_s"] > (1 + OVERRIDE) * best_measured["measured_s"]:
             chosen, why = best_measured, (f"fastest measured (the predicted best, {best_predicted['plan']}, measured "
                                           f"{best_predicted['measured_s'] / best_measured['measured_s']:.2f}x slower)")
         for row in table:
             row["chosen"] = row is chosen
-        wf.decisions = table
+        self.decisions = table
         lines = [f"{'plan':<28} {'predicted s/it':>14} {'measured s/it':>14}"]
-        lines += [f"{r['plan']:<28} {r['predicted_s']:>14.4f} {r['measured_s']:>14.4f}{'  <- chosen' if r['chosen'] else ''}"
-                  for r in table]
-        wf.run.log("static scheduler decision (" + why + "):\n" + "\n".join(lines))
-        (wf.run.run_dir / "plan.json").write_text(json.dumps(
-            {"profile": asdict(profile), "control_overhead_s": overhead, "decisions": table, "chosen": chosen["plan"], "why": why,
-             "host_cores": host["host"].units, "num_envs": N, "n_steps": T, "rollout_workers": W}, indent=2))
-        wf.plan_name = chosen["plan"]
-        await wf.configure_rollouts(i, plans[chosen["plan"]])
-        return i, False
+        lines += [f"{r['plan']:<28} {r['predicted_s']:>14.4f} {r['measured_s']:>14.4f}"
+                  f"{'  <- chosen' if r['chosen'] else ''}" for r in table]
+        control.log("static scheduler decision (" + why + "):\n" + "\n".join(lines))
+        (self.run_dir / "plan.json").write_text(json.dumps(
+            {"profile": asdict(profile), "control_overhead_s": overhead, "decisions": table, "chosen": chosen["plan"],
+             "why": why, "host_cores": host["host"].units, "num_envs": N, "n_steps": T, "rollout_workers": W},
+            indent=2))
+        return chosen["plan"]

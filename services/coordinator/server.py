@@ -13,9 +13,9 @@ from pathlib import Path
 
 import grpc
 
+from services.coordinator.loop import TrainingLoop
 from services.coordinator.registry import WorkerRegistry
 from services.coordinator.run import Run, RunFailed, StopRequested
-from services.coordinator.workflow import PPOWorkflow
 from services.core.config import ConfigError, parse_config
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
@@ -135,14 +135,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @staticmethod
     def worker_counts(config) -> dict[str, int]:
+        """Workers a run's plan needs. An algorithm that collects nothing gets one env service (the spaces) and a
+        rollout worker only when it evaluates."""
         s = config.scheduling
+        if not config.collects:
+            return {"env": 1, "replay": 1, "learner": 1, "rollout": 1 if config.train.eval_every_iterations else 0}
         env_workers = s.env_workers if (s.mode == "auto" or not s.env_in_rollout()) else 1
         return {"env": env_workers, "replay": 1, "learner": 1, "rollout": s.rollout_workers}
 
     async def _execute(self, run: Run, resume: bool = False) -> None:
         """Run the workflow; the terminal state is published only after artefacts are written and workers freed,
         so anyone who sees SUCCEEDED can read curve.png and the checkpoint."""
-        workflow = None
+        loop = None
         outcome: tuple[int, str, bool]
         try:
             workers = await self._acquire(run, self.worker_counts(run.config))
@@ -155,15 +159,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             def release(worker) -> None:
                 worker.run_id = ""
 
-            workflow = PPOWorkflow(run, workers, resume, acquire, release)
-            run.workflow = workflow
-            outcome = (coordinator_pb2.SUCCEEDED, await workflow.execute(), False)
+            loop = TrainingLoop(run, workers, resume, acquire, release)
+            run.loop = loop
+            outcome = (coordinator_pb2.SUCCEEDED, await loop.fit(), False)
         except RunFailed as exc:
             outcome = (coordinator_pb2.FAILED, exc.reason, exc.bad_input)
         except StopRequested:
             outcome = (coordinator_pb2.STOPPED, "stopped by request at an iteration boundary", False)
             try:
-                reply = await workflow.save_checkpoint()
+                reply = await loop.save_checkpoint()
                 outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; checkpoint {reply.uri} "
                            f"(continue with `rlfabric resume {run.run_dir}`)", False)
             except RunFailed as exc:
@@ -177,9 +181,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except Exception as exc:  # noqa: BLE001 — a bug must fail the run loudly, not hang it
             log.exception("run %s crashed", run.run_id)
             outcome = (coordinator_pb2.FAILED, f"coordinator error: {exc.__class__.__name__}: {exc}", False)
-        if workflow is not None:
+        if loop is not None:
             try:
-                await asyncio.shield(workflow.close())
+                await asyncio.shield(loop.close())
             except Exception:  # noqa: BLE001 — a failed plot must not hide the run's outcome
                 log.exception("closing run %s failed", run.run_id)
         self.registry.release(run.run_id)
@@ -235,16 +239,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Scale(self, request, context):
         """Add or remove workers of a role in a live run; returns once applied at an epoch boundary."""
         run = await self._run(request, context)
-        workflow = run.workflow
-        if run.finished or workflow is None or run.state != coordinator_pb2.RUNNING:
+        loop = run.loop
+        if run.finished or loop is None or run.state != coordinator_pb2.RUNNING:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"run {run.run_id} is not running ({coordinator_pb2.RunState.Name(run.state)})")
         role = request.role
-        current = len(workflow.pools.get(role, []))
+        plan = loop.plan
+        current = len(plan.pools.get(role, []))
         target = request.count if request.count > 0 else current + request.delta
         timeout = request.timeout_s or 60.0
         try:
-            change = await workflow.request_scale(role, target, timeout)
+            change = await plan.request_scale(role, target, timeout)
             applied = await asyncio.wait_for(asyncio.shield(change.done), timeout)
         except RunFailed as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input
@@ -253,20 +258,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"scale {role} to {target} is queued but no epoch boundary came within {timeout:g}s; "
                                 f"it applies at the next one")
-        stages = workflow.pools[role]
+        stages = plan.pools[role]
         run.log(f"scaled {role} from {current} to {len(stages)} worker(s) at iteration {applied}")
         return coordinator_pb2.ScaleReply(role=role, workers=len(stages), worker_ids=[s.worker.worker_id for s in stages],
-                                          applied_at_iteration=applied, detail=workflow.describe_plan())
+                                          applied_at_iteration=applied, detail=plan.describe())
 
     async def GetPlan(self, request, context):
         run = await self._run(request, context)
-        workflow = run.workflow
-        if workflow is None:
+        loop = run.loop
+        if loop is None:
             return coordinator_pb2.PlanReply(plan=run.plan)
         rows = [coordinator_pb2.PlanRow(plan=d["plan"], predicted_iteration_s=d.get("predicted_s", 0.0),
                                         measured_iteration_s=d.get("measured_s", 0.0), chosen=d.get("chosen", False),
-                                        description=d.get("description", "")) for d in workflow.decisions]
-        return coordinator_pb2.PlanReply(plan=run.plan, description=workflow.describe_plan(), decisions=rows)
+                                        description=d.get("description", "")) for d in loop.decisions]
+        return coordinator_pb2.PlanReply(plan=run.plan, description=loop.plan.describe(), decisions=rows)
 
     async def shutdown(self) -> None:
         self.reaper.cancel()

@@ -1,7 +1,7 @@
 """Discrete-event cluster simulator: predict an execution plan's iteration time and env steps/s from stage profiles.
 
 The static scheduler ranks plans with it and ``rlfabric plan`` prints its predictions. It replays the one logical
-PPO workflow ``rollout (env <-> policy) -> train -> publish weights (epoch N+1)`` as the real system executes it,
+workflow ``rollout (env <-> policy) -> train -> publish weights (epoch N+1)`` as the real system executes it,
 process by process, on pools of units (CPU cores or GPUs) measured on one machine and scaled to bigger clusters.
 
 The model, top to bottom (each item is one function below):

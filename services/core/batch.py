@@ -1,18 +1,193 @@
-"""TensorBatch: the one batch type every piece speaks — named arrays plus a little typed metadata.
+"""TensorBatch: the one batch type every service speaks — named fields over named batch dimensions.
 
-Values are numpy arrays or torch tensors; the codec moves both without pickle. ``version`` is the weight
-version that produced the data and ``seq`` a per-channel sequence number (see DESIGN.md section 5).
+A batch declares its batch dimensions by name (``dims``): ``("time", "env")`` for a trajectory, ``("sample",)``
+for sampled transitions or token sequences, ``()`` for a plain bag of tensors (a request, a reply). Every field
+starts with the batch dimensions, or, where ``field_dims`` says so, with a subset of them in the same order (a
+trajectory's ``last_values`` is per env, not per step). Joining shards, flattening a trajectory into samples and
+taking rows all go by these names, so nothing ever guesses which axis is which.
+
+Fields are numpy arrays or torch tensors of any dtype (uint8 images stay uint8), ``Ragged`` sequences (token
+streams: every cell's items back to back plus one length per batch cell), and nested names ``obs/image`` for Dict
+observations (``group("obs")`` gives them back as a dict). ``version`` is the weight version that produced the
+data and ``seq`` a per-channel sequence number. The codec (codec.py) is the wire format of this type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-Scalar = str | int | float | bool | None
+SEP = "/"  # nested field names: obs/image, obs/state
+
+
+def _is_torch(value: Any) -> bool:
+    return hasattr(value, "detach") and hasattr(value, "dtype") and not isinstance(value, np.ndarray)
+
+
+def _concat(arrays: Sequence[Any], axis: int) -> Any:
+    if _is_torch(arrays[0]):
+        import torch
+
+        return torch.cat(list(arrays), dim=axis)
+    return np.concatenate(arrays, axis=axis)
+
+
+def _index(array: Any, idx: np.ndarray) -> Any:
+    if _is_torch(array):
+        import torch
+
+        return array[torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(array.device)]
+    return array[idx]
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, Ragged):
+        return value.nbytes
+    return int(value.numel() * value.element_size())
+
+
+def segment_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Indices of the items of segments [start, start + length), back to back (a vectorised gather plan)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+@dataclass(eq=False)
+class Ragged:
+    """Variable-length cells: ``values`` holds every cell's items back to back (``[total, *item_shape]``) and
+    ``lengths`` (int64, one per batch cell, in row-major order of the batch dims) how many belong to each."""
+
+    values: Any
+    lengths: Any
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Any], dtype: Any = None, item_shape: tuple[int, ...] = ()) -> Ragged:
+        arrays = [np.asarray(r, dtype=dtype) for r in rows]
+        if arrays:
+            values = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0].copy()
+        else:
+            values = np.zeros((0, *item_shape), dtype=dtype or np.float32)
+        return cls(values, np.array([len(a) for a in arrays], dtype=np.int64))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The batch shape of the cells (what ``lengths`` is shaped as)."""
+        return tuple(self.lengths.shape)
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.values) + _nbytes(self.lengths)
+
+    def flat_lengths(self) -> np.ndarray:
+        lengths = self.lengths.detach().cpu().numpy() if _is_torch(self.lengths) else self.lengths
+        return np.asarray(lengths, dtype=np.int64).reshape(-1)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Where each cell starts in ``values``, plus the end: ``values[offsets[i]:offsets[i + 1]]`` is cell i."""
+        lengths = self.flat_lengths()
+        out = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out[1:])
+        return out
+
+    def rows(self) -> list[Any]:
+        o = self.offsets
+        return [self.values[o[i]:o[i + 1]] for i in range(len(o) - 1)]
+
+    def reshape(self, shape: tuple[int, ...]) -> Ragged:
+        return Ragged(self.values, self.lengths.reshape(shape))
+
+    def take(self, cells: np.ndarray) -> Ragged:
+        """The given cells (flat indices over the batch shape), in that order: a 1-d Ragged."""
+        cells = np.asarray(cells, dtype=np.int64)
+        o = self.offsets
+        lengths = o[cells + 1] - o[cells]
+        values = _index(self.values, segment_index(o[cells], lengths))
+        out_lengths = lengths if not _is_torch(self.lengths) else _as_torch_like(lengths, self.lengths)
+        return Ragged(values, out_lengths)
+
+    def padded(self, pad: Any = 0) -> tuple[Any, Any]:
+        """(``[cells, max_len, *item]`` values padded with ``pad``, ``[cells, max_len]`` bool mask of real items)."""
+        lengths = self.flat_lengths()
+        cells, longest = len(lengths), int(lengths.max()) if len(lengths) else 0
+        mask = np.arange(longest)[None, :] < lengths[:, None]
+        if _is_torch(self.values):
+            import torch
+
+            out = torch.full((cells, longest, *self.item_shape), pad, dtype=self.values.dtype,
+                             device=self.values.device)
+            m = torch.from_numpy(mask).to(self.values.device)
+            out[m] = self.values
+            return out, m
+        out = np.full((cells, longest, *self.item_shape), pad, dtype=self.values.dtype)
+        out[mask] = self.values
+        return out, mask
+
+    def equals(self, other: Ragged) -> bool:
+        return (np.array_equal(np.asarray(self.lengths), np.asarray(other.lengths))
+                and self.values.dtype == other.values.dtype and np.array_equal(self.values, other.values))
+
+
+def _as_torch_like(array: np.ndarray, like: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(array).to(like.device)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return value.shape if isinstance(value, Ragged) else tuple(value.shape)
+
+
+def tree_map(fn: Any, value: Any) -> Any:
+    """``fn`` applied to every leaf of a nested dict (a Dict observation), or to ``value`` itself."""
+    if isinstance(value, Mapping):
+        return {k: tree_map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def flatten_names(tensors: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"obs": {"image": a}} -> {"obs/image": a}: nested fields (Dict observations) under path names."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"field name {name!r}: names are non-empty strings")
+        path = f"{prefix}{SEP}{name}" if prefix else name
+        if isinstance(value, Mapping):
+            out.update(flatten_names(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+def nest_names(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """{"obs/image": a} -> {"obs": {"image": a}}."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        node = out
+        *parents, leaf = name.split(SEP)
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 @dataclass
@@ -21,15 +196,30 @@ class TensorBatch:
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = -1
     seq: int = 0
+    dims: tuple[str, ...] = ()
+    field_dims: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if any(isinstance(v, Mapping) for v in self.tensors.values()):
+            self.tensors = flatten_names(self.tensors)
+        self.dims = tuple(self.dims)
+        if self.field_dims:
+            self.field_dims = {k: tuple(v) for k, v in self.field_dims.items() if tuple(v) != self.dims}
+
+    # -- mapping surface -----------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:
-        return self.tensors[name]
+        if name in self.tensors:
+            return self.tensors[name]
+        group = self.group(name)
+        if not group:
+            raise KeyError(name)
+        return group
 
     def __setitem__(self, name: str, value: Any) -> None:
         self.tensors[name] = value
 
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.tensors or any(k.startswith(name + SEP) for k in self.tensors)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -37,24 +227,209 @@ class TensorBatch:
     def items(self):
         return self.tensors.items()
 
+    def group(self, prefix: str) -> dict[str, Any]:
+        """The fields under ``prefix/`` as a nested dict (a Dict observation)."""
+        head = prefix + SEP
+        return nest_names({k[len(head):]: v for k, v in self.tensors.items() if k.startswith(head)})
+
+    def nested(self) -> dict[str, Any]:
+        return nest_names(self.tensors)
+
     @property
     def nbytes(self) -> int:
-        total = 0
-        for v in self.tensors.values():
-            total += int(v.nbytes) if isinstance(v, np.ndarray) else int(v.numel() * v.element_size())
-        return total
+        return sum(_nbytes(v) for v in self.tensors.values())
 
-    def to_torch(self, device: str = "cpu") -> dict[str, Any]:
-        """Torch views of the arrays (copies only arrays numpy marks read-only, which torch cannot alias)."""
+    # -- dimensions ----------------------------------------------------------------------------------------
+    def dims_of(self, name: str) -> tuple[str, ...]:
+        return self.field_dims.get(name, self.dims)
+
+    def sizes(self) -> dict[str, int]:
+        """Size of every batch dimension, checked across fields: a field that disagrees is a ValueError naming
+        both fields."""
+        sizes: dict[str, int] = {}
+        seen: dict[str, str] = {}
+        for name, value in self.tensors.items():
+            fd = self.dims_of(name)
+            if not fd:
+                continue
+            if any(d not in self.dims for d in fd) or [self.dims.index(d) for d in fd] != sorted(
+                    self.dims.index(d) for d in fd):
+                raise ValueError(f"field '{name}' declares dims {list(fd)}, not a subset of the batch dims "
+                                 f"{list(self.dims)} in their order")
+            shape = _shape(value)
+            if isinstance(value, Ragged) and len(shape) != len(fd):
+                raise ValueError(f"ragged field '{name}' has {len(shape)} cell dims {list(shape)} but declares "
+                                 f"{list(fd)}")
+            if len(shape) < len(fd):
+                raise ValueError(f"field '{name}' of shape {list(shape)} lacks its batch dims {list(fd)}")
+            for d, n in zip(fd, shape, strict=False):
+                if d in sizes and sizes[d] != n:
+                    raise ValueError(f"batch dim '{d}' is {n} in field '{name}' but {sizes[d]} in field "
+                                     f"'{seen[d]}'")
+                sizes.setdefault(d, int(n))
+                seen.setdefault(d, name)
+        return sizes
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        sizes = self.sizes()
+        return tuple(sizes.get(d, 0) for d in self.dims)
+
+    @property
+    def rows(self) -> int:
+        """Cells of the full batch shape (transitions of a trajectory, sequences of a token batch)."""
+        return math.prod(self.batch_shape) if self.dims else 0
+
+    def _with(self, tensors: dict[str, Any], dims: tuple[str, ...] | None = None,
+              field_dims: dict[str, tuple[str, ...]] | None = None, **kw: Any) -> TensorBatch:
+        return TensorBatch(tensors, meta=kw.get("meta", dict(self.meta)), version=kw.get("version", self.version),
+                           seq=self.seq, dims=self.dims if dims is None else dims,
+                           field_dims=dict(self.field_dims) if field_dims is None else field_dims)
+
+    def select(self, *names: str) -> TensorBatch:
+        """Only the named fields (a group name selects everything under it)."""
+        keep = {k: v for k, v in self.tensors.items()
+                if k in names or any(k.startswith(n + SEP) for n in names)}
+        return self._with(keep, field_dims={k: d for k, d in self.field_dims.items() if k in keep})
+
+    def flatten(self, into: str = "sample") -> TensorBatch:
+        """Every batch dim merged into one (row-major): a [T, N] trajectory becomes T * N samples. Fields that
+        lack some batch dim (per-env bootstrap values) have no row of their own and are left out."""
+        shape = self.batch_shape
+        out: dict[str, Any] = {}
+        for name, value in self.tensors.items():
+            if self.dims_of(name) != self.dims:
+                continue
+            if isinstance(value, Ragged):
+                out[name] = value.reshape((math.prod(shape),))
+            else:
+                out[name] = value.reshape(math.prod(shape), *tuple(value.shape)[len(shape):])
+        return self._with(out, dims=(into,), field_dims={})
+
+    def unflatten(self, dim: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> TensorBatch:
+        """Split batch dim ``dim`` into ``names`` of ``sizes`` (e.g. U * B samples into [U, B] minibatches)."""
+        if dim not in self.dims:
+            raise ValueError(f"no batch dim '{dim}' in {list(self.dims)}")
+        k = self.dims.index(dim)
+        dims = self.dims[:k] + tuple(names) + self.dims[k + 1:]
+        out: dict[str, Any] = {}
+        field_dims: dict[str, tuple[str, ...]] = {}
+        for name, value in self.tensors.items():
+            fd = self.dims_of(name)
+            if dim not in fd:
+                out[name] = value
+                field_dims[name] = fd
+                continue
+            j = fd.index(dim)
+            if isinstance(value, Ragged):
+                out[name] = value.reshape(value.shape[:j] + tuple(sizes) + value.shape[j + 1:])
+            else:
+                shape = tuple(value.shape)
+                out[name] = value.reshape(*shape[:j], *sizes, *shape[j + 1:])
+            field_dims[name] = fd[:j] + tuple(names) + fd[j + 1:]
+        return self._with(out, dims=dims, field_dims=field_dims)
+
+    def take(self, idx: np.ndarray) -> TensorBatch:
+        """Rows ``idx`` of a batch with one batch dim (sampling, reordering)."""
+        if len(self.dims) != 1:
+            raise ValueError(f"take needs a batch with one batch dim, this one has {list(self.dims)}; flatten it")
+        idx = np.asarray(idx, dtype=np.int64)
+        out = {}
+        for name, value in self.tensors.items():
+            if not self.dims_of(name):
+                out[name] = value
+            elif isinstance(value, Ragged):
+                out[name] = value.take(idx)
+            else:
+                out[name] = _index(value, idx)
+        return self._with(out)
+
+    def slice(self, dim: str, start: int, stop: int) -> TensorBatch:
+        """Entries [start, stop) of batch dim ``dim`` in every field that has it (dense fields only)."""
+        out = {}
+        for name, value in self.tensors.items():
+            fd = self.dims_of(name)
+            if dim not in fd:
+                out[name] = value
+                continue
+            if isinstance(value, Ragged):
+                raise ValueError(f"slicing ragged field '{name}' along '{dim}' is not supported; flatten and take")
+            index = [slice(None)] * fd.index(dim) + [slice(start, stop)]
+            out[name] = value[tuple(index)]
+        return self._with(out)
+
+    @classmethod
+    def cat(cls, batches: Sequence[TensorBatch], dim: str) -> TensorBatch:
+        """Join batches along batch dim ``dim`` (shards of one trajectory along "env", samples along "sample").
+        Fields without that dim must agree and are taken from the first batch. The version is the oldest."""
+        if not batches:
+            raise ValueError("cat needs at least one batch")
+        first = batches[0]
+        if dim not in first.dims:
+            raise ValueError(f"cannot join along '{dim}': the batch dims are {list(first.dims)}")
+        for b in batches[1:]:
+            if b.dims != first.dims or set(b.tensors) != set(first.tensors):
+                raise ValueError(f"cannot join batches with different fields or dims: {sorted(first.tensors)} "
+                                 f"{list(first.dims)} vs {sorted(b.tensors)} {list(b.dims)}")
+        out: dict[str, Any] = {}
+        for name, value in first.tensors.items():
+            fd = first.dims_of(name)
+            parts = [b.tensors[name] for b in batches]
+            if dim not in fd:
+                out[name] = value
+            elif isinstance(value, Ragged):
+                out[name] = _cat_ragged(parts, fd.index(dim))
+            else:
+                out[name] = _concat(parts, fd.index(dim))
+        return TensorBatch(out, meta=dict(first.meta), version=min(b.version for b in batches), seq=first.seq,
+                           dims=first.dims, field_dims=dict(first.field_dims))
+
+    # -- torch ---------------------------------------------------------------------------------------------
+    def to_torch(self, device: Any = "cpu", pin: bool = False) -> dict[str, Any]:
+        """Nested dict of torch tensors on ``device`` (numpy arrays become views where numpy allows it; with
+        ``pin`` a CUDA copy goes through pinned host memory, asynchronously). Ragged fields stay Ragged, with
+        torch values and lengths."""
         import torch
 
-        out = {}
-        for name, v in self.tensors.items():
+        def convert(v: Any) -> Any:
+            if isinstance(v, Ragged):
+                return Ragged(convert(v.values), convert(v.lengths))
             if isinstance(v, np.ndarray):
                 v = torch.from_numpy(v if v.flags.writeable else v.copy())
-            out[name] = v.to(device)
-        return out
+            if str(device) == "cpu":
+                return v.to(device)
+            if pin and v.device.type == "cpu":
+                v = v.pin_memory()
+            return v.to(device, non_blocking=pin)
+
+        return nest_names({name: convert(v) for name, v in self.tensors.items()})
 
     @classmethod
     def from_mapping(cls, tensors: Mapping[str, Any], **kw: Any) -> TensorBatch:
         return cls(dict(tensors), **kw)
+
+
+def _cat_ragged(parts: list[Ragged], axis: int) -> Ragged:
+    """Ragged fields joined along batch axis ``axis``: lengths concatenate along it, values follow the cells'
+    row-major order in the joined shape."""
+    lengths = np.concatenate([np.asarray(p.lengths) for p in parts], axis=axis)
+    if axis == 0:
+        return Ragged(_concat([p.values for p in parts], 0), lengths)
+    # each part's cells, numbered as they sit in the joined shape, and where their items start in the parts'
+    # values laid back to back
+    cell_ids, starts, base, offset = [], [], 0, 0
+    for p in parts:
+        shape = p.shape
+        grid = np.indices(shape)
+        grid[axis] += offset
+        cell_ids.append(np.ravel_multi_index(tuple(grid), lengths.shape).reshape(-1))
+        starts.append(p.offsets[:-1] + base)
+        base += int(p.flat_lengths().sum())
+        offset += shape[axis]
+    order = np.argsort(np.concatenate(cell_ids), kind="stable")
+    flat_lengths = np.concatenate([p.flat_lengths() for p in parts])[order]
+    values = _concat([p.values for p in parts], 0)
+    return Ragged(_index(values, segment_index(np.concatenate(starts)[order], flat_lengths)), lengths)
+
+
+__all__ = ["Ragged", "TensorBatch", "flatten_names", "nest_names", "segment_index", "tree_map", "SEP"]

@@ -1,8 +1,14 @@
 """The wire format of the data plane: ``[header, buf0, buf1, ...]``.
 
-The header is small JSON (kind, seq, version, meta, and per tensor its name, dtype and shape); each buffer is
-the raw bytes of one C-contiguous tensor, sent zero-copy. Decoding validates everything against the header and a
-size bound before touching the bytes. Nothing is ever unpickled.
+The header is small JSON: kind, seq, version, meta, the batch dims, and per field its name, dtype and shape (plus
+its own dims where they differ from the batch's, and for a ragged field the shape of its lengths). Each buffer is
+the raw bytes of one C-contiguous array, sent zero-copy; a ragged field is two buffers, its values then its int64
+lengths. Nothing is ever unpickled.
+
+The decoder is the trust boundary of every data port, so it bounds everything it reads before acting on it: the
+message and header sizes, the header's nesting and node count, every integer (int64, no 4300-digit strings, no
+NaN/inf), names, ranks, dims and shape products, and the buffer count; then batch dims must agree across fields and
+ragged lengths must add up. Whatever is wrong comes back as a FrameError that names the part; nothing else escapes.
 """
 
 from __future__ import annotations
@@ -14,11 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from services.core.batch import TensorBatch
+from services.core.batch import SEP, Ragged, TensorBatch
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+READABLE_WIRE_VERSIONS = (1, 2)  # 1: before declared dims (still in Redis replays written then)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_TENSORS = 4096
+MAX_NAME_CHARS = 256
+MAX_RANK = 32
+MAX_DIM = 1 << 40
+MAX_BATCH_DIMS = 8
+MAX_META_DEPTH = 16
+MAX_META_NODES = 4096
+INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
 
 # wire dtype name -> numpy dtype used to hold the bytes. bfloat16 has no numpy dtype: its bits ride as uint16
 # and become torch.bfloat16 again on decode (torch is imported only when such a tensor arrives).
@@ -30,6 +45,7 @@ DTYPES: dict[str, np.dtype] = {
     )
 }
 DTYPES["bfloat16"] = np.dtype("uint16")
+_WIRE = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}  # native numpy dtype -> wire name
 
 
 class FrameError(ValueError):
@@ -40,9 +56,9 @@ def _as_buffer(name: str, value: Any) -> tuple[str, tuple[int, ...], Any]:
     if isinstance(value, np.generic):  # numpy scalars travel as 0-d arrays
         value = np.asarray(value)
     if isinstance(value, np.ndarray):
-        arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (keeps 0-d arrays 0-d)
-        dtype = arr.dtype.name
-        if dtype not in DTYPES or dtype == "bfloat16":
+        arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (0-d arrays are contiguous)
+        dtype = _WIRE.get(arr.dtype)
+        if dtype is None:
             raise FrameError(f"tensor '{name}': dtype {arr.dtype} is not supported on the data plane "
                              f"(supported: {', '.join(sorted(DTYPES))})")
         return dtype, arr.shape, (memoryview(arr).cast("B") if arr.size else b"")
@@ -54,24 +70,50 @@ def _as_buffer(name: str, value: Any) -> tuple[str, tuple[int, ...], Any]:
         if t.dtype == torch.bfloat16:
             arr = t.view(torch.int16).numpy().view(np.uint16)
             return "bfloat16", tuple(t.shape), (memoryview(arr).cast("B") if arr.size else b"")
-        arr = t.numpy()
-        return _as_buffer(name, arr)
-    raise FrameError(f"tensor '{name}': expected a numpy array or torch tensor, got {type(value).__name__}")
+        return _as_buffer(name, t.numpy())
+    raise FrameError(f"tensor '{name}': expected a numpy array, torch tensor or Ragged, got {type(value).__name__}")
 
 
-def encode(kind: str, batch: TensorBatch | None = None) -> list[Any]:
-    """Frames for one message. Buffers alias the arrays (zero-copy): don't mutate them until sent."""
+_spec_cache: dict[tuple, str] = {}  # a batch layout -> its "tensors" JSON (the same layout repeats every message)
+
+
+def encode(kind: str, batch: TensorBatch | None = None, seq: int | None = None) -> list[Any]:
+    """Frames for one message (``seq`` overrides the batch's). Buffers alias the arrays (zero-copy): don't mutate
+    them until sent."""
     batch = batch or TensorBatch()
-    specs, buffers = [], []
+    seq = batch.seq if seq is None else seq
+    layout: list[tuple] = []
+    buffers: list[Any] = []
     for name, value in batch.tensors.items():
-        dtype, shape, buf = _as_buffer(name, value)
-        specs.append({"name": name, "dtype": dtype, "shape": list(shape)})
-        buffers.append(buf)
-    header = json.dumps(
-        {"w": WIRE_VERSION, "kind": kind, "seq": batch.seq, "version": batch.version,
-         "meta": batch.meta, "tensors": specs},
-        separators=(",", ":"),
-    ).encode()
+        fd = batch.field_dims.get(name)
+        if isinstance(value, Ragged):
+            dtype, shape, buf = _as_buffer(name, value.values)
+            _, lshape, lbuf = _as_buffer(name + "#lengths", np.asarray(value.flat_lengths().reshape(value.shape)))
+            layout.append((name, dtype, shape, fd, lshape))
+            buffers += [buf, lbuf]
+        else:
+            dtype, shape, buf = _as_buffer(name, value)
+            layout.append((name, dtype, shape, fd, None))
+            buffers.append(buf)
+    key = tuple(layout)
+    specs = _spec_cache.get(key)
+    if specs is None:
+        doc = []
+        for name, dtype, shape, fd, lshape in layout:
+            spec: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape)}
+            if fd is not None:
+                spec["dims"] = list(fd)
+            if lshape is not None:
+                spec["lengths"] = list(lshape)
+            doc.append(spec)
+        specs = json.dumps(doc, separators=(",", ":"))
+        if len(_spec_cache) >= 512:
+            _spec_cache.clear()
+        _spec_cache[key] = specs
+    dims = json.dumps(list(batch.dims), separators=(",", ":")) if batch.dims else "[]"
+    meta = json.dumps(batch.meta, separators=(",", ":"), allow_nan=False) if batch.meta else "{}"
+    header = (f'{{"w":{WIRE_VERSION},"kind":{json.dumps(kind)},"seq":{int(seq)},'
+              f'"version":{int(batch.version)},"meta":{meta},"dims":{dims},"tensors":{specs}}}').encode()
     if len(header) > MAX_HEADER_BYTES:
         raise FrameError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}; move large metadata into tensors")
     return [header, *buffers]
@@ -81,10 +123,102 @@ def message_bytes(frames: list[Any]) -> int:
     return sum(len(f) if not hasattr(f, "nbytes") else f.nbytes for f in frames)
 
 
+# -- decoding: everything bounded before use ----------------------------------------------------------------------
+def _parse_int(text: str) -> int:
+    if len(text) > 20:
+        raise FrameError(f"header holds an integer of {len(text)} digits; integers must fit in 64 bits")
+    return int(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise FrameError(f"header holds {text}; numbers must be finite")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FrameError(f"header holds a number out of range ({text[:32]}); numbers must be finite")
+    return value
+
+
+def _check_meta(meta: Any) -> None:
+    """Nesting depth and node count of the metadata, and 64-bit integers (iteratively: no recursion to exhaust)."""
+    stack = [(meta, 0)]
+    nodes = 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_META_NODES:
+            raise FrameError(f"header meta has more than {MAX_META_NODES} values")
+        if depth > MAX_META_DEPTH:
+            raise FrameError(f"header meta nests deeper than {MAX_META_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            raise FrameError("header meta holds an integer beyond 64 bits")
+
+
+def _int64(header: dict, key: str, default: int, minimum: int = INT64_MIN) -> int:
+    value = header.get(key, default)
+    if type(value) is not int or not minimum <= value <= INT64_MAX:
+        raise FrameError(f"header {key} must be an integer in [{minimum}, 2^63), got {str(value)[:40]!r}")
+    return value
+
+
+def _shape_of(name: str, shape: Any, what: str = "shape") -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
+            type(d) is int and 0 <= d <= MAX_DIM for d in shape):
+        raise FrameError(f"tensor '{name}': {what} must be a list of at most {MAX_RANK} ints in [0, 2^40], got "
+                         f"{str(shape)[:80]}")
+    return tuple(shape)
+
+
+def _bytes_of(name: str, shape: tuple[int, ...], itemsize: int, limit: int) -> int:
+    """shape's byte count, refusing shapes whose element count (zero dims aside) overflows what a buffer holds."""
+    elements = 1
+    for d in shape:
+        elements *= max(d, 1)
+        if elements * itemsize > limit:
+            if 0 in shape:
+                continue
+            raise FrameError(f"tensor '{name}': shape {list(shape)} needs more than the message's {limit} bytes")
+    if elements > (1 << 48):
+        raise FrameError(f"tensor '{name}': shape {list(shape)} has too many elements")
+    return math.prod(shape) * itemsize
+
+
+def _array(name: str, dtype: str, shape: tuple[int, ...], view: memoryview, limit: int, bf16_torch: bool) -> Any:
+    np_dtype = DTYPES[dtype]
+    expected = _bytes_of(name, shape, np_dtype.itemsize, limit)
+    if expected != view.nbytes:
+        raise FrameError(f"tensor '{name}': {view.nbytes} bytes but {dtype}{list(shape)} needs {expected}")
+    arr = np.frombuffer(view, dtype=np_dtype).reshape(shape) if expected else np.zeros(shape, np_dtype)
+    if dtype == "bfloat16" and bf16_torch:
+        import torch
+
+        return torch.from_numpy(arr.copy().view(np.int16)).view(torch.bfloat16)
+    return arr
+
+
 def decode(frames: list[Any], max_bytes: int, as_torch_bf16: bool = True) -> tuple[str, TensorBatch]:
-    """Validate and decode frames (bytes, memoryviews or zmq.Frame) into (kind, batch). Arrays alias the frames."""
+    """Validate and decode frames (bytes, memoryviews or zmq.Frame) into (kind, batch). Arrays alias the frames.
+    Anything malformed raises FrameError, never another exception."""
+    try:
+        return _decode(frames, max_bytes, as_torch_bf16)
+    except FrameError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, MemoryError,
+            struct.error) as exc:  # a case the checks above missed must still not escape as something else
+        raise FrameError(f"malformed message ({exc.__class__.__name__}: {str(exc)[:200]})") from None
+
+
+def _decode(frames: list[Any], max_bytes: int, as_torch_bf16: bool) -> tuple[str, TensorBatch]:
     if not frames:
         raise FrameError("empty message: expected [header, buffers...]")
+    if len(frames) > 2 * MAX_TENSORS + 1:
+        raise FrameError(f"message of {len(frames)} frames: at most {2 * MAX_TENSORS + 1}")
     views = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
     total = sum(v.nbytes for v in views)
     if total > max_bytes:
@@ -93,41 +227,72 @@ def decode(frames: list[Any], max_bytes: int, as_torch_bf16: bool = True) -> tup
     if views[0].nbytes > MAX_HEADER_BYTES:
         raise FrameError(f"header frame of {views[0].nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(views[0].tobytes())
+        header = json.loads(views[0].tobytes(), parse_int=_parse_int, parse_float=_parse_float,
+                            parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FrameError(f"header is not valid JSON ({exc.__class__.__name__}); is the peer an rlfabric data plane?") from None
-    if not isinstance(header, dict) or header.get("w") != WIRE_VERSION:
-        raise FrameError(f"header wire version {header.get('w') if isinstance(header, dict) else None!r} != {WIRE_VERSION}")
+        raise FrameError(f"header is not valid JSON ({exc.__class__.__name__}); is the peer an rlfabric data "
+                         f"plane?") from None
+    except RecursionError:
+        raise FrameError("header nests too deeply") from None
+    if not isinstance(header, dict) or header.get("w") not in READABLE_WIRE_VERSIONS:
+        got = header.get("w") if isinstance(header, dict) else None
+        raise FrameError(f"header wire version {str(got)[:20]!r} is not one of {READABLE_WIRE_VERSIONS}")
     kind, specs, meta = header.get("kind"), header.get("tensors"), header.get("meta", {})
-    seq, version = header.get("seq", 0), header.get("version", -1)
-    if not isinstance(kind, str) or not isinstance(specs, list) or not isinstance(meta, dict):
-        raise FrameError("header must carry kind (str), tensors (list) and meta (object)")
-    if not isinstance(seq, int) or not isinstance(version, int):
-        raise FrameError("header seq and version must be integers")
-    if len(specs) > MAX_TENSORS or len(specs) != len(views) - 1:
-        raise FrameError(f"header describes {len(specs)} tensors but the message has {len(views) - 1} buffers")
+    if not isinstance(kind, str) or len(kind) > 64 or not isinstance(specs, list) or not isinstance(meta, dict):
+        raise FrameError("header must carry kind (a short str), tensors (list) and meta (object)")
+    seq, version = _int64(header, "seq", 0, 0), _int64(header, "version", -1)
+    _check_meta(meta)
+    dims = header.get("dims", [])
+    if not isinstance(dims, list) or len(dims) > MAX_BATCH_DIMS or len(set(map(str, dims))) != len(dims) or not all(
+            isinstance(d, str) and 0 < len(d) <= 64 for d in dims):
+        raise FrameError(f"header dims must be at most {MAX_BATCH_DIMS} distinct names, got {str(dims)[:80]}")
+    dims = tuple(dims)
+    if len(specs) > MAX_TENSORS:
+        raise FrameError(f"header describes {len(specs)} tensors; at most {MAX_TENSORS}")
+    buffers = sum(2 if isinstance(s, dict) and "lengths" in s else 1 for s in specs)
+    if buffers != len(views) - 1:
+        raise FrameError(f"header describes {buffers} buffers but the message has {len(views) - 1}")
     tensors: dict[str, Any] = {}
-    for spec, view in zip(specs, views[1:], strict=True):
+    field_dims: dict[str, tuple[str, ...]] = {}
+    it = iter(views[1:])
+    for spec in specs:
         if not isinstance(spec, dict):
             raise FrameError("tensor spec must be an object with name, dtype, shape")
-        name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
-        if not isinstance(name, str) or name in tensors:
-            raise FrameError(f"tensor name {name!r} is missing or repeated")
+        name, dtype = spec.get("name"), spec.get("dtype")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or "" in name.split(SEP):
+            raise FrameError(f"tensor name {str(name)[:80]!r} must be 1-{MAX_NAME_CHARS} characters without empty "
+                             f"'{SEP}' parts")
+        if name in tensors:
+            raise FrameError(f"tensor name {name!r} is repeated")
         if dtype not in DTYPES:
-            raise FrameError(f"tensor '{name}': unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise FrameError(f"tensor '{name}': shape must be a list of non-negative ints, got {shape!r}")
-        np_dtype = DTYPES[dtype]
-        expected = math.prod(shape) * np_dtype.itemsize
-        if expected != view.nbytes:
-            raise FrameError(f"tensor '{name}': {view.nbytes} bytes but {dtype}{shape} needs {expected}")
-        arr = np.frombuffer(view, dtype=np_dtype).reshape(shape) if expected else np.zeros(shape, np_dtype)
-        if dtype == "bfloat16" and as_torch_bf16:
-            import torch
-
-            arr = torch.from_numpy(arr.copy().view(np.int16)).view(torch.bfloat16)
-        tensors[name] = arr
-    return kind, TensorBatch(tensors, meta=meta, version=version, seq=seq)
+            raise FrameError(f"tensor '{name}': unknown dtype {str(dtype)[:20]!r}")
+        shape = _shape_of(name, spec.get("shape"))
+        if "dims" in spec:
+            fd = spec["dims"]
+            if not isinstance(fd, list) or not all(isinstance(d, str) and d in dims for d in fd):
+                raise FrameError(f"tensor '{name}': dims {str(fd)[:80]} must name batch dims {list(dims)}")
+            field_dims[name] = tuple(fd)
+        values = _array(name, dtype, shape, next(it), max_bytes, as_torch_bf16)
+        if "lengths" in spec:
+            lshape = _shape_of(name, spec["lengths"], "lengths")
+            lengths = _array(name + "#lengths", "int64", lshape, next(it), max_bytes, False)
+            if not shape:
+                raise FrameError(f"ragged tensor '{name}': values need a leading item dim")
+            if lengths.size and int(lengths.min()) < 0:
+                raise FrameError(f"ragged tensor '{name}': negative lengths")
+            if int(lengths.sum()) != shape[0]:
+                raise FrameError(f"ragged tensor '{name}': lengths add up to {int(lengths.sum())} but there are "
+                                 f"{shape[0]} items")
+            tensors[name] = Ragged(values, lengths)
+        else:
+            tensors[name] = values
+    batch = TensorBatch(tensors, meta=meta, version=version, seq=seq, dims=dims, field_dims=field_dims)
+    if dims:
+        try:
+            batch.sizes()
+        except ValueError as exc:
+            raise FrameError(f"inconsistent batch: {exc}") from None
+    return kind, batch
 
 
 # One stored value holding a message's frames (Redis values, weight files): b"RLF1", u32 count, u64 length of each

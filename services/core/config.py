@@ -6,10 +6,12 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from services.core.algorithm import ALGORITHMS, load_algorithms
 
 
 class ConfigError(ValueError):
@@ -21,11 +23,31 @@ class _Strict(BaseModel):
 
 
 class EnvConfig(_Strict):
-    id: str = Field("CartPole-v1", description="a registered gymnasium id")
+    adapter: str = Field("gymnasium", pattern=r"^[a-z][a-z0-9_]{0,63}$",
+                         description="the env adapter (services/env/adapters): gymnasium, minigrid, ...")
+    id: str = Field("CartPole-v1", description="the env id the adapter makes (a registered gymnasium id)")
     num_envs: int = Field(8, ge=1, le=4096)
     vectorization: Literal["sync", "async"] = "sync"
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
     eval_envs: int = Field(10, ge=1, le=1024, description="envs (one episode each) used for evaluation")
+
+
+class CNNConfig(_Strict):
+    """The conv stack of image observations (uint8 Box of rank 3): one entry per layer."""
+
+    channels: list[int] = Field(default_factory=lambda: [32, 64, 64])
+    kernels: list[int] = Field(default_factory=lambda: [8, 4, 3])
+    strides: list[int] = Field(default_factory=lambda: [4, 2, 1])
+    features: int = Field(512, ge=1, le=65536, description="units of the linear layer after the convolutions")
+
+    @model_validator(mode="after")
+    def _layers(self) -> CNNConfig:
+        if not (len(self.channels) == len(self.kernels) == len(self.strides)) or not self.channels:
+            raise ValueError("channels, kernels and strides need one entry per conv layer, e.g. channels: [16, 32], "
+                             "kernels: [3, 3], strides: [2, 1]")
+        if any(v <= 0 for v in [*self.channels, *self.kernels, *self.strides]):
+            raise ValueError("channels, kernels and strides must be positive")
+        return self
 
 
 class PolicyConfig(_Strict):
@@ -33,6 +55,7 @@ class PolicyConfig(_Strict):
     activation: Literal["tanh", "relu"] = "tanh"
     log_std_init: float = 0.0
     ortho_init: bool = True
+    cnn: CNNConfig = Field(default_factory=CNNConfig, description="encoder of image observations")
 
     @model_validator(mode="after")
     def _positive_sizes(self) -> PolicyConfig:
@@ -41,58 +64,24 @@ class PolicyConfig(_Strict):
         return self
 
 
-class PPOConfig(_Strict):
-    n_steps: int = Field(32, ge=1, description="steps per env per batch")
-    batch_size: int = Field(256, ge=1, description="minibatch size")
-    n_epochs: int = Field(20, ge=1)
-    gamma: float = Field(0.98, gt=0, le=1)
-    gae_lambda: float = Field(0.8, ge=0, le=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    clip_range: float = Field(0.2, gt=0)
-    clip_schedule: Literal["constant", "linear"] = "linear"
-    clip_range_vf: float | None = Field(None, gt=0, description="None disables value clipping")
-    ent_coef: float = 0.0
-    vf_coef: float = Field(0.5, ge=0)
-    max_grad_norm: float = Field(0.5, gt=0)
-    normalize_advantage: bool = True
-    target_kl: float | None = Field(None, gt=0)
+def _algorithm_field() -> tuple[Any, Any]:
+    """The ``algorithm`` section's type: a union of every registered algorithm's config, tagged by ``name`` (so an
+    error names the field inside the chosen algorithm), defaulting to the algorithm marked default."""
+    specs = load_algorithms()
+    configs = tuple(spec.Config for spec in specs.values())
+    union = configs[0] if len(configs) == 1 else Annotated[Union[configs], Field(discriminator="name")]  # noqa: UP007
+    defaults = [spec for spec in specs.values() if spec.default]
+    first = defaults[0] if defaults else next(iter(specs.values()))
+    return union, first.Config
 
 
-class SACConfig(_Strict):
-    n_steps: int = Field(32, ge=1, description="steps per env per iteration (one epoch: collect, then update)")
-    batch_size: int = Field(256, ge=1, description="minibatch size sampled from the replay window")
-    learning_rate: float = Field(3e-4, gt=0)
-    gamma: float = Field(0.99, gt=0, le=1)
-    tau: float = Field(0.005, gt=0, le=1, description="Polyak factor of the target critics")
-    learning_starts: int = Field(1000, ge=0, description="env steps of uniform random actions before updates")
-    updates_per_env_step: float = Field(1.0, gt=0, le=64, description="gradient steps per env step collected")
-    ent_coef: float | Literal["auto"] = Field("auto", description="entropy weight alpha, or auto-tuned")
-    target_entropy: float | None = Field(None, description="auto alpha target; default -action_dim")
-
-
-ALGORITHM_FAMILY = {"ppo": "on-policy", "sac": "off-policy"}
-
-
-class AlgorithmConfig(_Strict):
-    name: Literal["ppo", "sac"] = "ppo"
-    ppo: PPOConfig = Field(default_factory=PPOConfig)
-    sac: SACConfig = Field(default_factory=SACConfig)
-
-    @property
-    def family(self) -> str:
-        """on-policy: the learner consumes each batch once; off-policy: it samples a replay window."""
-        return ALGORITHM_FAMILY[self.name]
-
-    @property
-    def n_steps(self) -> int:
-        return self.sac.n_steps if self.name == "sac" else self.ppo.n_steps
+AlgorithmSection, _DefaultAlgorithm = _algorithm_field()
 
 
 class TrainConfig(_Strict):
     total_env_steps: int = Field(100_000, ge=1)
     eval_every_iterations: int = Field(10, ge=0, description="0 disables periodic evaluation")
-    eval_episodes: int = Field(10, ge=1)
+    eval_episodes: int = Field(10, ge=1, le=10_000)
     stop_at_eval_return: float | None = Field(None, description="stop early once eval mean return reaches it")
     checkpoint_key: str = "checkpoints/final.pt"
 
@@ -207,6 +196,8 @@ class WeightSyncConfig(_Strict):
     delta: bool = Field(False, description="send only the tensors/elements that changed since the held version")
     delta_max_fraction: float = Field(0.25, gt=0, le=1,
                                       description="element deltas only when fewer than this fraction changed")
+    snapshot_bytes: int = Field(1 << 30, ge=1, description="host memory the learner may hold in published weight "
+                                                            "versions (always at least the newest one)")
 
 
 class ReplayConfig(_Strict):
@@ -219,6 +210,24 @@ class ReplayConfig(_Strict):
     retry_backoff_s: float = Field(0.2, ge=0)
     offload_bytes: int = Field(1 << 20, ge=1024,
                                description="tensors larger than this go to the object store by reference")
+    datasets: dict[str, str] = Field(
+        default_factory=dict, description="named replay sources loaded from data set files at the start of a run "
+                                          "(e.g. offline: demos.npz); kept across resumes")
+
+    @model_validator(mode="after")
+    def _sources(self) -> ReplayConfig:
+        for name in self.datasets:
+            if not name or len(name) > 64 or not name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(f"replay.datasets source name {name!r}: use letters, digits, '-' and '_'")
+        return self
+
+
+class RolloutConfig(_Strict):
+    collector: str = Field("auto", pattern=r"^[a-z][a-z0-9_]{0,63}$",
+                           description="how rollout workers act (services/rollout/collectors): auto picks the "
+                                       "env adapter's collector (gym stepping for gymnasium envs)")
+    backend: str = Field("torch", pattern=r"^[a-z][a-z0-9_]{0,63}$",
+                         description="inference backend (services/rollout/backends): torch")
 
 
 class StorageConfig(_Strict):
@@ -242,9 +251,10 @@ class DataPlaneConfig(_Strict):
 
 class RuntimeConfig(_Strict):
     torch_threads: int = Field(1, ge=1, le=256)
-    device: Literal["cpu"] = Field(
-        "cpu", description="where learner and rollout models live. Only cpu for now: placing the models on a GPU "
-                           "(cuda) is not implemented yet; weights can still move over NCCL (weight_sync)")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|auto|cuda(:[0-9]{1,3})?)$",
+        description="where learner and rollout models live: cpu, cuda, cuda:N, or auto (cuda where the host has "
+                    "one, else cpu); each worker resolves it on its own host")
     worker_wait_s: float = Field(60.0, gt=0, description="how long a run waits for workers to register")
 
 
@@ -253,7 +263,8 @@ class RunConfig(_Strict):
     seed: int = 0
     env: EnvConfig = Field(default_factory=EnvConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmSection = Field(default_factory=_DefaultAlgorithm)  # type: ignore[valid-type]
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
@@ -263,9 +274,33 @@ class RunConfig(_Strict):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm(cls, data: Any) -> Any:
+        """An algorithm section without a name is the default algorithm's (run specs may set only a few fields)."""
+        if isinstance(data, dict) and isinstance(data.get("algorithm"), dict) and "name" not in data["algorithm"]:
+            data = {**data, "algorithm": {"name": _DefaultAlgorithm.model_fields["name"].default, **data["algorithm"]}}
+        return data
+
+    @property
+    def spec(self):
+        """The algorithm spec class of this run (services.core.algorithm)."""
+        return ALGORITHMS[self.algorithm.name]
+
+    @property
+    def collects(self) -> bool:
+        """Whether rollout workers collect data for this run's algorithm (offline algorithms do not)."""
+        return self.spec.roles.rollout == "policy"
+
+    def iterations(self) -> int:
+        return self.spec.iterations(self)
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         sched = self.scheduling
+        self.spec.check(self)
+        if not self.collects:
+            return self
         if sched.offload == "host" and self.runtime.device == "cpu":
             raise ValueError("scheduling.offload=host moves model state to host memory, but runtime.device is cpu: "
                              "it is there already; use offload: disk (frees the RAM) or auto")
@@ -291,7 +326,8 @@ class RunConfig(_Strict):
         return self.seed + 100_000
 
     def batch_env_steps(self) -> int:
-        return self.algorithm.n_steps * self.env.num_envs
+        """Env steps one iteration collects (0 for an algorithm that collects nothing)."""
+        return self.spec.steps_per_env(self.algorithm) * self.env.num_envs
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -304,26 +340,36 @@ class RunConfig(_Strict):
             raise ConfigError(_explain(exc, "config_json")) from None
 
 
-def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Names valid at a location, to suggest the closest one for a typo."""
-    current: Any = model
-    for part in loc[:-1]:
+def _resolve(loc: tuple) -> tuple[tuple, list[Any]]:
+    """(the location as a user writes it, the models along it). Errors inside the algorithm section carry the
+    algorithm's tag (``algorithm.<name>.n_epochs``); users write ``algorithm.n_epochs``."""
+    shown: list[str] = []
+    models: list[Any] = [RunConfig]
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        shown.append(part)
+        current = models[-1]
+        if current is RunConfig and part == "algorithm" and parts and parts[0] in ALGORITHMS:
+            models.append(ALGORITHMS[parts.pop(0)].Config)
+            continue
         field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        current = field.annotation
-    return list(getattr(current, "model_fields", {}).keys())
+        models.append(field.annotation if field is not None else None)
+    return tuple(shown), models
 
 
-def _description_at(model: type[BaseModel], loc: tuple) -> str:
+def _fields_at(loc: tuple) -> list[str]:
+    """Names valid where the last part of ``loc`` sits, to suggest the closest one for a typo."""
+    _, models = _resolve(loc)
+    return list(getattr(models[-2], "model_fields", {}).keys()) if len(models) >= 2 else []
+
+
+def _description_at(loc: tuple) -> str:
     """A field's documented meaning, where a bare list of allowed values would not say why."""
-    current: Any = model
-    for part in loc:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return ""
-        current = field.annotation
-    return field.description or ""
+    shown, models = _resolve(loc)
+    parent = models[-2] if len(models) >= 2 else None
+    field = getattr(parent, "model_fields", {}).get(shown[-1]) if shown else None
+    return (field.description or "") if field is not None else ""
 
 
 def _explain(exc: Exception, source: str) -> str:
@@ -333,25 +379,40 @@ def _explain(exc: Exception, source: str) -> str:
     lines = [f"{source}: {exc.error_count()} invalid field(s)"]
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])
-        field = ".".join(loc) or "(top level)"
+        shown, _ = _resolve(loc)
+        field = ".".join(shown) or "(top level)"
         got = err.get("input")
         if err["type"] == "extra_forbidden":
-            valid = _fields_at(RunConfig, loc)
+            valid = _fields_at(loc)
             close = difflib.get_close_matches(loc[-1], valid, n=1)
-            hint = f"did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else f"valid keys: {', '.join(valid)}"
+            hint = f"did you mean '{'.'.join(shown[:-1] + (close[0],))}'?" if close else f"valid keys: {', '.join(valid)}"
             lines.append(f"  {field}: unknown field. Fix: remove it; {hint}")
+        elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            lines.append(f"  {field}.name: {got.get('name') if isinstance(got, dict) else got!r} is not a registered "
+                         f"algorithm. Fix: set {field}.name to one of {', '.join(sorted(ALGORITHMS))}")
         elif err["type"] == "literal_error":
-            why = _description_at(RunConfig, loc)
+            why = _description_at(loc)
             lines.append(f"  {field}: {err['msg']} (got {got!r}). Fix: use one of the listed values"
                          + (f" ({field}: {why})" if why else ""))
         elif err["type"] == "missing":
             lines.append(f"  {field}: required. Fix: add it")
-        elif not loc:  # a check across fields: its message names them and the fix
+        elif not loc or (len(shown) == 1 and shown[0] == "algorithm" and err["type"] == "value_error"):
             lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"  {field}: {msg} (got {got!r}). Fix: set {field} to a valid value")
     return "\n".join(lines)
+
+
+def _old_algorithm_layout(data: dict[str, Any]) -> str | None:
+    """Run specs once nested an algorithm's fields under its name (algorithm: {name: <name>, <name>: {...}})."""
+    section = data.get("algorithm")
+    if isinstance(section, dict):
+        for key, value in section.items():
+            if key in ALGORITHMS and isinstance(value, dict):
+                return (f"algorithm.{key}: algorithm settings now sit directly under algorithm:. Fix: move the "
+                        f"fields of algorithm.{key} up one level, next to algorithm.name (e.g. algorithm.n_steps)")
+    return None
 
 
 def _parse_value(text: str) -> Any:
@@ -397,6 +458,9 @@ def parse_config(text: str, source: str = "config", overrides: list[str] | None 
         raise ConfigError(f"{source}: the top level must be a mapping of sections (env:, train:, ...), "
                           f"got {type(data).__name__}")
     data = apply_overrides(data, overrides or [])
+    old = _old_algorithm_layout(data)
+    if old:
+        raise ConfigError(f"{source}: {old}")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -53,15 +53,29 @@ class Reply:
     seq: int
 
     def send(self, kind: str, batch: TensorBatch | None = None) -> None:
-        batch = batch or TensorBatch()
-        batch.seq = self.seq
-        self.server._send(self.identity, encode(kind, batch))
+        self.server._send(self.identity, encode(kind, batch, seq=self.seq))
 
     def error(self, reason: str) -> None:
         self.send("error", TensorBatch(meta={"reason": reason}))
 
 
 Handler = Callable[[str, TensorBatch, Reply], None]
+
+
+def meta_int(meta: dict, key: str, default: int, lo: int, hi: int) -> int:
+    """An integer request field, bounded: a bad one is a ValueError (answered as a refusal) naming it."""
+    value = meta.get(key, default)
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(f"meta.{key} must be an integer in [{lo}, {hi}], got {str(value)[:40]!r}")
+    return value
+
+
+def meta_float(meta: dict, key: str, default: float, lo: float, hi: float) -> float:
+    """A number request field, bounded and finite (the codec refuses NaN/inf already)."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise ValueError(f"meta.{key} must be a number in [{lo}, {hi}], got {str(value)[:40]!r}")
+    return float(value)
 
 
 class DataServer:
@@ -87,6 +101,9 @@ class DataServer:
         os.set_blocking(self._wake_w, False)
         self._fd_lock = threading.Lock()
         self._closed = False
+        self.failed = 0  # requests whose handler raised an unexpected error (answered with it)
+        self.crashed: str | None = None
+        self.on_death: Callable[[str], None] | None = None
 
     def wake(self) -> None:
         """Run ``tick`` soon; callable from any thread (e.g. when a new weight version is published)."""
@@ -111,31 +128,57 @@ class DataServer:
 
     def _reject(self, identity: bytes, seq: int, reason: str) -> None:
         self.rejected += 1
-        log.warning("%s: rejected message: %s", self.name, reason)
+        log.warning("%s: rejected message: %s", self.name, reason[:500])
         if self.on_reject:
             self.on_reject(reason)
-        Reply(self, identity, seq).error(reason)
+        Reply(self, identity, seq).error(reason[:2000])
 
     def serve(self, handler: Handler, tick: Callable[[], None] | None = None, poll_ms: int = 20) -> None:
-        """Answer requests until ``stop()``. ``tick`` runs after every poll (deadlines of parked requests)."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        while not self._stop.is_set():
-            events = dict(poller.poll(poll_ms))
-            if self._wake_r in events:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            if self._sock in events:
-                while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self._handle(self._sock.recv_multipart(copy=False), handler)
-            if tick is not None:
-                tick()
-        self._close()
+        """Answer requests until ``stop()``. ``tick`` runs after every poll (deadlines of parked requests).
+
+        No message can end this loop: every failure while handling one is answered and counted. Should the loop
+        die anyway (a bug), ``crashed`` says why and ``on_death`` tells the service, whose health then fails."""
+        try:
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            while not self._stop.is_set():
+                events = dict(poller.poll(poll_ms))
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                if self._sock in events:
+                    while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self._handle(self._sock.recv_multipart(copy=False), handler)
+                if tick is not None:
+                    try:
+                        tick()
+                    except Exception:  # noqa: BLE001 — a failing tick is logged; the channel keeps serving
+                        log.exception("%s: tick failed", self.name)
+        except BaseException as exc:
+            if not self._stop.is_set():
+                self.crashed = f"{exc.__class__.__name__}: {exc}"
+                log.critical("%s: data-plane loop died: %s", self.name, self.crashed, exc_info=True)
+                if self.on_death is not None:
+                    self.on_death(self.crashed)
+            raise
+        finally:
+            self._close()
+
+    def health(self) -> str | None:
+        """None while the receiving loop serves, else why it does not (a ServiceRuntime.watch probe)."""
+        return None if self.alive else f"the {self.name} data-plane loop died: {self.crashed or 'its thread ended'}"
+
+    @property
+    def alive(self) -> bool:
+        """The receiving loop runs (or was never started): what the service's health check reports."""
+        return self.crashed is None and (self._thread is None or self._thread.is_alive() or self._stop.is_set())
 
     def _handle(self, frames: list[zmq.Frame], handler: Handler) -> None:
+        if not frames:  # (a ROUTER always prepends the sender's identity)
+            return
         identity = frames[0].bytes
         try:
             kind, batch = decode(frames[1:], self.max_bytes)
@@ -148,8 +191,12 @@ class DataServer:
         except (ValueError, KeyError, FrameError) as exc:
             self._reject(identity, batch.seq, f"{self.name}: '{kind}' refused: {exc}")
         except Exception as exc:  # noqa: BLE001 — the peer must hear about any failure, and we keep serving
+            self.failed += 1
             log.exception("%s: handler for '%s' failed", self.name, kind)
-            reply.error(f"{self.name}: '{kind}' failed inside the service: {exc.__class__.__name__}: {exc}")
+            try:
+                reply.error(f"{self.name}: '{kind}' failed inside the service: {exc.__class__.__name__}: {exc}")
+            except Exception:  # noqa: BLE001 — the answer itself could not be sent: logged, loop goes on
+                log.exception("%s: could not answer a failed '%s'", self.name, kind)
 
     def start(self, handler: Handler, tick: Callable[[], None] | None = None) -> threading.Thread:
         self._thread = threading.Thread(target=self.serve, args=(handler, tick), name=f"{self.name}-data",
@@ -180,10 +227,8 @@ class DataClient:
         self._rcvtimeo = -1
 
     def send(self, kind: str, batch: TensorBatch | None = None) -> int:
-        batch = batch or TensorBatch()
         self._seq += 1
-        batch.seq = self._seq
-        frames = encode(kind, batch)
+        frames = encode(kind, batch, seq=self._seq)
         size = message_bytes(frames)
         if size > self.max_bytes:
             raise FrameError(f"'{kind}' message of {size} bytes exceeds data_plane.max_message_bytes="

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import Counter, start_http_server
+from prometheus_client import Counter, Gauge, start_http_server
 
 from services.core.logs import setup_logging
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -32,6 +32,8 @@ GRPC_OPTIONS = [
 ]
 
 RPCS = Counter("rlfabric_rpcs_total", "gRPC calls received", ["service", "method"])
+COMPONENT_UP = Gauge("rlfabric_component_up", "1 while a service's internal component (a data-plane loop, a "
+                     "worker thread) runs; 0 once it died (the health check then reports NOT_SERVING)", ["component"])
 
 
 class _CountRpcs(grpc.aio.ServerInterceptor):
@@ -197,6 +199,8 @@ class ServiceRuntime:
         self._tasks: list[asyncio.Task] = []
         self.port = 0
         self.metrics_port = 0
+        self._probes: dict[str, Callable[[], str | None]] = {}
+        self.failed: dict[str, str] = {}  # component -> why it is dead
 
     @property
     def advertise_host(self) -> str:
@@ -211,6 +215,38 @@ class ServiceRuntime:
     def on_shutdown(self, hook: Callable[[], Awaitable[None] | None]) -> None:
         self._shutdown_hooks.append(hook)
 
+    def watch(self, component: str, probe: Callable[[], str | None]) -> None:
+        """Tie the health check to an internal component: ``probe`` returns None while it works, else why not
+        (a data-plane thread that died). A service whose component died answers NOT_SERVING instead of SERVING
+        with a dead loop behind it, and says why in its log and in ``rlfabric_component_up``."""
+        self._probes[component] = probe
+        COMPONENT_UP.labels(component).set(1)
+
+    def check_components(self) -> None:
+        """Run every probe now (also called every half second); a newly dead component fails the health check."""
+        for component, probe in self._probes.items():
+            if component in self.failed:
+                continue
+            try:
+                why = probe()
+            except Exception as exc:  # noqa: BLE001 — a probe that fails reports its component dead
+                why = f"its health probe failed: {exc.__class__.__name__}: {exc}"
+            if why:
+                self.failed[component] = why
+                COMPONENT_UP.labels(component).set(0)
+                log.critical("component died; health is now NOT_SERVING",
+                             extra={"component": component, "reason": why})
+                asyncio.get_running_loop().create_task(
+                    self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    async def _watch_components(self) -> None:
+        while not self.stopping.is_set():
+            self.check_components()
+            try:
+                await asyncio.wait_for(self.stopping.wait(), 0.5)
+            except TimeoutError:
+                pass
+
     async def start(self) -> None:
         self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         if not self.port:
@@ -219,6 +255,7 @@ class ServiceRuntime:
         metrics_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host)
         self.metrics_port = metrics_server.server_port
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.create_task(self._watch_components()))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)

@@ -32,15 +32,18 @@ import torch
 
 from services.core.batch import TensorBatch
 from services.core.codec import DTYPES, FrameError, decode, encode, pack_frames, unpack_frames
-from services.core.dataplane import DataClient, DataServer, RemoteError, Reply
+from services.core.dataplane import DataClient, DataServer, RemoteError, Reply, meta_float, meta_int
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_KEY = "weights/latest"
 TRANSPORTS = ("zmq", "gloo", "nccl")
 ALIGN = 64  # every tensor starts 64-byte aligned in an arena: dtype views and bucket cuts stay legal
-KEEP_VERSIONS = 3  # snapshots a publisher holds: in-flight fetches finish, lagging subscribers get deltas
+KEEP_VERSIONS = 3  # snapshots a publisher holds at most (fewer when weight_sync.snapshot_bytes says so): in-flight
+#                   fetches finish, lagging subscribers get deltas
 KEEP_DELTAS = 8
+VERSION_MAX = 1 << 62
+MAX_PARKED = 1024  # weight requests waiting for a version at once (one per rollout worker, normally)
 REPLY_SLACK = 4096  # room for a bucket reply's header within data_plane.max_message_bytes
 ZMQ_WINDOW = 4  # bucket requests in flight per fetch
 FETCH_RESTARTS = 5
@@ -57,13 +60,14 @@ class WeightSyncOptions:
     bucket_bytes: int = 32 << 20
     delta: bool = False
     delta_max_fraction: float = 0.25
+    snapshot_bytes: int = 1 << 30
 
 
 def _options(sync: Any) -> WeightSyncOptions:
     if sync is None:
         return WeightSyncOptions()
     opts = WeightSyncOptions(str(sync.transport), int(sync.bucket_bytes), bool(sync.delta),
-                             float(sync.delta_max_fraction))
+                             float(sync.delta_max_fraction), int(getattr(sync, "snapshot_bytes", 1 << 30)))
     if opts.transport not in TRANSPORTS:
         raise ValueError(f"weight_sync.transport={opts.transport!r}; expected one of {TRANSPORTS}")
     if opts.bucket_bytes < ALIGN:
@@ -263,11 +267,17 @@ class WeightPublisher:
         self._deltas: OrderedDict[tuple[int, int], _Payload | None] = OrderedDict()
         self._parked: list[_Parked] = []
         self._pairs = None  # weight_transport.PairHost, opened on the first torch.distributed subscriber
+        self._warned_size = False
         self.server.start(self._handle, self._tick)
 
     @property
     def version(self) -> int:
         return self._version
+
+    def snapshot_bytes(self) -> int:
+        """Host (or device) bytes held in published versions and the deltas cached between them."""
+        return (sum(int(snap.arena.numel()) for snap in self._snapshots.values())
+                + sum(int(d.arena.numel()) for d in self._deltas.values() if d is not None))
 
     def publish(self, version: int, state: dict[str, Any]) -> None:
         """Snapshot a state dict as ``version`` (copied, so training can keep mutating the live one)."""
@@ -297,11 +307,17 @@ class WeightPublisher:
                 self._deltas.clear()
                 self._lineage = lineage
             self._snapshots[version] = snapshot
-            while len(self._snapshots) > KEEP_VERSIONS:
+            while len(self._snapshots) > KEEP_VERSIONS or (
+                    len(self._snapshots) > 1 and self.snapshot_bytes() > self.sync.snapshot_bytes):
                 dropped, _ = self._snapshots.popitem(last=False)
                 for key in [k for k in self._deltas if dropped in k]:
                     del self._deltas[key]
             self._version = version
+            if self.snapshot_bytes() > self.sync.snapshot_bytes and not self._warned_size:
+                self._warned_size = True
+                log.warning("weights: one version is %d bytes, over weight_sync.snapshot_bytes=%d; holding it "
+                            "anyway (the newest version is always held)", self.snapshot_bytes(),
+                            self.sync.snapshot_bytes)
         self.server.wake()
 
     def _payload(self, version: int, base: int, lineage: str, exact: bool) -> _Payload | None:
@@ -322,7 +338,8 @@ class WeightPublisher:
             cached = _delta(old, snap, self.sync.delta_max_fraction)
             with self._lock:
                 self._deltas[(base, version)] = cached
-                while len(self._deltas) > KEEP_DELTAS:
+                while len(self._deltas) > KEEP_DELTAS or (
+                        len(self._deltas) > 1 and self.snapshot_bytes() > self.sync.snapshot_bytes):
                     self._deltas.popitem(last=False)
         if cached is None:
             return None if exact else snap.full
@@ -334,9 +351,11 @@ class WeightPublisher:
     def _answer(self, meta: dict, reply: Reply) -> bool:
         with self._lock:
             version, lineage = self._version, self._lineage
-        if version <= int(meta.get("have", -1)) or version < int(meta.get("min_version", 0)):
+        have, wanted = meta_int(meta, "have", -1, -1, VERSION_MAX), meta_int(meta, "min_version", 0, -VERSION_MAX,
+                                                                                 VERSION_MAX)
+        if version <= have or version < wanted:
             return False
-        base = int(meta.get("base", -1)) if meta.get("lineage") == lineage else -1
+        base = meta_int(meta, "base", -1, -1, VERSION_MAX) if meta.get("lineage") == lineage else -1
         payload = self._payload(version, base, lineage, exact=False)
         if payload is None:  # reset between the two reads: answer on the next tick
             return False
@@ -357,20 +376,24 @@ class WeightPublisher:
         if kind == "get":
             if self._answer(meta, reply):
                 return
-            wait_s = float(meta.get("wait_s", 0.0))
+            wait_s = meta_float(meta, "wait_s", 0.0, 0.0, 3600.0)
             if wait_s <= 0:
                 reply.send("current", TensorBatch(version=self._version))
+            elif len(self._parked) >= MAX_PARKED:
+                raise ValueError(f"{MAX_PARKED} weight requests are already waiting here; ask again later")
             else:
                 self._parked.append(_Parked(time.monotonic() + wait_s, meta, reply))
         elif kind == "bucket":
-            self._bucket(int(meta["version"]), int(meta["base"]), str(meta["lineage"]), int(meta["index"]), reply)
+            self._bucket(meta_int(meta, "version", -1, 0, 1 << 62), meta_int(meta, "base", -1, -1, 1 << 62),
+                         str(meta.get("lineage", "")), meta_int(meta, "index", -1, 0, 1 << 31), reply)
         elif kind == "send":
-            self._send(int(meta["pair"]), int(meta["version"]), int(meta["base"]), str(meta["lineage"]), reply)
+            self._send(meta_int(meta, "pair", -1, 0, 1 << 31), meta_int(meta, "version", -1, 0, 1 << 62),
+                       meta_int(meta, "base", -1, -1, 1 << 62), str(meta.get("lineage", "")), reply)
         elif kind == "join":
             self._join(meta, reply)
         elif kind == "leave":
             if self._pairs is not None:
-                self._pairs.leave(int(meta["pair"]))
+                self._pairs.leave(meta_int(meta, "pair", -1, 0, 1 << 31))
             reply.send("left")
         else:
             raise ValueError(f"unknown request kind {kind!r}; expected get, bucket, join, send or leave")
@@ -404,7 +427,7 @@ class WeightPublisher:
             self._pairs = PairHost("nccl" if self.sync.transport == "nccl" else "gloo")
         if backend != self._pairs.backend:
             raise ValueError(f"this publisher serves {self._pairs.backend}, not {backend}")
-        pair = self._pairs.join(str(meta.get("ip", "127.0.0.1")), float(meta.get("timeout_s", 30.0)))
+        pair = self._pairs.join(str(meta.get("ip", "127.0.0.1"))[:64], meta_float(meta, "timeout_s", 30.0, 0.1, 3600.0))
         reply.send("joined", TensorBatch(meta={"pair": pair, "port": self._pairs.port}))
 
     def _send(self, pair: int, version: int, base: int, lineage: str, reply: Reply) -> None:

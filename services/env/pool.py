@@ -11,18 +11,29 @@ from typing import Any
 
 import numpy as np
 
-from services.env.adapters.gymnasium import describe_space, final_observations, make_vector_env
+from services.core.dataplane import meta_int
+from services.env.adapters import adapter
+from services.env.adapters.gymnasium import describe_space, final_observations
+
+MAX_SHARDS = 1024  # (scheduling.rollout_workers' bound): pools are named by worker index, so they are bounded too
+
+
+def concat_obs(parts: list[Any]) -> Any:
+    """Observations of several chunks as one batch (per key for Dict observations)."""
+    if isinstance(parts[0], dict):
+        return {k: concat_obs([p[k] for p in parts]) for k in parts[0]}
+    return np.concatenate(parts)
 
 
 class EnvPool:
-    def __init__(self, env_id: str, num_envs: int, chunks: int = 1, vectorization: str = "sync",
-                 kwargs: dict[str, Any] | None = None):
+    def __init__(self, env_cfg: Any, num_envs: int, chunks: int = 1, vectorization: str = "sync"):
         if num_envs % chunks:
             raise ValueError(f"num_envs={num_envs} is not divisible into {chunks} chunks")
-        self.env_id = env_id
+        self.env_id = env_cfg.id
         self.num_envs = num_envs
         self.chunk_size = num_envs // chunks
-        self.envs = [make_vector_env(env_id, self.chunk_size, vectorization, kwargs) for _ in range(chunks)]
+        make = adapter(env_cfg.adapter).make_vector_env
+        self.envs = [make(env_cfg, self.chunk_size, vectorization) for _ in range(chunks)]
         self.single_observation_space = self.envs[0].single_observation_space
         self.single_action_space = self.envs[0].single_action_space
         self.obs_spec = describe_space(self.single_observation_space)
@@ -38,7 +49,7 @@ class EnvPool:
     def num_chunks(self) -> int:
         return len(self.envs)
 
-    def reset(self, seed: int) -> list[np.ndarray]:
+    def reset(self, seed: int) -> list[Any]:
         out = []
         for c, env in enumerate(self.envs):
             obs, _ = env.reset(seed=seed + c * self.chunk_size)
@@ -84,7 +95,8 @@ class EnvPool:
         ret[done] = 0.0
         length[done] = 0
         self.env_steps += self.chunk_size
-        out = {"obs": obs, "reward": reward.astype(np.float32), "terminated": terminated, "truncated": truncated}
+        out = {"obs": obs, "reward": np.asarray(reward, dtype=np.float32), "terminated": terminated,
+               "truncated": truncated}
         if done.any():  # most steps end no episode: keep those messages small
             out["final_obs"] = final_observations(obs, info, done)
             out["episode_return"] = ep_return.astype(np.float32)
@@ -105,13 +117,13 @@ class EnvPools:
     def __init__(self, config, build_train: bool = True) -> None:
         self.config = config
         env = config.env
-        self.pools: dict[str, EnvPool] = {"eval": EnvPool(env.id, env.eval_envs, 1, "sync", env.kwargs)}
+        self.pools: dict[str, EnvPool] = {"eval": EnvPool(env, env.eval_envs, 1, "sync")}
         if build_train:
             self.pools["train"] = self._train_pool(env.num_envs)
 
     def _train_pool(self, num_envs: int, chunks: int | None = None) -> EnvPool:
         env = self.config.env
-        return EnvPool(env.id, num_envs, chunks or self.config.scheduling.chunks(), env.vectorization, env.kwargs)
+        return EnvPool(env, num_envs, chunks or self.config.scheduling.chunks(), env.vectorization)
 
     def __getitem__(self, name: str) -> EnvPool:
         return self.pools[name]
@@ -128,11 +140,9 @@ class EnvPools:
     def _shard(self, name: str, meta: dict) -> EnvPool | None:
         """A training shard sized by the reset that names it (``num_envs``, ``chunks``; default the whole env
         batch); rebuilt if they changed."""
-        n = int(meta.get("num_envs", self.config.env.num_envs))
-        chunks = int(meta.get("chunks", self.config.scheduling.chunks()))
         limit = self.config.env.num_envs
-        if not 1 <= n <= limit:
-            raise ValueError(f"reset of pool {name!r} asks for {n} envs; a shard holds 1..env.num_envs={limit}")
+        n = meta_int(meta, "num_envs", limit, 1, limit)
+        chunks = meta_int(meta, "chunks", self.config.scheduling.chunks(), 1, n)
         pool = self.pools.get(name)
         if pool is None or pool.num_envs != n or pool.num_chunks != chunks:
             if pool is not None:
@@ -145,7 +155,11 @@ class EnvPools:
         echo tensors -> the same tensors"""
         if kind == "echo":  # the scheduler's IPC probe: the same bytes back, no simulation
             return "echo", dict(tensors)
-        pool_name = str(meta.get("pool", "train"))
+        pool_name = meta.get("pool", "train")
+        if not isinstance(pool_name, str) or not (pool_name in ("eval", "train") or (
+                pool_name.startswith("train/") and pool_name[6:].isdigit() and int(pool_name[6:]) < MAX_SHARDS)):
+            raise ValueError(f"meta.pool must be 'eval', 'train' or 'train/<worker index < {MAX_SHARDS}>', got "
+                             f"{str(pool_name)[:64]!r}")
         if kind == "reset" and pool_name.split("/")[0] == "train":
             pool = self._shard(pool_name, meta)
         else:
@@ -153,11 +167,13 @@ class EnvPools:
         if pool is None:
             raise ValueError(f"no env pool {pool_name!r}: reset it first (pools: {sorted(self.pools)})")
         if kind == "reset":
-            return "obs", {"obs": np.concatenate(pool.reset(int(meta.get("seed", 0))))}
+            return "obs", {"obs": concat_obs(pool.reset(meta_int(meta, "seed", 0, 0, 2**62)))}
         if kind == "step":
             if "actions" not in tensors:
                 raise ValueError("step needs an 'actions' tensor")
-            return "stepped", pool.step(int(meta.get("chunk", 0)), np.asarray(tensors["actions"]))
+            if not isinstance(tensors["actions"], np.ndarray):
+                raise ValueError("step needs a dense 'actions' tensor")
+            return "stepped", pool.step(meta_int(meta, "chunk", 0, 0, 1 << 16), tensors["actions"])
         raise ValueError(f"unknown request kind {kind!r}; expected 'reset', 'step' or 'echo'")
 
     def close(self) -> None:

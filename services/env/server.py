@@ -21,7 +21,7 @@ from services.core.dataplane import DataServer, Reply
 from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
-from services.env.adapters.gymnasium import UnknownEnvError
+from services.env.adapters.gymnasium import UnknownEnvError, bounds
 from services.env.pool import EnvPools
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,10 @@ REJECTED = Counter("rlfabric_env_rejected_messages_total", "data-plane messages 
 
 
 def _space(spec: dict) -> env_pb2.Space:
-    return env_pb2.Space(kind=spec["kind"], shape=spec["shape"], dtype=spec["dtype"], low=spec.get("low", []),
-                         high=spec.get("high", []), n=spec.get("n", 0))
+    box = spec["kind"] == "box"
+    return env_pb2.Space(kind=spec["kind"], shape=spec["shape"], dtype=spec["dtype"],
+                         low=bounds(spec, "low") if box else [], high=bounds(spec, "high") if box else [],
+                         n=spec.get("n", 0), spaces={k: _space(v) for k, v in spec.get("spaces", {}).items()})
 
 
 class EnvService(env_pb2_grpc.EnvServicer):
@@ -44,6 +46,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
                                on_reject=lambda _r: REJECTED.inc(), advertise_host=runtime.advertise_host)
         runtime.data_endpoint = self.data.endpoint
         self.data.start(self.handle)
+        runtime.watch("env-data-plane", self.data.health)
         runtime.on_shutdown(self.close)
 
     # -- data plane (runs in the data thread) --------------------------------------------------------------
@@ -53,7 +56,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
                 raise ValueError("no env pools: call Configure first")
             out_kind, tensors = self.pools.handle(kind, batch.meta, batch.tensors)
         if out_kind == "stepped":
-            ENV_STEPS.labels(batch.meta.get("pool", "train")).inc(len(tensors["reward"]))
+            ENV_STEPS.labels("eval" if batch.meta.get("pool") == "eval" else "train").inc(len(tensors["reward"]))
         reply.send(out_kind, TensorBatch(tensors))
 
     # -- control plane -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from torch.optim.adam import adam
 
 
 class Adam:
-    """One parameter group, fused kernel, no AMSGrad/weight decay: all the PPO learner uses."""
+    """One parameter group, fused kernel, no AMSGrad/weight decay: all the on-policy learner uses."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.params: list[torch.Tensor] = list(params)

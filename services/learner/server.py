@@ -4,6 +4,7 @@ socket) so the control plane stays responsive while gradients are computed."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -15,25 +16,28 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
-from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataClient, PeerTimeout, RemoteError
+from services.core.devices import resolve_device
+from services.core.models import build_policy
 from services.core.objectstore import ObjectStore, open_store
 from services.core.offload import ModelOffload, state_tensors
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
-from services.learner import algorithms
 from services.learner import checkpoint as ckpt
+from services.learner.feeds import feed_for
 
 log = logging.getLogger(__name__)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
-def build_policy(config: RunConfig, env_spec: dict) -> torch.nn.Module:
-    from services.core.actor import build_policy as policy_for
 
-    return policy_for(config, env_spec)
+def _frozen(module: torch.nn.Module) -> torch.nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
@@ -49,29 +53,54 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.publisher: WeightPublisher | None = None
         self.publisher_sync = None
         self.replay: DataClient | None = None
+        self.feed = None
         self.store: ObjectStore | None = None
         self.version = -1
         self.env_spec: dict = {}
+        self.device = torch.device("cpu")
         self.offload: ModelOffload | None = None
         runtime.on_shutdown(self.close)
+        runtime.watch("weights-data-plane", lambda: self.publisher.server.health() if self.publisher else None)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _roles(self, config: RunConfig, env_spec: dict) -> dict[str, torch.nn.Module]:
+        """The frozen policies the algorithm's roles ask for: a reference (the initial policy) and an expert (loaded
+        from the config's expert_checkpoint)."""
+        roles: dict[str, torch.nn.Module] = {}
+        spec = config.spec
+        if spec.roles.reference:
+            roles["reference"] = _frozen(copy.deepcopy(self.policy))
+        if spec.roles.expert:
+            path = getattr(config.algorithm, "expert_checkpoint", "")
+            if not path:
+                raise ValueError(f"algorithm {spec.name!r} needs an expert: set algorithm.expert_checkpoint to a "
+                                 f"checkpoint file of a run with the same env")
+            state = ckpt.unpack(open(path, "rb").read(), path)
+            expert = build_policy(spec.policy, json.loads(state["env_spec_json"]), RunConfig.from_json(
+                state["config_json"]).policy).to(self.device)
+            expert.load_state_dict(state["policy"])
+            roles["expert"] = _frozen(expert)
+        return roles
 
     def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str,
                    resume: bool, run_id: str) -> dict:
         if self.offload is not None:
             self.offload.close()
             self.offload = None
+        self.device = resolve_device(config.runtime.device)
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
-        self.policy = build_policy(config, env_spec)
-        self.generator = torch.Generator().manual_seed(config.seed + 7)
-        self.algo = algorithms.build(config.algorithm.name, self.policy, config, self.generator)
+        spec = config.spec
+        self.policy = build_policy(spec.policy, env_spec, config.policy).to(self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 7)
+        self.algo = spec(self.policy, config, self.generator, env_spec=env_spec, **self._roles(config, env_spec))
         if self.replay is not None:
             self.replay.close()
         self.replay = DataClient(replay_endpoint, max_bytes=config.data_plane.max_message_bytes,
                                  timeout_s=config.data_plane.timeout_s, peer="replay")
+        self.feed = feed_for(spec.data(config.algorithm), self.replay, config.collects, config.env.num_envs)
         if self.publisher is not None and self.publisher_sync != config.weight_sync:
             self.publisher.close()  # a run with other weight-sync options (transport, buckets, deltas)
             self.publisher = None
@@ -81,7 +110,6 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.publisher_sync = config.weight_sync
         self.store = open_store(config.storage, run_dir, run_id)
         self.config, self.env_spec = config, env_spec
-        self.held: dict[int, list[TensorBatch]] = {}  # shards of later updates, taken early (see _take_batch)
         detail: dict = {}
         self.version = 0
         if resume:
@@ -91,12 +119,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.publisher.reset(self.version, self.policy.state_dict())
         save_weights(self.store, self.version, self.policy.state_dict())  # cold starts read it from here
         VERSION.set(self.version)
-        target = config.scheduling.offload_target(config.runtime.device)
+        target = config.scheduling.offload_target(self.device.type)
         if target is not None:  # learner and rollout take turns: the idle learner's state leaves the device
             self.offload = ModelOffload(lambda: state_tensors(self.policy, self.algo), target, name="learner")
             self.offload.offload()
         return {"weight_version": self.version, "weights_endpoint": self.publisher.endpoint,
-                "env_steps": self.algo.env_steps, "optimizer_steps": self.algo.optimizer_steps, **detail}
+                "env_steps": self.algo.env_steps, "optimizer_steps": self.algo.optimizer_steps,
+                "device": str(self.device), **detail}
 
     def _restore(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
@@ -133,69 +162,21 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                                       "resumed_from": detail.get("resumed_from", "")})
         return common_pb2.ConfigureReply(data_endpoint=detail["weights_endpoint"], detail_json=json.dumps(detail))
 
-    def _take_batch(self, batch_index: int, min_version: int, timeout_s: float) -> TensorBatch:
-        """Update ``batch_index``'s batch: the shards of that index (one per rollout worker, each [T, n_w, ...],
-        every one at least ``min_version``), joined along the env axis once they hold env.num_envs envs.
-        Shards arrive FIFO from replay; one of a later index (a worker running ahead within the staleness bound)
-        is held for its own update; one of an earlier index (left over from before a re-plan) is dropped."""
-        deadline = time.monotonic() + timeout_s
-        shards = self.held.pop(batch_index, [])
-        envs = sum(int(b.tensors["rewards"].shape[1]) for b in shards)
-        while envs < self.config.env.num_envs:
-            wait = max(0.0, deadline - time.monotonic())
-            kind, shard = self.replay.request("get", TensorBatch(meta={"min_version": min_version, "wait_s": wait}),
-                                              timeout_s=wait + 5)
-            if kind != "batch":
-                raise PeerTimeout(f"no trajectory batch with version >= {min_version} arrived in replay within "
-                                  f"{timeout_s:.1f}s (have {envs} of {self.config.env.num_envs} envs of batch "
-                                  f"{batch_index}); is the rollout service producing?")
-            index = int(shard.meta.get("batch_index", batch_index))
-            if index > batch_index:
-                self.held.setdefault(index, []).append(shard)
-                continue
-            if index < batch_index:
-                log.warning("dropped a shard of batch %d arriving at update %d", index, batch_index)
-                continue
-            shards.append(shard)
-            envs += int(shard.tensors["rewards"].shape[1])
-        if len(shards) == 1:
-            return shards[0]
-        shards.sort(key=lambda b: int(b.meta.get("env_offset", 0)))
-        tensors = {k: np.concatenate([b.tensors[k] for b in shards], axis=0 if shards[0].tensors[k].ndim == 1 else 1)
-                   for k in shards[0].tensors}
-        meta = {"env_steps": sum(int(b.meta.get("env_steps", 0)) for b in shards), "shards": len(shards),
-                "batch_index": batch_index}
-        return TensorBatch(tensors, meta=meta, version=min(b.version for b in shards))
-
-    def _sample_minibatches(self, timeout_s: float) -> TensorBatch | None:
-        """Off-policy: the gradient steps this epoch owes, as [U, B] minibatches sampled uniformly from the replay
-        window in one request (None before learning_starts)."""
-        updates = self.algo.updates_for(self.config.batch_env_steps())
-        if updates == 0:
-            return None
-        B = self.config.algorithm.sac.batch_size
-        kind, batch = self.replay.request("sample", TensorBatch(meta={"n": updates * B}), timeout_s=timeout_s + 5)
-        if kind != "batch":
-            raise PeerTimeout(f"replay answered {kind!r} to a sample of {updates * B} transitions")
-        tensors = {k: v.reshape(updates, B, *v.shape[1:]) for k, v in batch.tensors.items()
-                   if k in ("obs", "actions", "rewards", "next_obs", "terminated")}
-        return TensorBatch(tensors, meta={"updates": updates}, version=batch.version)
-
     def _train(self, batch_index: int, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
         t0 = time.perf_counter()
-        # the epoch's shards: on-policy they are the update's batch; off-policy taking them only confirms the
-        # epoch's data is stored (and leaves the FIFO empty), then the update samples the whole window
-        batch = self._take_batch(batch_index, min_version, timeout_s)
+        # what the algorithm's data access gives for this iteration: the on-policy batch, or the minibatches it
+        # owes sampled from the window (None before it owes any)
+        fed = self.feed.next(self.algo, batch_index, min_version, timeout_s)
+        batch = fed.batch
         waited = time.perf_counter() - t0
         if self.offload is not None:
             self.offload.onload()
         u0 = time.perf_counter()
-        if getattr(self.algo, "off_policy", False):
-            sampled = self._sample_minibatches(timeout_s)
-            stats = self.algo.update(sampled.to_torch()) if sampled is not None else {}
-            stats["updates"] = sampled.meta["updates"] if sampled is not None else 0
-        else:
-            stats = self.algo.update(batch.to_torch())
+        stats = {}
+        if batch is not None:
+            stats = self.algo.update(batch.to_torch(self.device, pin=self.device.type == "cuda"))
+            if "update" in batch.dims:
+                stats["updates"] = batch.sizes()["update"]
         stats["update_seconds"] = time.perf_counter() - u0
         self.version += 1
         p0 = time.perf_counter()
@@ -208,9 +189,10 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         UPDATES.inc()
         VERSION.set(self.version)
         return learner_pb2.TrainReply(
-            weight_version=self.version, batch_version=batch.version, env_steps=self.algo.env_steps,
-            optimizer_steps=self.algo.optimizer_steps, stats={k: float(v) for k, v in stats.items()},
-            train_seconds=time.perf_counter() - t0 - waited, wait_seconds=waited)
+            weight_version=self.version, batch_version=fed.version if fed.version >= 0 else self.version - 1,
+            env_steps=self.algo.env_steps, optimizer_steps=self.algo.optimizer_steps,
+            stats={k: float(v) for k, v in stats.items()}, train_seconds=time.perf_counter() - t0 - waited,
+            wait_seconds=waited)
 
     async def Train(self, request, context):
         if self.algo is None:

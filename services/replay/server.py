@@ -1,12 +1,15 @@
 """The replay service's faces: gRPC control (Configure, GetStats, Clear) and the data plane.
 
-Data-plane requests:
-  put  batch(version)                 -> ack {puts, transitions}     (acknowledged only once stored)
-  get  {min_version, wait_s}          -> batch | empty                (on-policy FIFO, long-poll)
-  sample {n, seed?}                   -> batch of n transitions       (uniform, off-policy)
+Data-plane requests (``source`` defaults to "online", where rollout workers put what they collect):
+  put     batch(version, dims) {source?}                 -> ack {puts, transitions}  (only once stored)
+  get     {min_version, wait_s}                          -> batch | empty            (on-policy FIFO, long-poll)
+  sample  {n, source? | mix: {source: weight}}           -> n rows ("sample",), with a per-row "version" (and
+                                                            "source" index into meta.sources for a mix)
+  sample_windows {n, length, source?}                    -> n windows ("sample", "time") of consecutive steps
 
-The store is the one ``replay.store`` names (memory, or Redis so the data outlives this process); a store that
-cannot do its job (Redis lost beyond the retries) answers with an error naming the config field and the fix.
+Each named source is a store of its own (``replay.store``: memory, or Redis so the data outlives this process);
+``replay.datasets`` sources are loaded from files at Configure. A store that cannot do its job (Redis lost beyond
+the retries) answers with an error naming the config field and the fix.
 """
 
 from __future__ import annotations
@@ -22,20 +25,23 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge
 
+from services.core.algorithm import DEFAULT_SOURCE
 from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
-from services.core.dataplane import DataServer, Reply
+from services.core.dataplane import DataServer, Reply, meta_float, meta_int
 from services.core.objectstore import open_store
 from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
+from services.replay.datasets import DatasetError, chunks, load_dataset
 from services.replay.stores import ReplayStore, open_replay_store
 from services.replay.stores.memory import MemoryStore
 from services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable
 
 log = logging.getLogger(__name__)
 PUTS = Counter("rlfabric_replay_puts_total", "trajectory batches stored")
-TRANSITIONS = Gauge("rlfabric_replay_transitions", "transitions stored")
+TRANSITIONS = Gauge("rlfabric_replay_transitions", "rows stored, by source", ["source"])
 STORE_ERRORS = Counter("rlfabric_replay_store_errors_total", "requests the store could not serve (e.g. Redis lost)")
+MAX_SAMPLE_ROWS = 1 << 24
 
 
 @dataclass
@@ -49,15 +55,28 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
     def __init__(self, runtime: ServiceRuntime, host: str):
         self.runtime = runtime
         self.lock = threading.Lock()
-        self.store: ReplayStore = MemoryStore(RunConfig().replay.capacity_transitions)
+        self.stores: dict[str, ReplayStore] = {DEFAULT_SOURCE: MemoryStore(RunConfig().replay.capacity_transitions)}
         self.rng = np.random.default_rng(0)
         self.waiting: list[_Waiting] = []
         self.data = DataServer(host, max_bytes=RunConfig().data_plane.max_message_bytes, name="replay",
                                advertise_host=runtime.advertise_host)
         runtime.data_endpoint = self.data.endpoint
         self.data.start(self.handle, self.tick)
-        runtime.on_shutdown(lambda: self.store.close())  # hooks run in reverse: the data plane stops first
+        runtime.watch("replay-data-plane", self.data.health)
+        runtime.on_shutdown(self._close_stores)  # hooks run in reverse: the data plane stops first
         runtime.on_shutdown(self.data.stop)
+
+    @property
+    def store(self) -> ReplayStore:
+        """The "online" source: what rollout workers put and the on-policy FIFO."""
+        return self.stores[DEFAULT_SOURCE]
+
+    def _source(self, meta: dict) -> ReplayStore:
+        name = meta.get("source", DEFAULT_SOURCE)
+        if not isinstance(name, str) or name not in self.stores:
+            raise ValueError(f"no replay source {str(name)[:64]!r}; this run has {sorted(self.stores)} "
+                             f"(replay.datasets adds named sources)")
+        return self.stores[name]
 
     def handle(self, kind: str, batch: TensorBatch, reply: Reply) -> None:
         try:
@@ -68,29 +87,56 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             reply.error(f"replay: '{kind}' failed: {str(exc).removeprefix('replay: ')}")
 
     def _handle(self, kind: str, batch: TensorBatch, reply: Reply) -> None:
+        meta = batch.meta
         with self.lock:
             if kind == "put":
-                puts = self.store.put(batch)
+                store = self._source(meta)
+                puts = store.put(batch)
                 PUTS.inc()
-                TRANSITIONS.set(self.store.transitions)
-                reply.send("ack", TensorBatch(meta={"puts": puts, "transitions": self.store.transitions}))
+                TRANSITIONS.labels(meta.get("source", DEFAULT_SOURCE)).set(store.transitions)
+                reply.send("ack", TensorBatch(meta={"puts": puts, "transitions": store.transitions}))
                 self._serve_waiting()
             elif kind == "get":
-                min_version = int(batch.meta.get("min_version", 0))
+                min_version = meta_int(meta, "min_version", 0, -(1 << 62), 1 << 62)
+                wait_s = meta_float(meta, "wait_s", 0.0, 0.0, 3600.0)
                 found = self.store.take_onpolicy(min_version)
                 if found is not None:
-                    reply.send("batch", TensorBatch(found.tensors, meta=found.meta, version=found.version))
-                elif float(batch.meta.get("wait_s", 0)) > 0:
-                    self.waiting.append(_Waiting(time.monotonic() + float(batch.meta["wait_s"]), min_version, reply))
+                    reply.send("batch", found)
+                elif wait_s > 0:
+                    self.waiting.append(_Waiting(time.monotonic() + wait_s, min_version, reply))
                 else:
                     reply.send("empty")
             elif kind == "sample":
-                n = int(batch.meta.get("n", 0))
-                if n <= 0:
-                    raise ValueError("sample needs meta.n > 0 (the number of transitions)")
-                reply.send("batch", self.store.sample(n, self.rng))
+                reply.send("batch", self._sample(meta))
+            elif kind == "sample_windows":
+                n, length = meta_int(meta, "n", 0, 1, MAX_SAMPLE_ROWS), meta_int(meta, "length", 0, 1, 1 << 16)
+                reply.send("batch", self._source(meta).sample_windows(n, length, self.rng))
             else:
-                raise ValueError(f"unknown request kind {kind!r}; expected put, get or sample")
+                raise ValueError(f"unknown request kind {kind!r}; expected put, get, sample or sample_windows")
+
+    def _sample(self, meta: dict) -> TensorBatch:
+        n = meta_int(meta, "n", 0, 1, MAX_SAMPLE_ROWS)
+        mix = meta.get("mix")
+        if mix is None:
+            return self._source(meta).sample(n, self.rng)
+        if not isinstance(mix, dict) or not mix or not all(
+                isinstance(w, int | float) and not isinstance(w, bool) and w >= 0 for w in mix.values()) or sum(
+                mix.values()) <= 0:
+            raise ValueError("meta.mix must map source names to non-negative weights with a positive sum")
+        names = list(mix)
+        for name in names:
+            self._source({"source": name})
+        weights = np.array([mix[k] for k in names], dtype=np.float64)
+        counts = self.rng.multinomial(n, weights / weights.sum())
+        parts = []
+        for index, (name, k) in enumerate(zip(names, counts, strict=True)):
+            if k:
+                part = self.stores[name].sample(int(k), self.rng)
+                part.tensors["source"] = np.full(int(k), index, dtype=np.int64)
+                parts.append(part)
+        out = TensorBatch.cat(parts, "sample")
+        out.meta = {"sources": names}
+        return out
 
     def _serve_waiting(self) -> None:
         """Hand new batches to parked gets. Runs after a put was acknowledged, so a store failure here goes to
@@ -105,7 +151,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                     failed.reply.error(f"replay: 'get' failed: {str(exc).removeprefix('replay: ')}")
                 break
             if found is not None:
-                w.reply.send("batch", TensorBatch(found.tensors, meta=found.meta, version=found.version))
+                w.reply.send("batch", found)
             else:
                 keep.append(w)
         self.waiting = keep
@@ -126,7 +172,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             batches=len(s), transitions=s.transitions, capacity=s.capacity, bytes=s.bytes, puts=s.puts,
             onpolicy_gets=s.onpolicy_gets, samples=s.samples, evicted_batches=s.evicted,
             stale_dropped=s.stale_dropped, rejected_messages=self.data.rejected, pending_onpolicy=s.pending,
-            newest_version=s.newest_version)
+            newest_version=s.newest_version,
+            source_transitions={name: store.transitions for name, store in self.stores.items()})
 
     async def Configure(self, request, context):
         try:
@@ -139,60 +186,89 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         except json.JSONDecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context_json is not valid JSON ({exc}). Fix: send "
                                                                   f'{{"run_dir": ..., "env_spec": ...}}')
-        try:  # may wait up to replay.connect_timeout_s: keep the event loop (health, heartbeats) serving
-            store = await asyncio.to_thread(self._open_store, config, request.run_id, run_dir)
+        try:  # may wait up to replay.connect_timeout_s, and read data sets: keep the event loop (health) serving
+            stores, loaded = await asyncio.to_thread(self._open_stores, config, request.run_id, run_dir)
         except ReplayStoreError as exc:
             code = (grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input else grpc.StatusCode.UNAVAILABLE
                     if isinstance(exc, ReplayStoreUnavailable) else grpc.StatusCode.FAILED_PRECONDITION)
             await context.abort(code, str(exc))
-        except ConfigError as exc:  # the object store's storage.* settings (ObjectStoreError)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"replay: cannot open the object store: {exc}")
+        except (ConfigError, DatasetError) as exc:  # storage.* settings (ObjectStoreError), replay.datasets files
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"replay: {exc}")
         except (ValueError, OSError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay: cannot open replay.store="
                                                                      f"{config.replay.store!r}: {exc}")
-        old = await asyncio.to_thread(self._swap, store, config)
-        if old is not store:
-            await asyncio.to_thread(old.close)
+        old = await asyncio.to_thread(self._swap, stores, config)
+        for store in old:
+            await asyncio.to_thread(store.close)
         self.runtime.state = f"busy:{request.run_id}"
         log.info("configured", extra={"run_id": request.run_id, "store": config.replay.store,
-                                      "batches": len(store), "pending": store.pending})
-        return common_pb2.ConfigureReply(data_endpoint=self.data.endpoint)
+                                      "sources": {k: len(s) for k, s in stores.items()}, "loaded": loaded})
+        return common_pb2.ConfigureReply(data_endpoint=self.data.endpoint, detail_json=json.dumps({"loaded": loaded}))
 
     @staticmethod
-    def _open_store(config: RunConfig, run_id: str, run_dir: str) -> ReplayStore:
-        """The configured store. Redis reopens what an earlier replay service stored under this run_id; its large
-        tensors go to the run's object store (none without a run_dir or storage.root: they then stay in Redis)."""
+    def _open_stores(config: RunConfig, run_id: str, run_dir: str) -> tuple[dict[str, ReplayStore], dict[str, int]]:
+        """A store per source. Redis reopens what an earlier replay service stored under this run_id; its large
+        tensors go to the run's object store (none without a run_dir or storage.root: they then stay in Redis).
+        A data set source is (re)loaded from its file when its store is empty."""
         objects = None
         if config.replay.store == "redis" and (run_dir or config.storage.root or config.storage.kind != "filesystem"):
             objects = open_store(config.storage, run_dir, run_id=run_id)
-        return open_replay_store(config, run_id, objects)
+        stores: dict[str, ReplayStore] = {}
+        loaded: dict[str, int] = {}
+        try:
+            stores[DEFAULT_SOURCE] = open_replay_store(config, run_id, objects)
+            for name, path in config.replay.datasets.items():
+                data = load_dataset(path, max_rows=config.replay.capacity_transitions)
+                store = stores[name] = open_replay_store(config, run_id, objects, source=name,
+                                                         capacity=max(data.rows, 1))
+                if len(store) == 0:
+                    for part in chunks(data):
+                        store.put(part)
+                    loaded[name] = data.rows
+        except BaseException:
+            for store in stores.values():
+                store.close()
+            raise
+        return stores, loaded
 
-    def _swap(self, store: ReplayStore, config: RunConfig) -> ReplayStore:
+    def _swap(self, stores: dict[str, ReplayStore], config: RunConfig) -> list[ReplayStore]:
         with self.lock:
-            old, self.store = self.store, store
+            old, self.stores = list(self.stores.values()), stores
             self.rng = np.random.default_rng(config.seed)
             self.data.max_bytes = config.data_plane.max_message_bytes
             for w in self.waiting:
                 w.reply.error("replay was reconfigured for a new run; request again")
             self.waiting = []
-            TRANSITIONS.set(store.transitions)
-        return old
+            for name, store in stores.items():
+                TRANSITIONS.labels(name).set(store.transitions)
+        return [s for s in old if all(s is not n for n in stores.values())]
+
+    def _close_stores(self) -> None:
+        for store in self.stores.values():
+            store.close()
 
     def _locked_stats(self) -> replay_pb2.ReplayStats:
         with self.lock:
             return self._stats()
 
-    def _locked_clear(self) -> replay_pb2.ReplayStats:
+    def _locked_clear(self, source: str, pending_only: bool) -> replay_pb2.ReplayStats:
         with self.lock:
-            self.store.clear()
+            for store in ([self._source({"source": source})] if source else list(self.stores.values())):
+                if pending_only:
+                    store.drop_pending()
+                else:
+                    store.clear()
             return self._stats()
 
     async def GetStats(self, request, context):
         return await asyncio.to_thread(self._locked_stats)
 
     async def Clear(self, request, context):
+        """Drop stored data: every source, or one; with pending_only, only the on-policy FIFO (the window stays)."""
         try:
-            return await asyncio.to_thread(self._locked_clear)
+            return await asyncio.to_thread(self._locked_clear, request.source, request.pending_only)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ReplayStoreError as exc:
             STORE_ERRORS.inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE if isinstance(exc, ReplayStoreUnavailable)

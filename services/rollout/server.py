@@ -22,6 +22,8 @@ from services.rollout.worker import CollectResult, RolloutWorker, Stopped
 log = logging.getLogger(__name__)
 BATCHES = Counter("rlfabric_rollout_batches_total", "trajectory batches produced")
 SERVING = Gauge("rlfabric_rollout_weight_version", "weight version this rollout worker serves")
+MAX_EVAL_EPISODES = 10_000
+MAX_PROBE_ROUND_TRIPS = 10_000
 
 
 def _reply(r: CollectResult) -> rollout_pb2.CollectReply:
@@ -38,6 +40,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.worker: RolloutWorker | None = None
         self.producing: threading.Event | None = None
         runtime.on_shutdown(self.close)
+        runtime.watch("rollout-worker", lambda: self.worker.health() if self.worker is not None else None)
 
     async def _call(self, context, fut: Future):
         """Await a worker job, mapping failures to gRPC codes with the worker's own message."""
@@ -140,6 +143,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
     async def Evaluate(self, request, context):
         worker = await self._require(context)
+        if not 0 <= request.episodes <= MAX_EVAL_EPISODES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"episodes must be within [0, {MAX_EVAL_EPISODES}] "
+                                                                  f"(0 = train.eval_episodes), got {request.episodes}")
         episodes = request.episodes or worker.config.train.eval_episodes
         seed = request.seed or worker.config.eval_seed()
         loop = asyncio.get_running_loop()
@@ -155,6 +161,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
     async def Probe(self, request, context):
         worker = await self._require(context)
+        if not 0 <= request.round_trips <= MAX_PROBE_ROUND_TRIPS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"round_trips must be within "
+                                                                  f"[0, {MAX_PROBE_ROUND_TRIPS}], got {request.round_trips}")
         rtt, size, local = await self._call(context, worker.submit(worker.probe, request.round_trips or 64))
         return rollout_pb2.ProbeReply(round_trip_seconds=rtt, payload_bytes=size, in_process=local)
 

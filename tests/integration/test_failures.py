@@ -48,8 +48,8 @@ def test_cli_malformed_yaml_exits_2_with_line(tmp_path):
 
 
 def test_cli_bad_field_and_override_exit_2(tmp_path):
-    proc = _cli("train", "examples/cartpole_ppo.yaml", "--set", "algorithm.ppo.n_epoch=3")
-    assert proc.returncode == 2 and "did you mean 'algorithm.ppo.n_epochs'" in proc.stderr
+    proc = _cli("train", "examples/cartpole_ppo.yaml", "--set", "algorithm.n_epoch=3")
+    assert proc.returncode == 2 and "did you mean 'algorithm.n_epochs'" in proc.stderr
     proc = _cli("eval", str(tmp_path / "missing.pt"))
     assert proc.returncode == 2 and "no such checkpoint" in proc.stderr
 

@@ -79,7 +79,7 @@ def replay_procs(tmp_path):
 
 def _traj(version: int, width: int = 2) -> TensorBatch:
     return TensorBatch({"obs": np.full((8, 4, width), version, np.float32),
-                        "rewards": np.full((8, 4), version, np.float32)}, version=version)
+                        "rewards": np.full((8, 4), version, np.float32)}, version=version, dims=("time", "env"))
 
 
 def test_a_sigkilled_replay_service_comes_back_with_the_same_batches(redis_server, replay_procs, tmp_path):  # noqa: F811

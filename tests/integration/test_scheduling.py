@@ -120,11 +120,11 @@ def test_scale_errors_are_clear(scaling_stack, tmp_path):
 WORKLOADS = {
     # many cheap envs, a tiny policy and one short epoch: stepping and acting are the iteration
     "env-bound": {"env": {"num_envs": 32, "eval_envs": 2}, "policy": {"hidden_sizes": [16]},
-                  "algorithm": {"ppo": {"n_steps": 32, "batch_size": 1024, "n_epochs": 1}},
+                  "algorithm": {"name": "ppo", "n_steps": 32, "batch_size": 1024, "n_epochs": 1},
                   "scheduling": {"mode": "auto", "staleness": 0, "pipeline_chunks": 2}},
     # few envs, a wide policy and many epochs: the update is the iteration, so overlapping it pays
     "learner-bound": {"env": {"num_envs": 4, "eval_envs": 2}, "policy": {"hidden_sizes": [256, 256]},
-                      "algorithm": {"ppo": {"n_steps": 32, "batch_size": 32, "n_epochs": 10}},
+                      "algorithm": {"name": "ppo", "n_steps": 32, "batch_size": 32, "n_epochs": 10},
                       "scheduling": {"mode": "auto", "staleness": 1, "pipeline_chunks": 2}},
 }
 
@@ -132,7 +132,7 @@ WORKLOADS = {
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_static_scheduler_picks_the_fastest_measured_plan(stack, tmp_path, workload):
     spec = WORKLOADS[workload]
-    steps = spec["env"]["num_envs"] * spec["algorithm"]["ppo"]["n_steps"]
+    steps = spec["env"]["num_envs"] * spec["algorithm"]["n_steps"]
     cfg = short_config(**spec, train={"total_env_steps": steps * 24, "eval_every_iterations": 0})
     client = stack.client
     run_id = client.submit(cfg, run_dir=tmp_path / workload).run_id
@@ -157,7 +157,7 @@ def test_dynamic_scheduler_moves_the_env_stage_and_keeps_it_only_if_faster(stack
     service idle, moves the env into the rollout worker at an epoch boundary, measures, and keeps the move."""
     cfg = short_config(scheduling={"mode": "disaggregated", "staleness": 0, "pipeline_chunks": 2, "dynamic": True,
                                    "dynamic_every": 6},
-                       algorithm={"ppo": {"n_steps": 64, "batch_size": 256, "n_epochs": 1}},
+                       algorithm={"name": "ppo", "n_steps": 64, "batch_size": 256, "n_epochs": 1},
                        train={"total_env_steps": 256 * 30, "eval_every_iterations": 0})
     client = stack.client
     run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id

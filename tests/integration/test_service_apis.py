@@ -19,6 +19,7 @@ from services.core.proto.rlfabric.v1 import (
     env_pb2_grpc,
     learner_pb2,
     learner_pb2_grpc,
+    replay_pb2,
     replay_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
@@ -74,8 +75,10 @@ def test_env_api_and_data_plane(stack):
     assert out["obs"].shape == (2, 4) and out["reward"].dtype == np.float32
     with pytest.raises(RemoteError, match=r"shape \(3,\).*expects \(2,\)"):
         client.request("step", TensorBatch({"actions": np.ones(3, np.int64)}, meta={"chunk": 0}))
-    with pytest.raises(RemoteError, match="no env pool 'nope'"):
+    with pytest.raises(RemoteError, match="meta.pool must be 'eval', 'train' or 'train/<worker index"):
         client.request("reset", TensorBatch(meta={"pool": "nope"}))
+    with pytest.raises(RemoteError, match="no env pool 'train/7'"):  # a shard nobody reset yet
+        client.request("step", TensorBatch({"actions": np.ones(2, np.int64)}, meta={"pool": "train/7"}))
     stats = env.GetStats(common_pb2.Empty())
     assert stats.env_steps == 60 and stats.episodes.episodes >= 2 and stats.rejected_messages >= 2
 
@@ -111,7 +114,8 @@ def test_replay_api_and_data_plane(stack):
     reply = replay.Configure(common_pb2.ConfigureRequest(run_id="t-replay", config_json=cfg.to_json()), timeout=10)
     client = DataClient(reply.data_endpoint, max_bytes=1 << 20, timeout_s=5, peer="replay")
     for v in range(3):
-        kind, ack = client.request("put", TensorBatch({"obs": np.full((8, 4, 2), v, np.float32)}, version=v))
+        kind, ack = client.request("put", TensorBatch({"obs": np.full((8, 4, 2), v, np.float32)}, version=v,
+                                                      dims=("time", "env")))
         assert kind == "ack" and ack.meta["puts"] == v + 1
     kind, got = client.request("get", TensorBatch(meta={"min_version": 1}))
     assert kind == "batch" and got.version == 1 and got["obs"][0, 0, 0] == 1
@@ -121,8 +125,16 @@ def test_replay_api_and_data_plane(stack):
     assert (stats.puts, stats.stale_dropped, stats.evicted_batches, stats.pending_onpolicy) == (3, 1, 0, 1)
     assert stats.transitions == 96 and stats.newest_version == 2
     with pytest.raises(RemoteError, match="no policy version"):
-        client.request("put", TensorBatch({"obs": np.zeros((2, 2))}))
-    assert replay.Clear(common_pb2.Empty()).transitions == 0
+        client.request("put", TensorBatch({"obs": np.zeros((2, 2))}, dims=("sample",)))
+    with pytest.raises(RemoteError, match="declares no batch dims"):
+        client.request("put", TensorBatch({"obs": np.zeros((2, 2))}, version=0))
+    with pytest.raises(RemoteError, match="no replay source 'demos'"):
+        client.request("sample", TensorBatch(meta={"n": 4, "source": "demos"}))
+    with pytest.raises(RemoteError, match="meta.n must be an integer"):
+        client.request("sample", TensorBatch(meta={"n": "ten"}))
+    assert replay.Clear(replay_pb2.ClearRequest(pending_only=True)).transitions == 96  # the window stays
+    assert replay.GetStats(common_pb2.Empty()).pending_onpolicy == 0
+    assert replay.Clear(replay_pb2.ClearRequest()).transitions == 0
     kind, _ = client.request("get", TensorBatch(meta={"min_version": 0, "wait_s": 0.2}))
     assert kind == "empty"
 

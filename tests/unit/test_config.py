@@ -4,7 +4,7 @@ from services.core.config import ConfigError, RunConfig, load_config, parse_conf
 
 
 def test_defaults_and_examples_are_valid():
-    assert RunConfig().algorithm.ppo.n_steps == 32
+    assert RunConfig().algorithm.name == "ppo" and RunConfig().algorithm.n_steps == 32
     for name in ("cartpole_ppo.yaml", "pendulum_ppo.yaml"):
         cfg = load_config(f"examples/{name}")
         assert cfg.train.total_env_steps > 0
@@ -25,11 +25,25 @@ def test_unknown_field_suggests_the_closest_name():
 
 def test_bad_values_name_field_value_and_fix():
     with pytest.raises(ConfigError) as info:
-        parse_config("train: {total_env_steps: -5}\nscheduling: {mode: warp}\nalgorithm: {ppo: {gamma: abc}}")
+        parse_config("train: {total_env_steps: -5}\nscheduling: {mode: warp}\nalgorithm: {name: sac, gamma: abc}")
     msg = str(info.value)
     assert "train.total_env_steps" in msg and "(got -5)" in msg and "Fix" in msg
     assert "scheduling.mode" in msg and "'hybrid' or 'auto'" in msg
-    assert "algorithm.ppo.gamma" in msg
+    assert "algorithm.gamma" in msg and "set algorithm.gamma to a valid value" in msg
+
+
+def test_algorithm_section_is_the_named_algorithms_config():
+    """algorithm is a union tagged by name: each algorithm's own fields, errors that name them, a hint for specs
+    written in the old nested layout, and the default algorithm when no name is given."""
+    assert parse_config("algorithm: {name: sac, learning_starts: 5}").algorithm.learning_starts == 5
+    assert parse_config("algorithm: {n_epochs: 3}").algorithm.n_epochs == 3  # no name: the default (ppo)
+    with pytest.raises(ConfigError) as info:
+        parse_config("algorithm: {name: sac, n_epochs: 3}")  # a PPO field on SAC
+    assert "algorithm.n_epochs: unknown field" in str(info.value)
+    with pytest.raises(ConfigError, match="'dqn' is not a registered algorithm. Fix: set algorithm.name to one of"):
+        parse_config("algorithm: {name: dqn}")
+    with pytest.raises(ConfigError, match="algorithm settings now sit directly under algorithm"):
+        parse_config("algorithm: {name: ppo, ppo: {n_steps: 8}}")
 
 
 def test_cross_field_validation():
@@ -40,9 +54,9 @@ def test_cross_field_validation():
 
 
 def test_overrides_parse_yaml_scalars():
-    cfg = parse_config("seed: 1", overrides=["train.total_env_steps=5000", "algorithm.ppo.clip_range_vf=0.3",
+    cfg = parse_config("seed: 1", overrides=["train.total_env_steps=5000", "algorithm.clip_range_vf=0.3",
                                               "env.kwargs={max_episode_steps: 50}", "name=x"])
-    assert cfg.train.total_env_steps == 5000 and cfg.algorithm.ppo.clip_range_vf == 0.3
+    assert cfg.train.total_env_steps == 5000 and cfg.algorithm.clip_range_vf == 0.3
     assert cfg.env.kwargs == {"max_episode_steps": 50} and cfg.name == "x"
     with pytest.raises(ConfigError, match="expected key.path=value"):
         parse_config("", overrides=["seed"])

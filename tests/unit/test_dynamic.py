@@ -4,83 +4,82 @@ window is faster, roll it back otherwise, never oscillate."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 from services.coordinator import dynamic
+from services.coordinator.records import IterationRecord
 from services.core.config import parse_config
 
 
-class FakeWorkflow:
-    """The surface DynamicScheduler uses: rows, the current plan, plan validation, re-plan requests, a run log."""
+class FakeControl:
+    """The PlanControl surface DynamicScheduler uses: the current plan, validation, re-plan requests, a log, the env
+    services' busy seconds (what ``env_time[0]`` says)."""
 
     def __init__(self, sched):
-        self.cfg = SimpleNamespace(scheduling=sched)
         self.sched = sched
-        self.rows: list[dict] = []
-        self.envs = [object()]
+        self.plan_name = sched.mode
+        self.env_workers = 1
+        self.rollout_workers = 1
         self.requested = []
         self.logs: list[str] = []
-        self.run = SimpleNamespace(log=self.logs.append)
+        self.env_time = [0.0]
+        self.records: list[IterationRecord] = []
 
-    def plan_config(self, sched):
+    def validate(self, sched):
         return sched
 
-    async def request_plan(self, sched, why):
-        self.requested.append((sched, why))
+    async def request_plan(self, sched, name):
+        self.requested.append((sched, name.split(" [")[-1].rstrip("]")))
         self.sched = sched  # applied at the boundary
 
+    async def env_step_seconds(self):
+        return self.env_time[0]
 
-def _window(wf, n, it_s, collect, policy, train, env_blocked=0.0):
-    t = wf.rows[-1]["wall_time_s"] if wf.rows else 0.0
-    steps = wf.rows[-1]["env_steps"] if wf.rows else 0
+    def log(self, message):
+        self.logs.append(message)
+
+
+def _window(control, ds, n, it_s, collect, policy, train, env_blocked=0.0):
+    """n more iterations, each shown to the scheduler as the training loop would."""
     for _ in range(n):
-        t += it_s
-        steps += 1000
-        wf.rows.append({"wall_time_s": t, "env_steps": steps, "collect_seconds": collect, "policy_seconds": policy,
-                        "env_seconds": env_blocked, "train_seconds": train})
+        last = control.records[-1] if control.records else None
+        record = IterationRecord(
+            iteration=(last.iteration if last else 0) + 1, plan=control.plan_name,
+            env_steps=(last.env_steps if last else 0) + 1000, wall_time_s=(last.wall_time_s if last else 0.0) + it_s,
+            iteration_seconds=it_s, collect_seconds=collect, policy_seconds=policy, env_seconds=env_blocked,
+            train_seconds=train)
+        control.records.append(record)
+        asyncio.run(ds.observe(record))
 
 
-
-def _scheduler(monkeypatch, mode: str, every: int):
-    """A DynamicScheduler over a fake workflow; the env services' busy seconds are what ``env_time[0]`` says."""
+def _scheduler(mode: str, every: int):
     sched = parse_config(f"scheduling: {{mode: {mode}, dynamic: true, dynamic_every: {every}}}").scheduling
-    wf = FakeWorkflow(sched)
-    ds = dynamic.DynamicScheduler(wf)
-    env_time = [0.0]
+    control = FakeControl(sched)
+    ds = dynamic.DynamicScheduler(control)
+    asyncio.run(ds.begin())
+    return control, ds
 
-    async def env_seconds():
-        return env_time[0]
 
-    monkeypatch.setattr(ds, "_env_seconds", env_seconds)
-    return wf, ds, env_time
-
-def test_env_bound_in_process_rollout_moves_env_out_and_rolls_back_when_slower(monkeypatch):
-    wf, ds, env_time = _scheduler(monkeypatch, "collocated", 5)
+def test_env_bound_in_process_rollout_moves_env_out_and_rolls_back_when_slower():
+    wf, ds = _scheduler("collocated", 5)
     # rollout busy 90% of the iteration, 70% of it simulating, learner 8%: move the env out
-    _window(wf, 5, 0.1, collect=0.09, policy=0.027, train=0.008)
-    asyncio.run(ds.at_boundary(4))
+    _window(wf, ds, 5, 0.1, collect=0.09, policy=0.027, train=0.008)
     assert wf.requested and wf.requested[-1][1] == "rollout -> env"
     assert not wf.sched.env_in_rollout() and wf.sched.chunks() == 2
     # the next window is slower (0.12 s per iteration): roll back, and never propose it again
-    env_time[0] = 0.2
-    _window(wf, 5, 0.12, collect=0.1, policy=0.03, train=0.008, env_blocked=0.05)
-    asyncio.run(ds.at_boundary(9))
+    wf.env_time[0] = 0.2
+    _window(wf, ds, 5, 0.12, collect=0.1, policy=0.03, train=0.008, env_blocked=0.05)
     assert wf.requested[-1][1] == "rollout -> env rolled back" and wf.sched.env_in_rollout()
     assert ds.moves[-1]["kept"] is False and "rolled back" in wf.logs[-1]
-    _window(wf, 5, 0.1, collect=0.09, policy=0.027, train=0.008)
-    asyncio.run(ds.at_boundary(14))
+    _window(wf, ds, 5, 0.1, collect=0.09, policy=0.027, train=0.008)
     assert len(wf.requested) == 2
 
 
-def test_idle_env_service_moves_env_in_and_the_kept_move_is_never_reversed(monkeypatch):
-    wf, ds, env_time = _scheduler(monkeypatch, "disaggregated", 4)
-    env_time[0] = 0.01  # 10 ms of simulation over a 0.3 s window: the env service is 3% busy
-    _window(wf, 4, 0.1, collect=0.08, policy=0.02, train=0.05, env_blocked=0.05)
-    asyncio.run(ds.at_boundary(3))
+def test_idle_env_service_moves_env_in_and_the_kept_move_is_never_reversed():
+    wf, ds = _scheduler("disaggregated", 4)
+    wf.env_time[0] = 0.01  # 10 ms of simulation over a 0.3 s window: the env service is 3% busy
+    _window(wf, ds, 4, 0.1, collect=0.08, policy=0.02, train=0.05, env_blocked=0.05)
     assert wf.requested[-1][1] == "env -> rollout" and wf.sched.env_in_rollout()
-    _window(wf, 4, 0.07, collect=0.06, policy=0.02, train=0.05)  # faster: kept
-    asyncio.run(ds.at_boundary(7))
+    _window(wf, ds, 4, 0.07, collect=0.06, policy=0.02, train=0.05)  # faster: kept
     assert ds.moves[-1]["kept"] is True and len(wf.requested) == 1
-    _window(wf, 4, 0.07, collect=0.066, policy=0.01, train=0.004)  # looks env-bound now, but the reverse was slower
-    asyncio.run(ds.at_boundary(11))
+    _window(wf, ds, 4, 0.07, collect=0.066, policy=0.01, train=0.004)  # looks env-bound now, but the reverse was slower
     assert len(wf.requested) == 1

@@ -1,8 +1,13 @@
 import numpy as np
 import pytest
 
+from services.core.config import EnvConfig
 from services.env.adapters.gymnasium import UnknownEnvError, check_env_id
 from services.env.pool import EnvPool
+
+
+def _env(env_id: str) -> EnvConfig:
+    return EnvConfig(id=env_id)
 
 
 def test_unknown_env_id_suggests_close_match():
@@ -11,7 +16,7 @@ def test_unknown_env_id_suggests_close_match():
 
 
 def test_wrong_action_shape_names_space_and_fix():
-    pool = EnvPool("CartPole-v1", 4, chunks=2)
+    pool = EnvPool(_env("CartPole-v1"), 4, chunks=2)
     pool.reset(0)
     with pytest.raises(ValueError, match=r"shape \(2, 2\).*expects \(2,\).*fix the policy"):
         pool.step(0, np.zeros((2, 2), np.int64))
@@ -21,14 +26,14 @@ def test_wrong_action_shape_names_space_and_fix():
         pool.step(1, np.array([0.5, 1.0]))
     with pytest.raises(ValueError, match="chunk 2 out of range"):
         pool.step(2, np.zeros(2, np.int64))
-    cont = EnvPool("Pendulum-v1", 2)
+    cont = EnvPool(_env("Pendulum-v1"), 2)
     cont.reset(0)
     with pytest.raises(ValueError, match="NaN"):
         cont.step(0, np.full((2, 1), np.nan, np.float32))
 
 
 def test_episode_statistics_and_final_observation():
-    pool = EnvPool("CartPole-v1", 2)
+    pool = EnvPool(_env("CartPole-v1"), 2)
     pool.reset(0)
     finished = []
     for _ in range(200):
@@ -45,6 +50,6 @@ def test_episode_statistics_and_final_observation():
 
 
 def test_seeding_is_reproducible_per_env():
-    a, b = EnvPool("CartPole-v1", 3), EnvPool("CartPole-v1", 3)
+    a, b = EnvPool(_env("CartPole-v1"), 3), EnvPool(_env("CartPole-v1"), 3)
     np.testing.assert_array_equal(a.reset(5)[0], b.reset(5)[0])
     assert not np.array_equal(a.reset(5)[0][0], a.reset(5)[0][1])

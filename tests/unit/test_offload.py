@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.actor import build_policy
 from services.core.config import RunConfig
+from services.core.models import build_policy
 from services.core.offload import ModelOffload, state_tensors
-from services.learner.algorithms import build
 
 SPEC = {"observation_space": {"kind": "box", "shape": [4]}, "action_space": {"kind": "discrete", "n": 2, "shape": []}}
 BOX = {"observation_space": {"kind": "box", "shape": [3]},
@@ -24,11 +23,11 @@ def _batch(seed: int, T: int = 16, N: int = 4) -> dict[str, torch.Tensor]:
 
 
 def _ppo(seed: int = 0):
-    config = RunConfig.model_validate({"seed": seed, "algorithm": {"ppo": {"n_steps": 16, "batch_size": 32,
-                                                                           "n_epochs": 2}}})
+    config = RunConfig.model_validate({"seed": seed, "algorithm": {"name": "ppo", "n_steps": 16, "batch_size": 32,
+                                                                   "n_epochs": 2}})
     torch.manual_seed(seed)
-    policy = build_policy(config, SPEC)
-    return policy, build(config.algorithm.name, policy, config, torch.Generator().manual_seed(seed + 7))
+    policy = build_policy(config.spec.policy, SPEC, config.policy)
+    return policy, config.spec(policy, config, torch.Generator().manual_seed(seed + 7))
 
 
 @pytest.mark.parametrize("target", ["disk", "host"])
@@ -93,9 +92,9 @@ def test_a_truncated_offload_file_is_a_clear_error(tmp_path):
 
 
 def test_state_tensors_finds_every_model_and_optimiser_of_sac():
-    config = RunConfig.model_validate({"algorithm": {"name": "sac", "sac": {"learning_starts": 0}}})
-    actor = build_policy(config, BOX)
-    sac = build(config.algorithm.name, actor, config, torch.Generator().manual_seed(0))
+    config = RunConfig.model_validate({"algorithm": {"name": "sac", "learning_starts": 0}})
+    actor = build_policy(config.spec.policy, BOX, config.policy)
+    sac = config.spec(actor, config, torch.Generator().manual_seed(0), env_spec=BOX)
     owned = {id(t) for t in state_tensors(actor, sac)}
     for module in (actor, sac.q1, sac.q2, sac.q1_target, sac.q2_target):
         assert all(id(p) in owned for p in module.parameters())

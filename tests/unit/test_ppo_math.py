@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from services.core.algorithm import ALGORITHMS, algorithm
 from services.core.config import RunConfig
-from services.core.policy import ActorCritic
-from services.learner.algorithms import ALGORITHMS, build
+from services.core.models import ActorCritic
 from services.learner.algorithms.ppo import PPO, compute_gae, ppo_loss
 
 
@@ -102,10 +102,10 @@ def test_discrete_evaluate_matches_the_categorical_distribution(n):
 
 def test_update_moves_policy_towards_advantageous_actions():
     torch.manual_seed(0)
-    cfg = RunConfig.model_validate({"algorithm": {"ppo": {"n_epochs": 10, "batch_size": 64,
-                                                          "lr_schedule": "constant"}}})
+    cfg = RunConfig.model_validate({"algorithm": {"name": "ppo", "n_epochs": 10, "batch_size": 64,
+                                                  "lr_schedule": "constant"}})
     policy = ActorCritic({"kind": "box", "shape": [4]}, SPACES["discrete"], cfg.policy)
-    algo = build("ppo", policy, cfg, torch.Generator().manual_seed(0))
+    algo = cfg.spec(policy, cfg, torch.Generator().manual_seed(0))
     assert isinstance(algo, PPO) and "ppo" in ALGORITHMS
     T, N = 16, 8
     obs = torch.randn(T, N, 4)
@@ -123,7 +123,7 @@ def test_update_moves_policy_towards_advantageous_actions():
     assert algo.optimizer_steps == 10 * math.ceil(T * N / 64)
     assert algo.env_steps == T * N and stats["learning_rate"] == pytest.approx(1e-3)
     state = algo.state_dict()
-    fresh = build("ppo", policy, cfg)
+    fresh = cfg.spec(policy, cfg)
     fresh.load_state_dict(state)
     assert fresh.optimizer_steps == algo.optimizer_steps
 
@@ -142,4 +142,4 @@ def test_linear_schedules_follow_env_steps():
 
 def test_unknown_algorithm_is_a_clear_error():
     with pytest.raises(ValueError, match="not registered"):
-        build("nope", None, RunConfig())
+        algorithm("nope")

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from services.core.batch import TensorBatch
-from services.core.codec import decode, encode
+from services.core.codec import decode
 from services.core.config import RunConfig
 from services.core.objectstore import FilesystemObjectStore, ObjectStore
 from services.replay.stores import open_replay_store
@@ -24,7 +24,6 @@ from services.replay.stores.redis import (
     RedisStore,
     ReplayStoreError,
     ReplayStoreUnavailable,
-    _batch_frames,
     redact_url,
     unpack_frames,  # re-exported from services.core.codec
 )
@@ -34,7 +33,8 @@ from tests.support_redis import RedisServer, redis_server  # noqa: F401
 def _batch(version, T=4, N=2, fill=None, width=3):
     fill = version if fill is None else fill
     return TensorBatch({"obs": np.full((T, N, width), fill, np.float32), "rewards": np.full((T, N), fill, np.float32),
-                        "last_values": np.zeros(N, np.float32)}, version=version, meta={"chunk": version % 2})
+                        "last_values": np.zeros(N, np.float32)}, version=version, meta={"chunk": version % 2},
+                       dims=("time", "env"), field_dims={"last_values": ("env",)})
 
 
 def _store(url, run_id="t", capacity=1000, **kw) -> RedisStore:
@@ -126,8 +126,8 @@ def test_bad_batches_are_refused_and_nothing_is_written(redis_server):  # noqa: 
     s = _store(redis_server, capacity=100)
     with pytest.raises(ValueError, match="policy version"):
         s.put(_batch(-1))
-    with pytest.raises(ValueError, match="share T and N"):
-        s.put(TensorBatch({"a": np.zeros((4, 2)), "b": np.zeros((3, 2))}, version=0))
+    with pytest.raises(ValueError, match="batch dim 'time' is 3"):
+        s.put(TensorBatch({"a": np.zeros((4, 2)), "b": np.zeros((3, 2))}, version=0, dims=("time", "env")))
     with pytest.raises(ValueError, match="exceeds replay.capacity_transitions=100"):
         s.put(_batch(0, T=60))
     with pytest.raises(ValueError, match="empty"):
@@ -155,54 +155,6 @@ def test_key_layout_holds_codec_frames_and_eviction_deletes_keys(redis_server): 
     assert stats == {"transitions": 16, "bytes": 272, "puts": 3, "evicted": 1, "newest_version": 2, "samples": 0,
                      "pending": 2}
     assert s.take_onpolicy(0).version == 1 and r.hget("lab:run-7:stats", "pending") == b"1"
-
-
-def _odd_batches() -> list[TensorBatch]:
-    strided = np.arange(48, dtype=np.float32).reshape(4, 2, 6)[:, :, ::2]  # not C-contiguous
-    return [
-        _batch(3),
-        TensorBatch({"b": np.ones((4, 2), bool), "i8": np.full((4, 2, 3), -3, np.int8), "h": np.zeros((4, 2), np.float16),
-                     "c": np.full((4, 2), 1 + 2j, np.complex64), "u": np.arange(8, dtype=np.uint64).reshape(4, 2),
-                     "scalar": np.array(2.5), "empty": np.zeros((0, 4), np.float32), "ünï \"q\"": np.zeros(3)},
-                    meta={"name": "é ü \u2603", "x": [1, 2.5, None], "flag": True, "n": {"a": -1}}, version=7, seq=11),
-        TensorBatch({"obs": strided, "r": np.zeros((4, 2), np.float32)}, version=1),  # (through codec.encode)
-        TensorBatch({"obs": np.zeros((4, 2), ">f4")}, version=2),  # (likewise)
-    ]
-
-
-@pytest.mark.parametrize("batch", _odd_batches(), ids=["plain", "dtypes-meta-names", "strided", "big-endian"])
-def test_stored_frames_are_byte_for_byte_the_codecs(batch):
-    """The store encodes batches itself (faster); what it writes must stay exactly what codec.encode writes."""
-    frames, nbytes = _batch_frames(batch)
-    assert [bytes(f) for f in frames] == [bytes(f) for f in encode("batch", batch)]
-    assert nbytes == batch.nbytes
-    assert _batch_frames(batch)[0][0] == frames[0]  # (the second time from the per-layout cache)
-
-
-def test_keys_of_the_previous_layout_are_rewritten_at_open(redis_server):  # noqa: F811
-    """Keys written by the previous layout (bare ids in window, a pending list and a meta hash) are rewritten in
-    place when a replay service opens them: same batches, FIFO and counters."""
-    s = _store(redis_server, capacity=100, cache_bytes=0)
-    for v in range(5):
-        s.put(_batch(v))
-    assert s.take_onpolicy(1).version == 1  # drops version 0 as stale; 2, 3, 4 stay pending
-    s.close()
-    r = redis.Redis.from_url(redis_server)
-    entries = [e.decode().split(" ", 1) for e in r.lrange("rlfabric:t:window", 0, -1)]
-    ids = [i for i, _ in entries]
-    r.delete("rlfabric:t:window")  # now as the previous layout kept it
-    r.rpush("rlfabric:t:window", *ids)
-    r.rpush("rlfabric:t:pending", *ids[2:])
-    r.hset("rlfabric:t:meta", mapping=dict(entries))
-    r.hdel("rlfabric:t:stats", "pending")
-    again = _store(redis_server, capacity=100, cache_bytes=0)
-    assert (len(again), again.pending, again.transitions, again.puts, again.onpolicy_gets, again.stale_dropped) == (
-        5, 3, 40, 5, 1, 1)
-    assert r.exists("rlfabric:t:pending", "rlfabric:t:meta") == 0
-    assert [e.decode() for e in r.lrange("rlfabric:t:window", 0, -1)] == [f"{i} {m}" for i, m in entries]
-    assert [again.take_onpolicy(0).version for _ in range(3)] == [2, 3, 4] and again.take_onpolicy(0) is None
-    assert again.put(_batch(5)) == 6 and len(again) == 6 and again.transitions == 48
-    assert set(again.sample(64, np.random.default_rng(0))["version"]) == set(range(6))
 
 
 @pytest.mark.parametrize("inline_bytes,protocol", [(0, 2), (1 << 30, 2), (0, 3)],

@@ -8,7 +8,8 @@ from services.replay.stores.memory import MemoryStore
 def _batch(version, T=4, N=2, fill=None):
     fill = version if fill is None else fill
     return TensorBatch({"obs": np.full((T, N, 3), fill, np.float32), "rewards": np.full((T, N), fill, np.float32),
-                        "last_values": np.zeros(N, np.float32)}, version=version)
+                        "last_values": np.zeros(N, np.float32)}, version=version, dims=("time", "env"),
+                       field_dims={"last_values": ("env",)})
 
 
 def test_onpolicy_fifo_with_version_bound():
@@ -47,9 +48,11 @@ def test_bad_batches_are_refused():
     s = MemoryStore(100)
     with pytest.raises(ValueError, match="policy version"):
         s.put(_batch(-1))
-    bad = TensorBatch({"a": np.zeros((4, 2)), "b": np.zeros((3, 2))}, version=0)
-    with pytest.raises(ValueError, match="share T and N"):
+    bad = TensorBatch({"a": np.zeros((4, 2)), "b": np.zeros((3, 2))}, version=0, dims=("time", "env"))
+    with pytest.raises(ValueError, match="batch dim 'time' is 3 in field 'b' but 4 in field 'a'"):
         s.put(bad)
+    with pytest.raises(ValueError, match="declares no batch dims"):
+        s.put(TensorBatch({"a": np.zeros((4, 2))}, version=0))
     with pytest.raises(ValueError, match="empty"):
         MemoryStore(10).sample(1, np.random.default_rng(0))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.distributions import Normal, TanhTransform, TransformedDistribution
 
-from services.core.actor import SquashedGaussianActor, squashed_log_prob
 from services.core.config import RunConfig
+from services.core.models.squashed_gaussian import SquashedGaussianActor, squashed_log_prob
 from services.learner.algorithms.sac import SAC, critic_target, polyak
 
 SPEC = {"observation_space": {"kind": "box", "shape": [3], "dtype": "float32"},
@@ -37,8 +37,8 @@ def test_squashed_log_prob_matches_torch_tanh_transform():
 
 def test_actor_scales_to_bounds_and_sac_step_improves_the_critic():
     torch.manual_seed(0)
-    cfg = RunConfig.model_validate({"algorithm": {"name": "sac", "sac": {"batch_size": 32, "learning_starts": 0,
-                                                                            "learning_rate": 0.003}},
+    cfg = RunConfig.model_validate({"algorithm": {"name": "sac", "batch_size": 32, "learning_starts": 0,
+                                                  "learning_rate": 0.003},
                                     "policy": {"hidden_sizes": [32]}})
     actor = SquashedGaussianActor(SPEC["observation_space"], SPEC["action_space"], cfg.policy)
     env = actor.env_actions(torch.tensor([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]]))

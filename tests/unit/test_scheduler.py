@@ -8,6 +8,7 @@ import json
 import pytest
 
 from services.cli import main
+from services.coordinator.records import IterationRecord
 from services.coordinator.scheduler import candidates, control_overhead, fit_profile, shape
 from services.coordinator.simulator import Pool, simulate
 from services.core.config import parse_config
@@ -26,13 +27,18 @@ def test_candidates_keep_the_algorithm_and_vary_placement():
         candidates(sched.model_copy(update={"candidates": ["warp"]}))
 
 
+def _record(**kw) -> IterationRecord:
+    return IterationRecord(**{"iteration": 1, "plan": "p", "env_steps": 0, "wall_time_s": 0.0,
+                              "iteration_seconds": 0.0, **kw})
+
+
 def test_profile_fit_recovers_stage_costs_and_predicts_the_turns_plan():
     T, N = 32, 16
     env, call, per_env, train = 40e-6, 100e-6, 10e-6, 0.05  # seconds: per env step, per act, per act row, update
     policy_full = T * (call + per_env * N)
-    turns = [{"policy_seconds": policy_full, "collect_seconds": policy_full + T * env * N, "train_seconds": train,
-              "weight_wait_seconds": 0.001, "iteration_seconds": policy_full + T * env * N + train + 0.011}] * 3
-    piped = [{"policy_seconds": 2 * T * (call + per_env * N / 2), "collect_seconds": 0.05, "train_seconds": train}] * 3
+    turns = [_record(policy_seconds=policy_full, collect_seconds=policy_full + T * env * N, train_seconds=train,
+                     weight_wait_seconds=0.001, iteration_seconds=policy_full + T * env * N + train + 0.011)] * 3
+    piped = [_record(policy_seconds=2 * T * (call + per_env * N / 2), collect_seconds=0.05, train_seconds=train)] * 3
     profile = fit_profile(T, N, 2, turns, piped, N)
     assert profile.env_step_s == pytest.approx(env) and profile.policy_per_env_s == pytest.approx(per_env)
     assert profile.policy_call_s == pytest.approx(call) and profile.train_s_per_transition * T * N == pytest.approx(train)

@@ -2,11 +2,13 @@
 
 Same-step auto-reset means every step is a real transition: a finished sub-env returns its reset observation
 and hands the last observation of the episode in ``final_obs`` (needed to bootstrap truncated episodes).
+Observations keep their dtype (uint8 images stay uint8); Dict observation spaces come through as dicts.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
@@ -30,14 +32,14 @@ def check_env_id(env_id: str) -> None:
             f"(ids from extra packages need that package installed and imported)") from None
 
 
-def make_vector_env(env_id: str, num_envs: int, vectorization: str = "sync",
-                    kwargs: dict[str, Any] | None = None) -> gym.vector.VectorEnv:
-    check_env_id(env_id)
-    kwargs = dict(kwargs or {})
+def check(env_cfg: Any) -> None:
+    check_env_id(env_cfg.id)
+    if env_cfg.kwargs.get("render_mode") not in (None, "rgb_array"):
+        raise ValueError(f"env.kwargs.render_mode={env_cfg.kwargs['render_mode']!r}: services render off-screen. "
+                         f"Fix: remove it (or use rgb_array)")
 
-    def make() -> gym.Env:
-        return gym.make(env_id, **kwargs)
 
+def vectorize(make: Callable[[], gym.Env], num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
     fns = [make] * num_envs
     if vectorization == "async":
         # spawn, not fork: the parent runs gRPC and ZeroMQ threads that must not be forked.
@@ -45,8 +47,29 @@ def make_vector_env(env_id: str, num_envs: int, vectorization: str = "sync",
     return gym.vector.SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
 
 
-def final_observations(obs: np.ndarray, info: dict[str, Any], done: np.ndarray) -> np.ndarray:
-    """Last observation of each finished episode (zeros elsewhere), stacked into one array."""
+def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
+    check(env_cfg)
+    kwargs = dict(env_cfg.kwargs)
+    env_id = env_cfg.id
+
+    def make() -> gym.Env:
+        return gym.make(env_id, **kwargs)
+
+    return vectorize(make, num_envs, vectorization)
+
+
+def final_observations(obs: Any, info: dict[str, Any], done: np.ndarray) -> Any:
+    """Last observation of each finished episode (zeros elsewhere), stacked like ``obs`` (a dict for Dict spaces)."""
+    if isinstance(obs, dict):
+        finals = info.get("final_obs")
+        rows = np.flatnonzero(info.get("_final_obs", done)) if done.any() and finals is not None else []
+        out = {}
+        for key, value in obs.items():
+            final = np.zeros_like(value)
+            for i in rows:
+                final[i] = finals[i][key]
+            out[key] = final
+        return out
     final = np.zeros_like(obs)
     if done.any() and "final_obs" in info:
         for i in np.flatnonzero(info.get("_final_obs", done)):
@@ -54,11 +77,26 @@ def final_observations(obs: np.ndarray, info: dict[str, Any], done: np.ndarray) 
     return final
 
 
+def _bounds(values: np.ndarray) -> float | list[float]:
+    flat = np.asarray(values, dtype=np.float64).ravel()
+    return float(flat[0]) if flat.size and np.all(flat == flat[0]) else flat.tolist()
+
+
 def describe_space(space: gym.Space) -> dict[str, Any]:
+    """A space as JSON-able facts the policy and the rollout need (bounds collapse to one number when uniform)."""
     if isinstance(space, gym.spaces.Discrete):
         return {"kind": "discrete", "shape": [], "dtype": "int64", "n": int(space.n), "start": int(space.start)}
     if isinstance(space, gym.spaces.Box):
         return {"kind": "box", "shape": list(space.shape), "dtype": str(space.dtype),
-                "low": np.asarray(space.low, dtype=np.float64).ravel().tolist(),
-                "high": np.asarray(space.high, dtype=np.float64).ravel().tolist()}
-    raise ValueError(f"space {space} is not supported yet (Box and Discrete are); wrap the env to flatten it")
+                "low": _bounds(space.low), "high": _bounds(space.high)}
+    if isinstance(space, gym.spaces.Dict):
+        return {"kind": "dict", "shape": [], "dtype": "", "spaces": {k: describe_space(s) for k, s in space.items()}}
+    raise ValueError(f"space {space} is not supported yet (Box, Discrete and Dict of them are); wrap the env to "
+                     f"convert it")
+
+
+def bounds(spec: dict[str, Any], key: str) -> list[float]:
+    """A Box description's low/high as one value per element."""
+    value = spec[key]
+    n = int(np.prod(spec["shape"])) if spec["shape"] else 1
+    return [float(value)] * n if isinstance(value, int | float) else list(value)

@@ -6,18 +6,40 @@
     value:    L_v  = E[(V - R)^2]  (or the max of clipped and unclipped errors when clip_range_vf is set)
     total:    L = L_pi + vf_coef * L_v - ent_coef * entropy
 
-Batches are time-major [T, N] as the rollout produces them; truncated episodes arrive with their bootstrap
-value already folded into the reward.
+Batches are time-major [T, N] as the rollout records them (``trajectory``); a truncated episode arrives with its
+bootstrap value gamma * V(final obs) already folded into its last reward.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
-from services.core.config import PPOConfig, RunConfig
-from services.learner.algorithms import register
+from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
+from services.core.batch import tree_map
 from services.learner.optim import Adam
+
+
+class PPOConfig(AlgorithmConfig):
+    name: Literal["ppo"] = "ppo"
+    n_steps: int = Field(32, ge=1, le=1_000_000, description="steps per env per batch")
+    batch_size: int = Field(256, ge=1, description="minibatch size")
+    n_epochs: int = Field(20, ge=1, le=10_000)
+    gamma: float = Field(0.98, gt=0, le=1)
+    gae_lambda: float = Field(0.8, ge=0, le=1)
+    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False)
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    clip_range: float = Field(0.2, gt=0, allow_inf_nan=False)
+    clip_schedule: Literal["constant", "linear"] = "linear"
+    clip_range_vf: float | None = Field(None, gt=0, allow_inf_nan=False, description="None disables value clipping")
+    ent_coef: float = Field(0.0, allow_inf_nan=False)
+    vf_coef: float = Field(0.5, ge=0, allow_inf_nan=False)
+    max_grad_norm: float = Field(0.5, gt=0, allow_inf_nan=False)
+    normalize_advantage: bool = True
+    target_kl: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor,
@@ -63,21 +85,30 @@ def linear(start: float, progress_remaining: float, schedule: str) -> float:
     return start * progress_remaining if schedule == "linear" else start
 
 
-@register("ppo")
-class PPO:
-    def __init__(self, policy: nn.Module, config: RunConfig, generator: torch.Generator | None = None):
-        self.policy = policy
-        self.cfg: PPOConfig = config.algorithm.ppo
-        self.total_env_steps = config.train.total_env_steps
+@register
+class PPO(Algorithm):
+    Config = PPOConfig
+    policy = "actor_critic"
+    default = True
+
+    @classmethod
+    def trajectory(cls, cfg: PPOConfig) -> Trajectory:
+        return Trajectory(fields=("obs", "actions", "logp", "values", "rewards", "dones", "last_values"),
+                          bootstrap_truncated=cfg.gamma)
+
+    @classmethod
+    def data(cls, cfg: PPOConfig) -> DataAccess:
+        return DataAccess.on_policy()
+
+    def __init__(self, policy: nn.Module, run, generator: torch.Generator | None = None, **kw):
+        super().__init__(policy, run, generator, **kw)
+        self.total_env_steps = run.train.total_env_steps
         # fused Adam: one kernel per step instead of a Python loop over tensors (~25% faster updates here);
         # torch.optim.Adam's, without the torch._dynamo import torch.optim costs a fresh process (see optim.py)
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
-        self.generator = generator
-        self.env_steps = 0
-        self.optimizer_steps = 0
 
-    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
         rewards, values, dones = batch["rewards"], batch["values"], batch["dones"].float()
         T, N = rewards.shape
@@ -89,25 +120,27 @@ class PPO:
             group["lr"] = lr
 
         advantages, returns = compute_gae(rewards, values, dones, batch["last_values"], cfg.gamma, cfg.gae_lambda)
+        size = T * N
         flat = {
-            "obs": batch["obs"].reshape(T * N, *batch["obs"].shape[2:]),
-            "actions": batch["actions"].reshape(T * N, *batch["actions"].shape[2:]),
+            "obs": tree_map(lambda x: x.reshape(size, *x.shape[2:]), batch["obs"]),
+            "actions": batch["actions"].reshape(size, *batch["actions"].shape[2:]),
             "logp": batch["logp"].reshape(-1), "values": values.reshape(-1),
             "advantages": advantages.reshape(-1), "returns": returns.reshape(-1),
         }
-        size = T * N
         mb = min(cfg.batch_size, size)
         sums: dict[str, torch.Tensor] = {}
         count = 0
         stop = False
         for _ in range(cfg.n_epochs):
-            order = torch.randperm(size, generator=self.generator)
+            order = torch.randperm(size, generator=self.generator,
+                                   device=self.generator.device if self.generator is not None else "cpu")
             for start in range(0, size, mb):
                 idx = order[start:start + mb]
                 adv = flat["advantages"][idx]
                 if cfg.normalize_advantage and len(idx) > 1:
                     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-                new_logp, entropy, new_values = self.policy.evaluate(flat["obs"][idx], flat["actions"][idx])
+                obs = tree_map(lambda x, i=idx: x[i], flat["obs"])
+                new_logp, entropy, new_values = self.policy.evaluate(obs, flat["actions"][idx])
                 loss, stats = ppo_loss(new_logp, flat["logp"][idx], adv, new_values, flat["values"][idx],
                                        flat["returns"][idx], entropy, clip, cfg.clip_range_vf, cfg.vf_coef,
                                        cfg.ent_coef)
@@ -141,4 +174,4 @@ class PPO:
         self.optimizer_steps = int(state["optimizer_steps"])
 
 
-__all__ = ["PPO", "compute_gae", "ppo_loss"]
+__all__ = ["PPO", "PPOConfig", "compute_gae", "ppo_loss"]

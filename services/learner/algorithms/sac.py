@@ -1,6 +1,6 @@
 """SAC (Haarnoja et al. 2018), continuous actions, twin critics, target critics, auto-tuned entropy, as CleanRL
-writes it. The off-policy family: the learner samples minibatches from the replay window instead of consuming
-each batch once, ``updates_per_env_step`` gradient steps per env step collected.
+writes it. Off-policy: the learner samples minibatches from the replay window instead of consuming each batch
+once, ``updates_per_env_step`` gradient steps per env step collected.
 
     critic:  y = r + gamma * (1 - terminated) * (min_j Q'_j(s', a') - alpha * log pi(a'|s')),  a' ~ pi(s')
              L_Q = sum_j E[(Q_j(s, a) - y)^2]
@@ -15,13 +15,29 @@ stops bootstrapping: a time limit is not a terminal state.
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from services.core.actor import SquashedGaussianActor, mlp
-from services.core.config import RunConfig, SACConfig
-from services.learner.algorithms import register
+from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
+from services.core.batch import tree_map
+from services.core.models.critics import QNetwork
+
+
+class SACConfig(AlgorithmConfig):
+    name: Literal["sac"] = "sac"
+    n_steps: int = Field(32, ge=1, le=1_000_000,
+                         description="steps per env per iteration (one epoch: collect, then update)")
+    batch_size: int = Field(256, ge=1, description="minibatch size sampled from the replay window")
+    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False)
+    gamma: float = Field(0.99, gt=0, le=1)
+    tau: float = Field(0.005, gt=0, le=1, description="Polyak factor of the target critics")
+    learning_starts: int = Field(1000, ge=0, description="env steps of uniform random actions before updates")
+    updates_per_env_step: float = Field(1.0, gt=0, le=64, description="gradient steps per env step collected")
+    ent_coef: float | Literal["auto"] = Field("auto", description="entropy weight alpha, or auto-tuned")
+    target_entropy: float | None = Field(None, allow_inf_nan=False, description="auto alpha target; default -action_dim")
 
 
 def critic_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
@@ -35,35 +51,37 @@ def polyak(target: nn.Module, source: nn.Module, tau: float) -> None:
         t.lerp_(s, tau)
 
 
-class Critic(nn.Module):
-    def __init__(self, obs_dim: int, act_dim: int, hidden: list[int]):
-        super().__init__()
-        self.q = mlp([obs_dim + act_dim, *hidden], "relu", 1)
+@register
+class SAC(Algorithm):
+    Config = SACConfig
+    policy = "squashed_gaussian"
 
-    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        return self.q(torch.cat([obs.reshape(obs.shape[0], -1), actions.reshape(actions.shape[0], -1)], -1)).squeeze(-1)
+    @classmethod
+    def trajectory(cls, cfg: SACConfig) -> Trajectory:
+        return Trajectory(fields=("obs", "actions", "rewards", "next_obs", "terminated"),
+                          random_until_env_steps=cfg.learning_starts)
 
+    @classmethod
+    def data(cls, cfg: SACConfig) -> DataAccess:
+        return DataAccess.uniform(cfg.batch_size)
 
-@register("sac")
-class SAC:
-    off_policy = True
-
-    def __init__(self, actor: SquashedGaussianActor, config: RunConfig, generator: torch.Generator | None = None):
-        cfg: SACConfig = config.algorithm.sac
-        self.cfg, self.actor, self.generator = cfg, actor, generator
-        hidden = config.policy.hidden_sizes
-        self.q1, self.q2 = Critic(actor.obs_dim, actor.act_dim, hidden), Critic(actor.obs_dim, actor.act_dim, hidden)
+    def __init__(self, actor: nn.Module, run, generator: torch.Generator | None = None, **kw):
+        super().__init__(actor, run, generator, **kw)
+        cfg: SACConfig = self.cfg
+        self.actor = actor
+        device = next(actor.parameters()).device
+        obs_space = self.env_spec.get("observation_space", {"kind": "box", "shape": [actor.obs_dim]})
+        self.q1 = QNetwork(obs_space, actor.act_dim, run.policy).to(device)
+        self.q2 = QNetwork(obs_space, actor.act_dim, run.policy).to(device)
         self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
         self.q_optimizer = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=cfg.learning_rate)
         self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate)
         self.auto_alpha = cfg.ent_coef == "auto"
         self.target_entropy = cfg.target_entropy if cfg.target_entropy is not None else -float(actor.act_dim)
-        self.log_alpha = torch.zeros(1, requires_grad=self.auto_alpha)
+        self.log_alpha = torch.zeros(1, requires_grad=self.auto_alpha, device=device)
         if not self.auto_alpha:
             self.log_alpha.data.fill_(float(cfg.ent_coef)).log_()
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate) if self.auto_alpha else None
-        self.env_steps = 0
-        self.optimizer_steps = 0
 
     def updates_for(self, env_steps: int) -> int:
         """Gradient steps owed for ``env_steps`` more env steps (none before learning_starts)."""
@@ -72,16 +90,16 @@ class SAC:
             return 0
         return max(1, round(self.cfg.updates_per_env_step * env_steps))
 
-    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update(self, batch: dict) -> dict[str, float]:
         """One gradient step per minibatch: tensors are [U, B, ...] (U minibatches of B transitions)."""
         stats: dict[str, float] = {}
         for u in range(batch["rewards"].shape[0]):
-            stats = self.step({k: v[u] for k, v in batch.items()})
+            stats = self.step(tree_map(lambda x, u=u: x[u], batch))
         return stats
 
-    def step(self, b: dict[str, torch.Tensor]) -> dict[str, float]:
-        obs, actions, rewards = b["obs"].float(), b["actions"].float(), b["rewards"].float()
-        next_obs, terminated = b["next_obs"].float(), b["terminated"].float()
+    def step(self, b: dict) -> dict[str, float]:
+        obs, actions, rewards = b["obs"], b["actions"].float(), b["rewards"].float()
+        next_obs, terminated = b["next_obs"], b["terminated"].float()
         alpha = self.log_alpha.exp().item()
         with torch.no_grad():
             next_actions, next_logp = self.actor.sample(next_obs, self.generator)

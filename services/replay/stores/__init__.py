@@ -1,9 +1,13 @@
 """Replay stores behind one interface, chosen by ``replay.store``.
 
-A store holds trajectory batches (time-major ``[T, N, ...]`` TensorBatches tagged with the weight version that
-produced them) and offers two views: an on-policy FIFO the learner consumes once (``take_onpolicy``), and a
-capacity-bounded window of transitions to sample uniformly (``sample``). ``put`` returns only once the batch
-is stored: the replay service acknowledges a put after it returns, so nothing acknowledged is lost.
+A store holds batches of any declared dims (trajectories ``("time", "env")``, samples or token sequences
+``("sample",)``), each tagged with the weight version that produced it, and offers three views:
+  take_onpolicy    an on-policy FIFO the learner consumes once, oldest first, refusing versions below a bound
+  sample           rows drawn uniformly over the capacity-bounded window (a trajectory's rows are its T * N
+                   transitions, a token batch's rows its sequences; ragged fields come along exactly)
+  sample_windows   windows of consecutive steps along "time" (sequence models)
+``put`` returns only once the batch is stored: the replay service acknowledges a put after it returns, so nothing
+acknowledged is lost. The replay service keeps one store per named source ("online", data sets, interventions).
 """
 
 from __future__ import annotations
@@ -12,25 +16,106 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from services.core.batch import TensorBatch
+from services.core.batch import Ragged, TensorBatch
 
 if TYPE_CHECKING:
     from services.core.config import RunConfig
     from services.core.objectstore import ObjectStore
 
+TIME = "time"
 
-def check_trajectory(batch: TensorBatch, capacity: int) -> int:
-    """What every store refuses alike before storing: returns the batch's transitions (T * N)."""
+
+def check_batch(batch: TensorBatch, capacity: int) -> int:
+    """What every store refuses alike before storing; returns the batch's rows (the product of its batch dims)."""
     if batch.version < 0:
-        raise ValueError("trajectory batch has no policy version (header 'version' < 0); tag it with the "
-                         "weight version that produced it")
-    shapes = {tuple(v.shape[:2]) for v in batch.tensors.values() if v.ndim >= 2}
-    if len(shapes) != 1:
-        raise ValueError(f"a trajectory batch needs every [T, N, ...] tensor to share T and N, got {shapes}")
-    t, n = shapes.pop()
-    if t * n > capacity:
-        raise ValueError(f"batch of {t * n} transitions exceeds replay.capacity_transitions={capacity}")
-    return t * n
+        raise ValueError("replay batch has no policy version (header 'version' < 0); tag it with the weight "
+                         "version that produced it")
+    if not batch.dims:
+        raise ValueError("replay batch declares no batch dims (header 'dims'); a trajectory is (time, env), "
+                         "samples or sequences (sample,)")
+    try:
+        batch.sizes()
+    except ValueError as exc:
+        raise ValueError(f"replay batch is inconsistent: {exc}") from None
+    rows = batch.rows
+    if rows == 0:
+        raise ValueError("replay batch holds no rows (a batch dim is 0)")
+    if rows > capacity:
+        raise ValueError(f"batch of {rows} rows exceeds replay.capacity_transitions={capacity}")
+    return rows
+
+
+def draw_rows(counts: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows (flat index over the window) and batches (owner) a uniform sample takes. Both stores draw with
+    these calls, so they give the same rows for the same seed and contents."""
+    flat = rng.integers(0, counts.sum(), size=n)
+    return flat, np.searchsorted(np.cumsum(counts), flat, side="right")
+
+
+def gather_rows(batches: list[TensorBatch], counts: np.ndarray, flat: np.ndarray, owner: np.ndarray) -> TensorBatch:
+    """The drawn rows of every batch, flattened to ("sample",), in draw order, plus a per-row "version" field.
+    Fields that are per batch rather than per row (a trajectory's last_values) are not rows and are left out."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    parts, positions = [], []
+    for b in np.unique(owner):
+        sel = np.flatnonzero(owner == b)
+        part = batches[b].flatten().take(flat[sel] - starts[b])
+        part.tensors["version"] = np.full(len(sel), batches[b].version, dtype=np.int64)
+        parts.append(part)
+        positions.append(sel)
+    try:
+        out = TensorBatch.cat(parts, "sample")
+    except ValueError as exc:
+        raise ValueError(f"the replay window mixes batches of different fields, so rows cannot be sampled "
+                         f"together: {exc}") from None
+    out = out.take(np.argsort(np.concatenate(positions), kind="stable"))
+    out.meta, out.field_dims = {}, {}
+    out.version = int(out.tensors["version"].min())
+    return out
+
+
+def window_counts(batches: list[TensorBatch], length: int) -> np.ndarray:
+    """Windows of ``length`` steps each batch offers: its envs times the start steps that fit."""
+    out = np.zeros(len(batches), dtype=np.int64)
+    for i, b in enumerate(batches):
+        if TIME in b.dims:
+            sizes = b.sizes()
+            others = int(np.prod([sizes[d] for d in b.dims if d != TIME]))
+            out[i] = others * max(0, sizes[TIME] - length + 1)
+    return out
+
+
+def gather_windows(batches: list[TensorBatch], counts: np.ndarray, flat: np.ndarray, owner: np.ndarray,
+                   length: int) -> TensorBatch:
+    """Windows [t0, t0 + length) of one env's steps: a ("sample", "time") batch, in draw order. A window lies
+    within one stored batch; fields without both dims are left out."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    pieces: list[tuple[np.ndarray, dict[str, np.ndarray], int]] = []
+    for b in np.unique(owner):
+        sel = np.flatnonzero(owner == b)
+        batch = batches[b]
+        if batch.dims[:1] != (TIME,):
+            raise ValueError(f"sequence windows need batches whose first dim is '{TIME}', got {list(batch.dims)}")
+        sizes = batch.sizes()
+        per_start = int(np.prod([sizes[d] for d in batch.dims[1:]]))  # cells of one time step
+        local = flat[sel] - starts[b]
+        t0, cell = local // per_start, local % per_start
+        steps = t0[:, None] + np.arange(length)[None, :]  # [S, L]
+        fields = {}
+        for name, value in batch.tensors.items():
+            if batch.dims_of(name) != batch.dims:
+                continue
+            if isinstance(value, Ragged):
+                raise ValueError(f"sequence windows of ragged field '{name}' are not supported")
+            rows = value.reshape(sizes[TIME], per_start, *value.shape[len(batch.dims):])
+            fields[name] = rows[steps, cell[:, None]]
+        fields["version"] = np.full(len(sel), batch.version, dtype=np.int64)
+        pieces.append((sel, fields, batch.version))
+    order = np.argsort(np.concatenate([sel for sel, _, _ in pieces]), kind="stable")
+    names = pieces[0][1].keys()
+    tensors = {k: np.concatenate([f[k] for _, f, _ in pieces])[order] for k in names}
+    return TensorBatch(tensors, dims=("sample", TIME), field_dims={"version": ("sample",)},
+                       version=min(v for _, _, v in pieces))
 
 
 class ReplayStore(Protocol):
@@ -53,24 +138,30 @@ class ReplayStore(Protocol):
 
     def take_onpolicy(self, min_version: int) -> TensorBatch | None: ...
 
+    def drop_pending(self) -> int: ...
+
     def sample(self, n: int, rng: np.random.Generator) -> TensorBatch: ...
+
+    def sample_windows(self, n: int, length: int, rng: np.random.Generator) -> TensorBatch: ...
 
     def clear(self) -> None: ...
 
     def close(self) -> None: ...
 
 
-def open_replay_store(config: RunConfig, run_id: str, object_store: ObjectStore | None = None) -> ReplayStore:
-    """The store ``replay.store`` names. A Redis store reopens what an earlier replay service stored for the same
-    ``replay.key_prefix`` and run_id; ``object_store`` receives tensors larger than ``replay.offload_bytes``
-    (None keeps them in Redis)."""
+def open_replay_store(config: RunConfig, run_id: str, object_store: ObjectStore | None = None,
+                      source: str = "online", capacity: int | None = None) -> ReplayStore:
+    """The store ``replay.store`` names, for one named source. A Redis store reopens what an earlier replay service
+    stored for the same ``replay.key_prefix``, run_id and source; ``object_store`` receives tensors larger than
+    ``replay.offload_bytes`` (None keeps them in Redis)."""
     replay = config.replay
+    capacity = capacity or replay.capacity_transitions
     if replay.store == "memory":
         from services.replay.stores.memory import MemoryStore
 
-        return MemoryStore(replay.capacity_transitions)
+        return MemoryStore(capacity)
     if replay.store == "redis":
         from services.replay.stores.redis import RedisStore
 
-        return RedisStore.from_config(replay, run_id, object_store)
+        return RedisStore.from_config(replay, run_id, object_store, source=source, capacity=capacity)
     raise ValueError(f"replay.store={replay.store!r} is not a known store. Fix: use 'memory' or 'redis'")

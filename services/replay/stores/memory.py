@@ -1,8 +1,8 @@
-"""MemoryStore: trajectory batches in process memory.
+"""MemoryStore: replay batches in process memory.
 
 Two views over the same batches: an on-policy FIFO the learner consumes once (oldest first, refusing data older
-than the staleness bound the caller passes), and a capacity-bounded window that off-policy users sample
-transitions from uniformly. Batches are time-major [T, N, ...]; a transition is one (t, n) cell.
+than the staleness bound the caller passes), and a capacity-bounded window that off-policy users sample rows (or
+windows of steps) from uniformly. Batches keep their declared dims; a row is one cell of their batch shape.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.core.batch import TensorBatch
-from services.replay.stores import check_trajectory
+from services.replay.stores import check_batch, draw_rows, gather_rows, gather_windows, window_counts
 
 
 @dataclass(eq=False)  # identity, not field equality: comparing batches would compare arrays
@@ -34,7 +34,7 @@ class MemoryStore:
         self.newest_version = -1
 
     def put(self, batch: TensorBatch) -> int:
-        n = check_trajectory(batch, self.capacity)
+        n = check_batch(batch, self.capacity)
         item = _Stored(batch, n, batch.nbytes)
         self._window.append(item)
         self._pending.append(item)
@@ -61,30 +61,29 @@ class MemoryStore:
             self.stale_dropped += 1
         return None
 
+    def drop_pending(self) -> int:
+        """Forget the FIFO (batches not yet taken) but keep the window; returns how many were dropped."""
+        dropped = len(self._pending)
+        self._pending.clear()
+        self.stale_dropped += dropped
+        return dropped
+
     def sample(self, n: int, rng: np.random.Generator) -> TensorBatch:
         if not self._window:
             raise ValueError("replay is empty: nothing to sample yet")
         counts = np.array([s.transitions for s in self._window])
-        flat = rng.integers(0, counts.sum(), size=n)
-        owner = np.searchsorted(np.cumsum(counts), flat, side="right")
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        out: dict[str, list[np.ndarray]] = {}
-        versions = np.empty(n, dtype=np.int64)
-        items = list(self._window)
-        for b in np.unique(owner):
-            sel = np.flatnonzero(owner == b)
-            local = flat[sel] - starts[b]
-            stored = items[b]
-            T, N = next(v.shape[:2] for v in stored.batch.tensors.values() if v.ndim >= 2)
-            for name, v in stored.batch.tensors.items():
-                if v.ndim >= 2 and v.shape[:2] == (T, N):
-                    out.setdefault(name, []).append(v.reshape(T * N, *v.shape[2:])[local])
-            versions[sel] = stored.batch.version
-        order = np.argsort(np.concatenate([np.flatnonzero(owner == b) for b in np.unique(owner)]))
-        tensors = {k: np.concatenate(v)[order] for k, v in out.items()}
-        tensors["version"] = versions
+        flat, owner = draw_rows(counts, n, rng)
         self.samples += 1
-        return TensorBatch(tensors, version=int(versions.min()))
+        return gather_rows([s.batch for s in self._window], counts, flat, owner)
+
+    def sample_windows(self, n: int, length: int, rng: np.random.Generator) -> TensorBatch:
+        batches = [s.batch for s in self._window]
+        counts = window_counts(batches, length)
+        if not counts.sum():
+            raise ValueError(f"replay holds no trajectory of at least {length} steps to cut windows from")
+        flat, owner = draw_rows(counts, n, rng)
+        self.samples += 1
+        return gather_windows(batches, counts, flat, owner, length)
 
     def clear(self) -> None:
         self._window.clear()

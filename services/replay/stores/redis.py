@@ -14,9 +14,8 @@ transitions), kept in Redis under ``<replay.key_prefix>:<run_id>:``:
   stats        hash   transitions, bytes, puts, onpolicy_gets, samples, evicted, stale_dropped, newest_version, pending
   take         hash   the last take's token and id, so a retried take returns the same batch
 
-(The previous layout kept bare ids in window, the not-yet-taken ids in a pending list and each batch's numbers in a
-meta hash; a replay service opening such keys rewrites them into this one first. Keeping the numbers in the window
-entries and the pending batches as a count makes a put's script a handful of O(1) commands.)
+(Keeping each batch's numbers in its window entry and the pending batches as a count makes a put's script a handful
+of O(1) commands.)
 
 One string per batch, because a large SET is zero-copy in Redis (a list or hash copies every element into its
 packed encoding: ~0.3 ms per 3 MiB batch measured here).
@@ -54,18 +53,9 @@ from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from services.core.batch import TensorBatch
-from services.core.codec import (
-    DTYPES,
-    MAX_HEADER_BYTES,
-    WIRE_VERSION,
-    FrameError,
-    decode,
-    encode,
-    frame_parts,
-    unpack_frames,
-)
-from services.replay.stores import check_trajectory
+from services.core.batch import Ragged, TensorBatch
+from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
+from services.replay.stores import check_batch, draw_rows, gather_rows, gather_windows, window_counts
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -96,8 +86,7 @@ class ReplayStoreUnavailable(ReplayStoreError):
     """Redis could not be reached (at open, or mid-run after the bounded retries)."""
 
 
-# KEYS of every script: window, stats, take, refs (the migration script also gets the previous layout's pending and
-# meta). Scripts report the state as one line, "window_len pending_len c1 ... c8": the window's length, the pending
+# KEYS of every script: window, stats, take, refs. Scripts report the state as one line, "window_len pending_len c1 ... c8": the window's length, the pending
 # count and the counters in _FIELDS order (0, or -1 for newest_version, where never set), for the caller's mirror
 # (one bulk string: far cheaper to parse than nested arrays). Costs measured on Redis 7.0, which shaped these scripts:
 # a redis.call() about 0.5 us, a new field in a hash of a few hundred (a listpack, scanned) a few us, an argument
@@ -237,30 +226,6 @@ redis.call('HSET', S, 'transitions', 0, 'bytes', 0, 'pending', 0)
 return {refs, line(redis.call('HMGET', S, unpack(FIELDS)), 0, 0)}
 """
 
-# The previous layout kept bare ids in window, the not-yet-taken ids in a pending list and each batch's "transitions
-# version nbytes offloaded" in a meta hash. Rewrites such keys into this layout, atomically (once, when a replay
-# service opens them). KEYS: window, stats, take, refs, pending, meta. Returns the number of entries.
-_MIGRATE_LUA = _PROLOGUE + """
-local P, M = KEYS[5], KEYS[6]
-if redis.call('EXISTS', M) == 0 then
-  redis.call('DEL', P)
-  return 0
-end
-local entries = {}
-for _, id in ipairs(redis.call('LRANGE', W, 0, -1)) do
-  local m = redis.call('HGET', M, id)
-  if m and not string.find(id, ' ', 1, true) then entries[#entries + 1] = id .. ' ' .. m end
-end
-local pl = math.min(redis.call('LLEN', P), #entries)  -- pending was always the newest ids of window
-redis.call('DEL', W, P, M)
-for i = 1, #entries, 1000 do
-  redis.call('RPUSH', W, unpack(entries, i, math.min(i + 999, #entries)))
-end
-redis.call('HSET', S, 'pending', pl)
-return #entries
-"""
-
-
 def _bulk(arg: Any) -> bytes:
     """One RESP bulk string."""
     data = arg if isinstance(arg, bytes) else str(arg).encode()
@@ -288,50 +253,11 @@ def _coalesce(pieces: list[Any], big: int = _BIG_PIECE) -> list[Any]:
     return out
 
 
-_WIRE_DTYPES = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}  # native dtype -> wire name
-_specs_json: dict[tuple, str | None] = {}  # batch layout -> the codec header's "tensors" JSON (None: use encode)
-
-
 def _batch_frames(batch: TensorBatch) -> tuple[list[Any], int]:
-    """``codec.encode("batch", batch)`` and the tensors' byte count: byte for byte the frames encode makes, without
-    its per-tensor dtype-name lookups and JSON of the tensor specs (both cached per layout here: a put of a small
-    batch spent more time in them than Redis did storing it). Anything but C-contiguous numpy arrays of the wire's
-    native dtypes and int seq/version goes through encode itself. (test_redis_store checks the two agree.)"""
-    layout: list[Any] = []
-    buffers: list[Any] = []
-    nbytes = 0
-    for name, value in batch.tensors.items():
-        if type(value) is not np.ndarray:
-            return _encoded(batch)
-        view = memoryview(value)
-        if not view.c_contiguous:
-            return _encoded(batch)
-        layout.append((name, value.dtype, value.shape))
-        size = view.nbytes
-        buffers.append(view.cast("B") if size else b"")
-        nbytes += size
-    key = tuple(layout)
-    specs = _specs_json.get(key, "")
-    if specs == "":
-        if len(_specs_json) >= 256:
-            _specs_json.clear()
-        names = [_WIRE_DTYPES.get(dtype) for _, dtype, _ in layout]
-        specs = _specs_json[key] = None if None in names else json.dumps(
-            [{"name": name, "dtype": wire, "shape": list(shape)}
-             for (name, _, shape), wire in zip(layout, names, strict=True)], separators=(",", ":"))
-    seq, version, meta = batch.seq, batch.version, batch.meta
-    if specs is None or type(seq) is not int or type(version) is not int or type(meta) is not dict:
-        return _encoded(batch)
-    meta_json = json.dumps(meta, separators=(",", ":")) if meta else "{}"
-    header = (f'{{"w":{WIRE_VERSION},"kind":"batch","seq":{seq},"version":{version},"meta":{meta_json},'
-              f'"tensors":{specs}}}').encode()
-    if len(header) > MAX_HEADER_BYTES:
-        return _encoded(batch)
-    return [header, *buffers], nbytes
-
-
-def _encoded(batch: TensorBatch) -> tuple[list[Any], int]:
-    return encode("batch", batch), batch.nbytes
+    """The batch's codec frames (the data plane's wire format, declared dims and ragged fields included) and the
+    bytes of its buffers."""
+    frames = encode("batch", batch)
+    return frames, sum(memoryview(f).nbytes for f in frames[1:])
 
 
 class _Wire:
@@ -478,37 +404,6 @@ def _safe_key_part(text: str, fallback: str) -> str:
     return safe if safe.strip(".") else fallback
 
 
-def draw_transitions(counts: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Which transitions (flat index over the window) and batches (owner) a uniform sample takes: the same rng
-    calls as MemoryStore.sample, so both stores give the same rows for the same seed and contents."""
-    flat = rng.integers(0, counts.sum(), size=n)
-    return flat, np.searchsorted(np.cumsum(counts), flat, side="right")
-
-
-def gather_transitions(batches: list[TensorBatch | None], counts: np.ndarray, flat: np.ndarray,
-                       owner: np.ndarray) -> TensorBatch:
-    """The sampled rows of every [T, N, ...] tensor, in draw order, plus a per-row "version" tensor (as
-    MemoryStore.sample builds them; works for any mix of batch layouts)."""
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    out: dict[str, list[np.ndarray]] = {}
-    versions = np.empty(len(flat), dtype=np.int64)
-    owners = np.unique(owner)
-    for b in owners:
-        sel = np.flatnonzero(owner == b)
-        local = flat[sel] - starts[b]
-        batch = batches[b]
-        assert batch is not None
-        T, N = next(v.shape[:2] for v in batch.tensors.values() if v.ndim >= 2)
-        for name, v in batch.tensors.items():
-            if v.ndim >= 2 and tuple(v.shape[:2]) == (T, N):
-                out.setdefault(name, []).append(v.reshape(T * N, *v.shape[2:])[local])
-        versions[sel] = batch.version
-    order = np.argsort(np.concatenate([np.flatnonzero(owner == b) for b in owners]))
-    tensors = {k: np.concatenate(v)[order] for k, v in out.items()}
-    tensors["version"] = versions
-    return TensorBatch(tensors, version=int(versions.min()))
-
-
 class _Columns:
     """The window's transitions laid out row after row, oldest first, one array per tensor: a uniform sample is
     then one fancy index per tensor instead of a gather per batch. Holds the first ``batches`` batches of the
@@ -528,21 +423,17 @@ class _Columns:
         return self.tail - self.head
 
     def append(self, batch: TensorBatch) -> bool:
-        """Add the batch's transitions; False (and nothing added) if its layout differs or it holds non-numpy
-        tensors."""
-        T, N = next(v.shape[:2] for v in batch.tensors.values() if v.ndim >= 2)
-        rows = {}
-        for name, v in batch.tensors.items():
-            if v.ndim >= 2 and tuple(v.shape[:2]) == (T, N):
-                if not isinstance(v, np.ndarray):
-                    return False
-                rows[name] = v.reshape(T * N, *v.shape[2:])
+        """Add the batch's rows; False (and nothing added) if its layout differs or it holds ragged or non-numpy
+        fields (those are sampled by gather_rows instead)."""
+        rows = batch.flatten().tensors
+        if any(type(v) is not np.ndarray for v in rows.values()):
+            return False
         layout = tuple((k, a.dtype.str, a.shape[1:]) for k, a in rows.items())
         if self.layout is None:
             self.layout = layout
         elif layout != self.layout:
             return False
-        n = T * N
+        n = batch.rows
         if self.tail + n > len(self.versions):
             self._make_room(n)
         for name, a in rows.items():
@@ -582,14 +473,14 @@ class _Columns:
         tensors = {k: a[rows] for k, a in self.arrays.items()}
         versions = self.versions[rows]
         tensors["version"] = versions
-        return TensorBatch(tensors, version=int(versions.min()))
+        return TensorBatch(tensors, version=int(versions.min()), dims=("sample",))
 
 
 class RedisStore:
     def __init__(self, url: str, run_id: str, capacity_transitions: int, *, key_prefix: str = "rlfabric",
                  object_store: Any = None, offload_bytes: int = 1 << 20, connect_timeout_s: float = 5.0,
                  retry_attempts: int = 5, retry_backoff_s: float = 0.2, cache_bytes: int = 256 << 20,
-                 inline_bytes: int = INLINE_BYTES):
+                 inline_bytes: int = INLINE_BYTES, source: str = "online"):
         """``cache_bytes`` bounds each of the two in-process copies that make reads fast: decoded batches (for
         take_onpolicy and sampling) and, while the whole window fits in half of it, the sampling columns.
         0 disables both (every read goes to Redis). ``inline_bytes``: see INLINE_BYTES."""
@@ -605,10 +496,12 @@ class RedisStore:
         self.objects = object_store
         self.cache_bytes = cache_bytes
         self.inline_bytes = inline_bytes
-        self.prefix = f"{key_prefix}:{run_id}:"
+        # the "online" source keeps the run's own prefix; other named sources (data sets) get theirs under src:
+        self.prefix = f"{key_prefix}:{run_id}:" + ("" if source == "online" else f"src:{source}:")
         self._batch_prefix = self.prefix + "batch:"
         self._keys = [self.prefix + k for k in ("window", "stats", "take", "refs")]
-        self._object_prefix = f"replay/{_safe_key_part(run_id, 'run')}"
+        self._object_prefix = f"replay/{_safe_key_part(run_id, 'run')}" + (
+            "" if source == "online" else f"/src-{_safe_key_part(source, 'source')}")
         self._window: deque[_Entry] = deque()
         self._window_rows = 0  # transitions in the mirrored window
         self._pending = 0
@@ -632,8 +525,7 @@ class RedisStore:
         self._retry = Retry(ExponentialBackoff(cap=max(2.0, retry_backoff_s), base=retry_backoff_s / 2),
                             retry_attempts)
         self._scripts = {name: (body, hashlib.sha1(body.encode()).hexdigest())
-                         for name, body in (("put", _PUT_LUA), ("take", _TAKE_LUA), ("clear", _CLEAR_LUA),
-                                            ("migrate", _MIGRATE_LUA))}
+                         for name, body in (("put", _PUT_LUA), ("take", _TAKE_LUA), ("clear", _CLEAR_LUA))}
         self._wire = _Wire(self._client)  # the store's own connection for puts and takes
         self._random = random.Random()  # (seeded from os.urandom)
         # what every EVALSHA sends after the script's sha: the key count and the keys
@@ -648,9 +540,11 @@ class RedisStore:
         self._open()
 
     @classmethod
-    def from_config(cls, replay_config: Any, run_id: str, object_store: Any = None, **kw: Any) -> RedisStore:
+    def from_config(cls, replay_config: Any, run_id: str, object_store: Any = None, capacity: int | None = None,
+                    **kw: Any) -> RedisStore:
         c = replay_config
-        return cls(c.redis_url, run_id, c.capacity_transitions, key_prefix=c.key_prefix, object_store=object_store,
+        return cls(c.redis_url, run_id, capacity or c.capacity_transitions, key_prefix=c.key_prefix,
+                   object_store=object_store,
                    offload_bytes=c.offload_bytes, connect_timeout_s=c.connect_timeout_s,
                    retry_attempts=c.retry_attempts, retry_backoff_s=c.retry_backoff_s, **kw)
 
@@ -675,17 +569,9 @@ class RedisStore:
         except redis.ResponseError as exc:
             raise self._refused("open", exc) from None
         self._warn_if_not_persistent()
-        self._migrate()
         self._resync()
         if self.transitions > self.capacity:  # reopened with a smaller capacity
             self._after_put(self._run("trim", lambda: self._put_tx("", None, (0, 0, 0, "", 0, 0))), None)
-
-    def _migrate(self) -> None:
-        """Bring keys an older replay service wrote in the previous layout (see _MIGRATE_LUA) into this one."""
-        old = [self.prefix + "pending", self.prefix + "meta"]
-        if self._run("open", lambda: self._client.exists(*old)):
-            n = self._run("open", lambda: self._client.evalsha(self._scripts["migrate"][1], 6, *self._keys, *old))
-            log.info("replay keys under %s rewritten from the previous layout (%d batches)", self.prefix, n)
 
     def _load_scripts(self) -> None:
         for body, _ in self._scripts.values():
@@ -879,7 +765,8 @@ class RedisStore:
         object) and left empty here."""
         refs: list[dict] = []
         if self.objects is not None:
-            names = list(batch.tensors)
+            names = [part for name, v in batch.tensors.items()
+                     for part in ((name, name + "#lengths") if isinstance(v, Ragged) else (name,))]
             used: set[str] = set()
             for i in range(1, len(frames)):
                 size = len(frames[i])
@@ -992,7 +879,7 @@ class RedisStore:
     def put(self, batch: TensorBatch) -> int:
         """Store the batch; returns the put count. Returns only once Redis has it (the caller then acknowledges).
         Like MemoryStore, the store keeps references to the batch's arrays: don't modify them afterwards."""
-        n = check_trajectory(batch, self.capacity)
+        n = check_batch(batch, self.capacity)
         puts = self._stats.get("puts", 0) + 1  # (this put's count: the script's retry check)
         bid = f"{puts:010d}-{self._random.getrandbits(32):08x}"  # (unique, not secret)
         frames, nbytes = _batch_frames(batch)
@@ -1008,7 +895,8 @@ class RedisStore:
         self._unflushed_samples -= samples
         if self.cache_bytes:
             self._cache_put(bid, TensorBatch(dict(batch.tensors), meta=dict(batch.meta), version=batch.version,
-                                             seq=batch.seq), nbytes)
+                                             seq=batch.seq, dims=batch.dims, field_dims=dict(batch.field_dims)),
+                            nbytes)
         self._after_put(reply, _Entry(bid, n, batch.version))
         return self.puts
 
@@ -1068,7 +956,7 @@ class RedisStore:
         return out
 
     def sample(self, n: int, rng: np.random.Generator) -> TensorBatch:
-        """n transitions drawn uniformly over the window (the same draws as MemoryStore.sample)."""
+        """n rows drawn uniformly over the window (the same draws as MemoryStore.sample)."""
         if not self._window:
             raise ValueError("replay is empty: nothing to sample yet")
         if self._columns_ready():
@@ -1076,12 +964,39 @@ class RedisStore:
             out = self._columns.take(rng.integers(0, self._window_rows, size=n))
         else:
             counts = np.array([e.transitions for e in self._window])
-            flat, owner = draw_transitions(counts, n, rng)
+            flat, owner = draw_rows(counts, n, rng)
             ids = [e.id for e in self._window]
             batches = self._fetch([ids[b] for b in np.unique(owner)], "sample")
-            out = gather_transitions([batches.get(i) for i in ids], counts, flat, owner)
+            out = gather_rows([batches.get(i) for i in ids], counts, flat, owner)
         self._unflushed_samples += 1
         return out
+
+    def sample_windows(self, n: int, length: int, rng: np.random.Generator) -> TensorBatch:
+        """n windows of ``length`` consecutive steps, uniform over every window the stored trajectories hold."""
+        ids = [e.id for e in self._window]
+        batches = self._fetch(ids, "sample")
+        ordered = [batches[i] for i in ids]
+        counts = window_counts(ordered, length)
+        if not counts.sum():
+            raise ValueError(f"replay holds no trajectory of at least {length} steps to cut windows from")
+        flat, owner = draw_rows(counts, n, rng)
+        self._unflushed_samples += 1
+        return gather_windows(ordered, counts, flat, owner, length)
+
+    def drop_pending(self) -> int:
+        """Forget the on-policy FIFO (batches not yet taken) but keep the window; returns how many were dropped."""
+        dropped = self._pending
+        if dropped:
+            def drop() -> None:
+                p = self._client.pipeline(transaction=True)
+                p.hset(self._keys[1], "pending", 0)
+                p.hincrby(self._keys[1], "stale_dropped", dropped)
+                p.execute()
+
+            self._run("drop pending", drop)
+            self._pending = 0
+            self._stats["stale_dropped"] = self._stats.get("stale_dropped", 0) + dropped
+        return dropped
 
     def clear(self) -> None:
         """Drop every stored batch (and its offloaded objects); the counters stay, as MemoryStore's do."""

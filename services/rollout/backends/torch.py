@@ -1,43 +1,54 @@
-"""TorchBackend: batched acting with the run's policy (an ActorCritic on-policy, a squashed Gaussian actor for
-SAC) for all envs of a step, and weight-version loading."""
+"""TorchBackend: batched acting with the run's policy (the one its algorithm spec names) for all envs of a step,
+on the run's device, and weight-version loading through a state-dict receiver."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 
-from services.core.actor import build_policy
-from services.core.config import RunConfig
+from services.core.batch import tree_map
+from services.core.models import build_policy
+from services.rollout.backends.receivers import StateDictReceiver
+
+
+def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(x if x.flags.writeable else x.copy())
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 class TorchBackend:
-    def __init__(self, config: RunConfig, env_spec: dict):
-        self.policy = build_policy(config, env_spec)
+    def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(self.device)
         self.policy.eval()
+        self.has_value = bool(getattr(self.policy, "has_value", False))
+        self.receiver = StateDictReceiver(self.policy)
         self.version = -1
-        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 1)
 
-    def load(self, version: int, tensors: dict[str, np.ndarray]) -> None:
-        state = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in tensors.items()}
-        missing = set(self.policy.state_dict()) - set(state)
-        if missing:
-            raise ValueError(f"weight version {version} lacks tensors {sorted(missing)}; learner and rollout "
-                             f"were configured with different policies")
-        self.policy.load_state_dict(state)
+    def load(self, version: int, tensors: dict[str, Any]) -> None:
+        self.receiver.load(version, tensors)
         self.version = version
 
-    def act(self, obs: np.ndarray, deterministic: bool = False):
-        """(raw actions, env actions, log-probs, values) for a batch of observations."""
+    def act(self, obs: Any, deterministic: bool = False):
+        """(raw actions, env actions, log-probs, values) for a batch of observations (an array or a Dict)."""
         with torch.no_grad():
-            t = torch.from_numpy(obs if obs.flags.writeable else obs.copy())
+            t = tree_map(lambda x: _tensor(x, self.device), obs)
             actions, logp, values = self.policy.act(t, deterministic, self.generator)
-        return actions.numpy(), self.policy.env_actions(actions), logp.numpy(), values.numpy()
+        return (actions.cpu().numpy(), self.policy.env_actions(actions), logp.cpu().numpy(),
+                values.cpu().numpy())
 
     def random_actions(self, n: int):
-        """Uniform actions in the policy's action space (off-policy warm-up, before learning_starts)."""
-        raw = torch.rand((n, self.policy.act_dim), generator=self.generator) * 2 - 1
-        return raw.numpy(), self.policy.env_actions(raw)
+        """Uniform actions in the policy's action space (off-policy warm-up)."""
+        if self.policy.discrete:
+            raw = torch.randint(0, self.policy.act_dim, (n,), generator=self.generator, device=self.device)
+        else:
+            raw = torch.rand((n, self.policy.act_dim), generator=self.generator, device=self.device) * 2 - 1
+        return raw.cpu().numpy(), self.policy.env_actions(raw)
 
-    def value(self, obs: np.ndarray) -> np.ndarray:
+    def value(self, obs: Any) -> np.ndarray:
         with torch.no_grad():
-            return self.policy.value(torch.from_numpy(np.ascontiguousarray(obs))).numpy()
+            t = tree_map(lambda x: _tensor(np.ascontiguousarray(x), self.device), obs)
+            return self.policy.value(t).cpu().numpy()

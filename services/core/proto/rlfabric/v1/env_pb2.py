@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 from services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlfabric/v1/env.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"Y\n\x05Space\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0b\n\x03low\x18\x04 \x03(\x01\x12\x0c\n\x04high\x18\x05 \x03(\x01\x12\t\n\x01n\x18\x06 \x01(\x03\"\xab\x01\n\x07\x45nvSpec\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\x05\x12\x12\n\nnum_chunks\x18\x03 \x01(\x05\x12\x11\n\teval_envs\x18\x04 \x01(\x05\x12-\n\x11observation_space\x18\x05 \x01(\x0b\x32\x12.rlfabric.v1.Space\x12(\n\x0c\x61\x63tion_space\x18\x06 \x01(\x0b\x32\x12.rlfabric.v1.Space\"{\n\x08\x45nvStats\x12\x11\n\tenv_steps\x18\x01 \x01(\x03\x12+\n\x08\x65pisodes\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.EpisodeStats\x12\x19\n\x11rejected_messages\x18\x03 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x32\xba\x01\n\x03\x45nv\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12\x33\n\x07GetSpec\x12\x12.rlfabric.v1.Empty\x1a\x14.rlfabric.v1.EnvSpec\x12\x35\n\x08GetStats\x12\x12.rlfabric.v1.Empty\x1a\x15.rlfabric.v1.EnvStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlfabric/v1/env.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xcc\x01\n\x05Space\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0b\n\x03low\x18\x04 \x03(\x01\x12\x0c\n\x04high\x18\x05 \x03(\x01\x12\t\n\x01n\x18\x06 \x01(\x03\x12.\n\x06spaces\x18\x07 \x03(\x0b\x32\x1e.rlfabric.v1.Space.SpacesEntry\x1a\x41\n\x0bSpacesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rlfabric.v1.Space:\x02\x38\x01\"\xab\x01\n\x07\x45nvSpec\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\x05\x12\x12\n\nnum_chunks\x18\x03 \x01(\x05\x12\x11\n\teval_envs\x18\x04 \x01(\x05\x12-\n\x11observation_space\x18\x05 \x01(\x0b\x32\x12.rlfabric.v1.Space\x12(\n\x0c\x61\x63tion_space\x18\x06 \x01(\x0b\x32\x12.rlfabric.v1.Space\"{\n\x08\x45nvStats\x12\x11\n\tenv_steps\x18\x01 \x01(\x03\x12+\n\x08\x65pisodes\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.EpisodeStats\x12\x19\n\x11rejected_messages\x18\x03 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x32\xba\x01\n\x03\x45nv\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12\x33\n\x07GetSpec\x12\x12.rlfabric.v1.Empty\x1a\x14.rlfabric.v1.EnvSpec\x12\x35\n\x08GetStats\x12\x12.rlfabric.v1.Empty\x1a\x15.rlfabric.v1.EnvStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.env_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPACE']._serialized_start=64
-  _globals['_SPACE']._serialized_end=153
-  _globals['_ENVSPEC']._serialized_start=156
-  _globals['_ENVSPEC']._serialized_end=327
-  _globals['_ENVSTATS']._serialized_start=329
-  _globals['_ENVSTATS']._serialized_end=452
-  _globals['_ENV']._serialized_start=455
-  _globals['_ENV']._serialized_end=641
+  _globals['_SPACE_SPACESENTRY']._loaded_options = None
+  _globals['_SPACE_SPACESENTRY']._serialized_options = b'8\001'
+  _globals['_SPACE']._serialized_start=65
+  _globals['_SPACE']._serialized_end=269
+  _globals['_SPACE_SPACESENTRY']._serialized_start=204
+  _globals['_SPACE_SPACESENTRY']._serialized_end=269
+  _globals['_ENVSPEC']._serialized_start=272
+  _globals['_ENVSPEC']._serialized_end=443
+  _globals['_ENVSTATS']._serialized_start=445
+  _globals['_ENVSTATS']._serialized_end=568
+  _globals['_ENV']._serialized_start=571
+  _globals['_ENV']._serialized_end=757
 # @@protoc_insertion_point(module_scope)

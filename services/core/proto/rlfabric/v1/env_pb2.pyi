@@ -8,20 +8,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Space(_message.Message):
-    __slots__ = ("kind", "shape", "dtype", "low", "high", "n")
+    __slots__ = ("kind", "shape", "dtype", "low", "high", "n", "spaces")
+    class SpacesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Space
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Space, _Mapping]] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOW_FIELD_NUMBER: _ClassVar[int]
     HIGH_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    SPACES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     low: _containers.RepeatedScalarFieldContainer[float]
     high: _containers.RepeatedScalarFieldContainer[float]
     n: int
-    def __init__(self, kind: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., n: _Optional[int] = ...) -> None: ...
+    spaces: _containers.MessageMap[str, Space]
+    def __init__(self, kind: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ..., n: _Optional[int] = ..., spaces: _Optional[_Mapping[str, Space]] = ...) -> None: ...
 
 class EnvSpec(_message.Message):
     __slots__ = ("env_id", "num_envs", "num_chunks", "eval_envs", "observation_space", "action_space")

@@ -47,7 +47,7 @@ class ReplayStub:
                 _registered_method=True)
         self.Clear = channel.unary_unary(
                 '/rlfabric.v1.Replay/Clear',
-                request_serializer=rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                request_serializer=rlfabric_dot_v1_dot_replay__pb2.ClearRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_replay__pb2.ReplayStats.FromString,
                 _registered_method=True)
 
@@ -68,7 +68,9 @@ class ReplayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Clear(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Drop stored data: every source (source ""), or one; pending_only drops only the on-policy FIFO (batches not
+        yet taken) and keeps the window, as a resumed off-policy run wants.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -88,7 +90,7 @@ def add_ReplayServicer_to_server(servicer, server):
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
-                    request_deserializer=rlfabric_dot_v1_dot_common__pb2.Empty.FromString,
+                    request_deserializer=rlfabric_dot_v1_dot_replay__pb2.ClearRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_replay__pb2.ReplayStats.SerializeToString,
             ),
     }
@@ -171,7 +173,7 @@ class Replay:
             request,
             target,
             '/rlfabric.v1.Replay/Clear',
-            rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            rlfabric_dot_v1_dot_replay__pb2.ClearRequest.SerializeToString,
             rlfabric_dot_v1_dot_replay__pb2.ReplayStats.FromString,
             options,
             channel_credentials,

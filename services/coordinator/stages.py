@@ -1,0 +1,57 @@
+"""Stages: the workers taking part in a run, and how the coordinator calls them (any failure becomes a RunFailed
+that names the worker, the call and the cause)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.coordinator.registry import Worker
+from services.coordinator.run import RunFailed
+from services.core.proto.rlfabric.v1 import env_pb2_grpc, learner_pb2_grpc, replay_pb2_grpc, rollout_pb2_grpc
+from services.core.runtime import channel
+
+STUBS = {
+    "env": env_pb2_grpc.EnvStub, "replay": replay_pb2_grpc.ReplayStub,
+    "learner": learner_pb2_grpc.LearnerStub, "rollout": rollout_pb2_grpc.RolloutStub,
+}
+
+
+@dataclass
+class Stage:
+    """A worker taking part in a run and the stub the coordinator drives it with."""
+
+    worker: Worker
+    channel: grpc.aio.Channel
+    stub: object
+
+    @classmethod
+    def of(cls, worker: Worker) -> Stage:
+        ch = channel(worker.grpc)
+        return cls(worker, ch, STUBS[worker.role](ch))
+
+
+async def rpc(stage: Stage, method: str, request, timeout: float | None = None):
+    """Call a worker; any failure becomes a RunFailed that names the worker, the call and the cause."""
+    try:
+        return await getattr(stage.stub, method)(request, timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        detail = exc.details() or exc.code().name
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not await healthy(stage):
+            # its control plane is gone: never place work on it again (if it lives, its next heartbeat is
+            # refused and it registers anew); a live worker reporting an unreachable peer stays placeable
+            stage.worker.alive = False
+        raise RunFailed(f"{stage.worker.describe()}: {method} failed: {detail}",
+                        bad_input=exc.code() == grpc.StatusCode.INVALID_ARGUMENT) from None
+
+
+async def healthy(stage: Stage, timeout_s: float = 1.0) -> bool:
+    """The worker's standard gRPC health service answers SERVING."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(stage.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                      timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

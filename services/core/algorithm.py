@@ -1,0 +1,268 @@
+"""Algorithm specs: what an algorithm declares so that every service can run it without naming it.
+
+An algorithm is one file under ``services/learner/algorithms/`` (or any package that registers under the
+``rlfabric.algorithms`` entry-point group) holding one ``Algorithm`` subclass. Its class-level declarations are
+read by every service; an instance is the learner's update:
+
+    Config        its config: a pydantic model whose ``name`` literal is the tag of ``algorithm`` in a run spec
+    policy        the policy it trains and the rollout acts with (a name in services.core.models.POLICIES)
+    roles         which roles it needs: a rollout that collects (or none: offline), a frozen reference policy,
+                  an expert policy
+    trajectory()  the fields a collector must record per step, and how episode ends are treated
+    data()        how the learner reads replay: the on-policy FIFO, uniform samples, sequence windows, or a
+                  weighted mix of named sources (offline demos + online, interventions + online)
+    update()      the math, CleanRL style
+
+The coordinator reads ``roles``, ``data()`` and ``iterations()``; a rollout worker reads ``trajectory()``; the
+learner builds the instance and feeds it the batches ``data()`` describes. Nothing else knows which algorithm runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import pkgutil
+import threading
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.core.batch import TensorBatch
+
+log = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "rlfabric.algorithms"
+DEFAULT_SOURCE = "online"
+
+
+class AlgorithmConfig(BaseModel):
+    """Base of every algorithm's config section. Subclasses set ``name: Literal["<name>"] = "<name>"``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    name: str
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """What a collector records for the algorithm.
+
+    ``fields``: per-step fields, from what collectors offer: obs, actions, logp, values, rewards, dones,
+    terminated, truncated, next_obs, and last_values (the value of the observation after the last step, per env).
+    ``bootstrap_truncated``: gamma, to fold ``gamma * V(final obs)`` into the reward of a step whose episode was
+    truncated (a time limit is not a failure), or None. ``random_until_env_steps``: act uniformly at random until
+    the run has collected this many env steps (off-policy warm-up)."""
+
+    fields: tuple[str, ...]
+    bootstrap_truncated: float | None = None
+    random_until_env_steps: int = 0
+
+
+@dataclass(frozen=True)
+class DataAccess:
+    """How the learner reads replay each iteration.
+
+    onpolicy   take the iteration's batch from the FIFO once (shards of every rollout worker, joined)
+    uniform    sample ``batch_size`` rows uniformly from the window of ``sources``' single source
+    sequences  sample ``batch_size`` windows of ``length`` consecutive steps
+    mix        sample ``batch_size`` rows from several named sources with fixed weights
+    ``sources``: (name, weight) pairs; online collection writes to "online", a data set is loaded as "offline"."""
+
+    kind: Literal["onpolicy", "uniform", "sequences", "mix"]
+    batch_size: int = 0
+    length: int = 0
+    sources: tuple[tuple[str, float], ...] = ((DEFAULT_SOURCE, 1.0),)
+
+    @classmethod
+    def on_policy(cls) -> DataAccess:
+        return cls("onpolicy")
+
+    @classmethod
+    def uniform(cls, batch_size: int, source: str = DEFAULT_SOURCE) -> DataAccess:
+        return cls("uniform", batch_size, sources=((source, 1.0),))
+
+    @classmethod
+    def sequence_windows(cls, batch_size: int, length: int, source: str = DEFAULT_SOURCE) -> DataAccess:
+        return cls("sequences", batch_size, length, sources=((source, 1.0),))
+
+    @classmethod
+    def mix(cls, batch_size: int, weights: dict[str, float]) -> DataAccess:
+        total = sum(weights.values())
+        if not weights or total <= 0 or any(w < 0 for w in weights.values()):
+            raise ValueError(f"a mix needs non-negative source weights with a positive sum, got {weights}")
+        return cls("mix", batch_size, sources=tuple((k, w / total) for k, w in weights.items()))
+
+    @property
+    def on_policy_fifo(self) -> bool:
+        return self.kind == "onpolicy"
+
+    @property
+    def keeps_window(self) -> bool:
+        """Whether replay's window stays valid across a resume: sampled data does, on-policy batches do not (they
+        belong to the policy lineage that produced them)."""
+        return self.kind != "onpolicy"
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.sources)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """``rollout``: "policy" when workers collect with the policy, "none" for offline algorithms (a rollout worker
+    is then placed only to evaluate, when evaluation is asked for). ``reference``: the learner keeps a frozen copy
+    of the initial policy. ``expert``: the learner loads a frozen expert policy from the config's
+    ``expert_checkpoint``."""
+
+    rollout: Literal["policy", "none"] = "policy"
+    reference: bool = False
+    expert: bool = False
+
+
+class Algorithm:
+    """Base class of an algorithm spec (see the module docstring)."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[AlgorithmConfig]]
+    policy: ClassVar[str] = "actor_critic"
+    roles: ClassVar[Roles] = Roles()
+    default: ClassVar[bool] = False  # the algorithm a run spec without an algorithm section gets
+
+    # -- declarations (every service) -------------------------------------------------------------------------
+    @classmethod
+    def trajectory(cls, cfg: Any) -> Trajectory:
+        raise NotImplementedError(f"{cls.__name__} collects data but declares no trajectory()")
+
+    @classmethod
+    def data(cls, cfg: Any) -> DataAccess:
+        return DataAccess.on_policy()
+
+    @classmethod
+    def steps_per_env(cls, cfg: Any) -> int:
+        """Env steps each env takes per iteration (0 when the algorithm collects nothing)."""
+        return int(getattr(cfg, "n_steps", 0)) if cls.roles.rollout == "policy" else 0
+
+    @classmethod
+    def check(cls, run: Any) -> None:
+        """Refuse (ValueError naming the field and the fix) a run spec this algorithm cannot run, beyond what its
+        config model checks alone: the run config validates with it."""
+
+    @classmethod
+    def iterations(cls, run: Any) -> int:
+        """Iterations (collect, train, publish) of a run: its env-step budget over the env steps of one."""
+        per = cls.steps_per_env(run.algorithm) * run.env.num_envs
+        if per <= 0:
+            raise NotImplementedError(f"{cls.__name__} collects nothing: it must define iterations()")
+        return math.ceil(run.train.total_env_steps / per)
+
+    # -- the learner's instance -------------------------------------------------------------------------------
+    def __init__(self, policy: torch.nn.Module, run: Any, generator: torch.Generator | None = None,
+                 env_spec: dict | None = None, reference: torch.nn.Module | None = None,
+                 expert: torch.nn.Module | None = None):
+        self.policy, self.run, self.generator = policy, run, generator
+        self.env_spec = env_spec or {}
+        self.cfg = run.algorithm
+        self.reference, self.expert = reference, expert
+        self.env_steps = 0
+        self.optimizer_steps = 0
+
+    def updates_for(self, env_steps: int) -> int:
+        """Sampled data access: minibatches to draw this iteration after ``env_steps`` more were collected."""
+        raise NotImplementedError(f"{type(self).__name__} samples replay but does not say how many minibatches")
+
+    def update(self, batch: TensorBatch) -> dict[str, float]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+class OfflineConfig(AlgorithmConfig):
+    """What every offline algorithm's config has: it learns from a named replay source (a data set loaded with
+    ``replay.datasets``), ``updates_per_iteration`` minibatches of ``batch_size`` per iteration, ``total_updates``
+    in all."""
+
+    batch_size: int = Field(256, ge=1, le=1 << 16, description="minibatch size sampled from the data set")
+    updates_per_iteration: int = Field(100, ge=1, le=100_000, description="gradient steps per iteration (one "
+                                                                          "metrics row, one weight version)")
+    total_updates: int = Field(10_000, ge=1, le=100_000_000, description="gradient steps of the whole run")
+    source: str = Field("offline", min_length=1, max_length=64,
+                        description="the replay source to learn from: a name in replay.datasets")
+
+
+class OfflineAlgorithm(Algorithm):
+    """Base of algorithms that learn from a stored data set with no rollout collecting: each iteration samples its
+    minibatches uniformly from the config's source."""
+
+    roles: ClassVar[Roles] = Roles(rollout="none")
+
+    @classmethod
+    def data(cls, cfg: Any) -> DataAccess:
+        return DataAccess.uniform(cfg.batch_size, cfg.source)
+
+    @classmethod
+    def check(cls, run: Any) -> None:
+        if run.algorithm.source not in run.replay.datasets:
+            raise ValueError(f"algorithm.source={run.algorithm.source!r} names no data set. Fix: add replay.datasets: "
+                             f"{{{run.algorithm.source}: PATH.npz}} (rlfabric collect writes one)")
+
+    @classmethod
+    def iterations(cls, run: Any) -> int:
+        return math.ceil(run.algorithm.total_updates / run.algorithm.updates_per_iteration)
+
+    def updates_for(self, env_steps: int) -> int:
+        return min(self.cfg.updates_per_iteration, self.cfg.total_updates - self.optimizer_steps)
+
+
+# -- the registry ----------------------------------------------------------------------------------------------
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+_loaded = False
+_lock = threading.RLock()
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator of an algorithm file: the spec joins the registry under its config's ``name``."""
+    name = cls.Config.model_fields["name"].default
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__}.Config needs name: Literal['<name>'] = '<name>'")
+    if name in ALGORITHMS and ALGORITHMS[name] is not cls:
+        raise ValueError(f"algorithm {name!r} is registered twice ({ALGORITHMS[name].__module__} and {cls.__module__})")
+    cls.name = name
+    ALGORITHMS[name] = cls
+    return cls
+
+
+def load_algorithms() -> dict[str, type[Algorithm]]:
+    """Import every module the ``rlfabric.algorithms`` entry points name (a package: each of its modules), once.
+    That is how the config schema learns the algorithms without naming any."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return ALGORITHMS
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            module = importlib.import_module(ep.value)
+            for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+                importlib.import_module(f"{module.__name__}.{info.name}")
+        _loaded = True
+        if not ALGORITHMS:
+            raise RuntimeError(f"no algorithm is registered: nothing declares the {ENTRY_POINT_GROUP!r} entry point. "
+                               f"Fix: install rlfabric (pip install -e .) so its entry points exist")
+        return ALGORITHMS
+
+
+def algorithm(name: str) -> type[Algorithm]:
+    specs = load_algorithms()
+    if name not in specs:
+        raise ValueError(f"algorithm.name {name!r} is not registered; available: {sorted(specs)}")
+    return specs[name]
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmConfig", "DataAccess", "OfflineAlgorithm", "OfflineConfig", "Roles",
+           "Trajectory", "algorithm", "load_algorithms", "register"]

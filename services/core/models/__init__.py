@@ -1,0 +1,34 @@
+"""Models shared by the learner (which trains them) and the rollout (which acts with them), by registered name.
+
+An algorithm spec names the policy it needs (``policy = "actor_critic"``); ``build_policy`` makes it for an env's
+observation and action spaces and the run's ``policy`` config section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.core.models.actor_critic import ActorCritic
+from services.core.models.encoders import build_encoder
+from services.core.models.mlp import mlp
+from services.core.models.squashed_gaussian import SquashedGaussianActor
+
+POLICIES: dict[str, type] = {"actor_critic": ActorCritic, "squashed_gaussian": SquashedGaussianActor}
+
+
+def register_policy(name: str):
+    def wrap(cls):
+        POLICIES[name] = cls
+        return cls
+
+    return wrap
+
+
+def build_policy(name: str, env_spec: dict[str, Any], policy_config: Any):
+    if name not in POLICIES:
+        raise ValueError(f"policy {name!r} is not registered; available: {sorted(POLICIES)}")
+    return POLICIES[name](env_spec["observation_space"], env_spec["action_space"], policy_config)
+
+
+__all__ = ["ActorCritic", "POLICIES", "SquashedGaussianActor", "build_encoder", "build_policy", "mlp",
+           "register_policy"]

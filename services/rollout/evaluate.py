@@ -1,0 +1,90 @@
+"""Acting without services, in this process: ``rlfabric eval`` (a checkpoint's policy, on the run's own evaluation
+seeds, so it reproduces the run's evaluation) and ``rlfabric collect`` (a data set of transitions from a checkpoint's
+policy or from uniform random actions). Both go through the collector's episode loop and an in-process env channel:
+the same code a rollout worker evaluates with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from services.core.batch import TensorBatch
+from services.core.config import RunConfig
+from services.env.local import LocalEnvChannel
+from services.rollout.backends import build_backend
+from services.rollout.collectors.gym import play
+
+
+def _from_checkpoint(path: str | Path):
+    from services.learner.checkpoint import unpack
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint (runs leave one at runs/<id>/checkpoints/final.pt)")
+    ckpt = unpack(path.read_bytes(), str(path))
+    config = RunConfig.from_json(ckpt["config_json"])
+    spec = json.loads(ckpt["env_spec_json"])
+    backend = build_backend(config.rollout.backend, config, spec, "cpu")
+    backend.load(int(ckpt.get("weight_version", 0)), ckpt["policy"])
+    return config, backend
+
+
+def _env_spec(config: RunConfig) -> dict:
+    channel = LocalEnvChannel(config)
+    try:
+        pool = channel.pools["eval"]
+        return {"env_id": pool.env_id, "observation_space": pool.obs_spec, "action_space": pool.act_spec}
+    finally:
+        channel.close()
+
+
+def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None,
+                        deterministic: bool = True) -> list[float]:
+    """Returns of ``episodes`` episodes; by default on the run's own eval seeds, so it reproduces the run's eval."""
+    config, backend = _from_checkpoint(path)
+    env = LocalEnvChannel(config)
+    try:
+        returns, _ = play(env, backend, config.env.eval_envs, episodes,
+                          config.eval_seed() if seed is None else seed, deterministic)
+    finally:
+        env.close()
+    return returns
+
+
+def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bool = False,
+                    deterministic: bool = False) -> tuple[TensorBatch, list[float]]:
+    """Transitions of ``episodes`` episodes: with the policy of checkpoint ``source`` (stochastic unless
+    ``deterministic``), or, with ``random``, uniform actions in the env of run spec (or checkpoint) ``source``."""
+    source = Path(source)
+    if source.suffix in (".yaml", ".yml"):
+        if not random:
+            raise ValueError(f"{source} is a run spec: it has no policy to act with. Fix: pass a checkpoint, or "
+                             f"--random for uniform actions")
+        from services.core.config import load_config
+
+        config = load_config(source)
+        backend = build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
+    else:
+        config, backend = _from_checkpoint(source)
+    env = LocalEnvChannel(config)
+    try:
+        returns, batch = play(env, backend, config.env.eval_envs, episodes, seed, deterministic, record=True,
+                              random=random)
+    finally:
+        env.close()
+    assert batch is not None
+    return batch, returns
+
+
+def merge_datasets(parts: list[TensorBatch]) -> TensorBatch:
+    """Data sets appended row-wise, each one's episode numbers after the previous ones'."""
+    offset, shifted = 0, []
+    for part in parts:
+        part = TensorBatch(dict(part.tensors), version=0, dims=("sample",))
+        if "episode" in part.tensors:
+            part.tensors["episode"] = np.asarray(part.tensors["episode"]) + offset
+            offset = int(part.tensors["episode"].max()) + 1 if part.rows else offset
+        shifted.append(part)
+    return TensorBatch.cat(shifted, "sample")

@@ -1,0 +1,49 @@
+"""The layering rules the code base keeps, checked on its source: algorithms are named only in their own files,
+the shared runtime imports no service, one MLP builder, and no process-wide switch of torch.distributions checks."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from services.core.algorithm import load_algorithms
+
+SERVICES = Path(__file__).resolve().parents[2] / "services"
+ALGORITHM_DIR = SERVICES / "learner" / "algorithms"
+
+
+def _sources(root: Path = SERVICES) -> list[Path]:
+    return [p for p in root.rglob("*.py") if "proto" not in p.relative_to(SERVICES).parts]
+
+
+def test_no_file_outside_the_algorithm_specs_names_an_algorithm():
+    names = sorted(load_algorithms())
+    assert {"ppo", "sac", "iql", "bc"} <= set(names)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b", re.IGNORECASE)
+    offenders = []
+    for path in _sources():
+        if ALGORITHM_DIR in path.parents:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(SERVICES.parent)}:{n}: {line.strip()}")
+    assert not offenders, "algorithm names outside services/learner/algorithms/ (make it a spec field):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_shared_runtime_imports_no_service():
+    services = ("learner", "rollout", "env", "replay", "coordinator", "robot_gateway")
+    offenders = []
+    for path in _sources(SERVICES / "core"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {m}" for m in modules if m.split(".")[:2] in [["services", s] for s in services]]
+    assert not offenders, offenders
+
+
+def test_one_mlp_builder_and_no_global_distribution_switch():
+    builders = [str(p) for p in _sources() if re.search(r"^def _?mlp\(", p.read_text(), re.MULTILINE)]
+    assert builders == [str(SERVICES / "core" / "models" / "mlp.py")]
+    assert not [p for p in _sources() if "set_default_validate_args" in p.read_text()]
