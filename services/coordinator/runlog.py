@@ -10,15 +10,14 @@ from pathlib import Path
 
 from services.core.config import RunConfig, dump_yaml
 
+# Every run's columns, first; an algorithm's own statistics (its losses, learning rate, ...) follow in the order
+# they first appear (the file is rewritten with the wider header when one appears).
 COLUMNS = [
     "iteration", "env_steps", "time", "wall_time_s", "weight_version", "batch_version",
     "train_return_mean", "train_episodes", "eval_return_mean", "eval_return_std", "eval_weight_version",
-    "optimizer_steps", "fps",
-    "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance",
-    "learning_rate", "clip_range", "collect_seconds", "train_seconds", "update_seconds", "publish_seconds",
-    "env_seconds", "policy_seconds",
-    "weight_wait_seconds", "train_wait_seconds", "iteration_seconds", "rollout_workers", "env_workers",
-    "offload_bytes", "offload_seconds", "onload_seconds",
+    "optimizer_steps", "fps", "collect_seconds", "train_seconds", "update_seconds", "publish_seconds",
+    "env_seconds", "policy_seconds", "weight_wait_seconds", "train_wait_seconds", "iteration_seconds",
+    "rollout_workers", "env_workers", "offload_bytes", "offload_seconds", "onload_seconds",
 ]
 
 
@@ -43,32 +42,49 @@ class RunLog:
         were produced by work the resumed run repeats, so the curve continues without a jump back."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        # the x axis: env steps, or iterations for a run that collects nothing (offline)
+        self.step_key = "env_steps" if config.collects else "iteration"
         self.rows: list[dict[str, float]] = []
-        path = run_dir / "metrics.csv"
+        self.path = run_dir / "metrics.csv"
+        self.columns = list(COLUMNS)
         kept: list[dict[str, str]] = []
-        if resume_iteration is not None and path.exists():
-            with open(path, newline="") as f:
-                kept = [r for r in csv.DictReader(f) if int(float(r["iteration"])) <= resume_iteration]
-            self.rows = [{k: float(v) for k, v in r.items() if k in COLUMNS and v not in ("", None)} for r in kept]
+        if resume_iteration is not None and self.path.exists():
+            with open(self.path, newline="") as f:
+                reader = csv.DictReader(f)
+                kept = [r for r in reader if int(float(r["iteration"])) <= resume_iteration]
+                self.columns += [c for c in reader.fieldnames or [] if c not in self.columns]
+            self.rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in kept]
         else:
             (run_dir / "config.yaml").write_text(dump_yaml(config))
-        self._csv_file = open(path, "w", newline="")
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
-        self._csv.writeheader()
-        for row in kept:  # verbatim: the resumed file reads exactly as it did before the stop
-            self._csv.writerow(row)
-        self._csv_file.flush()
+        self._csv_file = None
+        self._rewrite(kept)  # verbatim: a resumed file reads exactly as it did before the stop
         # purge_step drops TensorBoard events at or after it, written before the run stopped
         purge = resume_env_steps + 1 if resume_iteration is not None else None
         self._tb = import_tensorboardx().SummaryWriter(str(run_dir), flush_secs=5, purge_step=purge)
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        """The CSV from scratch with the current columns (at the start, and when a statistic first appears)."""
+        if self._csv_file is not None:
+            self._csv_file.close()
+        self._csv_file = open(self.path, "w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")
+        self._csv.writeheader()
+        for row in rows:
+            self._csv.writerow(row)
+        self._csv_file.flush()
 
     def write(self, row: dict[str, float]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         row.setdefault("time", time.time())
         self.rows.append(row)
-        self._csv.writerow(row)
-        self._csv_file.flush()
-        step = int(row.get("env_steps", 0))
+        new = [k for k in row if k not in self.columns]
+        if new:
+            self.columns += new
+            self._rewrite(self.rows)
+        else:
+            self._csv.writerow(row)
+            self._csv_file.flush()
+        step = int(row.get(self.step_key, 0))
         for key, value in row.items():
             if key not in ("iteration", "env_steps", "time"):
                 group = "eval" if key.startswith("eval_") else "train" if key.startswith("train_") else "stats"
@@ -86,13 +102,18 @@ class RunLog:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-        for key, label in (("train_return_mean", "train (rolling mean)"), ("eval_return_mean", "eval")):
-            pts = [(r["env_steps"], r[key]) for r in self.rows if key in r]
+        curves = [("train_return_mean", "train (rolling mean)"), ("eval_return_mean", "eval")]
+        ylabel = "episode return"
+        if not any(key in r for key, _ in curves for r in self.rows):  # no returns (offline, no eval): the losses
+            curves = [(c, c) for c in self.columns if c.endswith("_loss")]
+            ylabel = "loss"
+        for key, label in curves:
+            pts = [(r.get(self.step_key, 0), r[key]) for r in self.rows if key in r]
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o" if key.startswith("eval") else None, label=label)
-        ax.set_xlabel("env steps")
-        ax.set_ylabel("episode return")
+        ax.set_xlabel(self.step_key.replace("_", " "))
+        ax.set_ylabel(ylabel)
         ax.set_title(self.run_dir.name)
         ax.grid(alpha=0.3)
         ax.legend()
