@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+import redis
 
 from services.core.proto.rlfabric.v1 import coordinator_pb2
+from tests.support_redis import redis_server  # noqa: F401
 
 CKPT_EVERY = 5
 
@@ -78,3 +80,32 @@ def test_sigkill_whole_run_then_cli_resume_solves(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from checkpoints/ckpt-{resumed_from:010d}.pt" in proc.stderr
     _assert_resumed_and_solved(_rows(run_dir), resumed_from)
+
+
+@pytest.mark.slow
+def test_sac_on_redis_killed_and_resumed_keeps_its_replay_window(tmp_path, redis_server):  # noqa: F811
+    """The off-policy window survives: after a SIGKILL of the whole run, the resumed run starts from the same
+    replay window the killed one had (its untaken FIFO dropped), and goes on learning with counters continuing."""
+    run_dir = tmp_path / "sac-redis"
+    sets = ["--set", "replay.store=redis", "--set", f"replay.redis_url={redis_server}", "--set",
+            f"checkpoint.every_iterations={CKPT_EVERY}", "--set", "train.stop_at_eval_return=null",
+            "--set", "train.total_env_steps=4096"]
+    train = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "examples/pendulum_sac.yaml",
+                              "--run-dir", str(run_dir), "--quiet", *sets],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
+        assert train.poll() is None and time.monotonic() < deadline, train.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.killpg(train.pid, signal.SIGKILL)
+    train.wait()
+    stats = redis.Redis.from_url(redis_server).hgetall(f"rlfabric:{run_dir.name}:stats")
+    window = int(stats[b"transitions"])
+    assert window >= 2 * CKPT_EVERY * 128  # every collected epoch is in the window
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "resume", str(run_dir), "--quiet"],
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"kept {window} transitions in the replay window at this resume" in proc.stderr
+    rows = _rows(run_dir)
+    assert [int(r["iteration"]) for r in rows] == list(range(1, len(rows) + 1)) and int(rows[-1]["env_steps"]) == 4096
