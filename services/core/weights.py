@@ -374,9 +374,9 @@ class WeightPublisher:
     def _handle(self, kind: str, batch: TensorBatch, reply: Reply) -> None:
         meta = batch.meta
         if kind == "get":
+            wait_s = meta_float(meta, "wait_s", 0.0, 0.0, 3600.0)
             if self._answer(meta, reply):
                 return
-            wait_s = meta_float(meta, "wait_s", 0.0, 0.0, 3600.0)
             if wait_s <= 0:
                 reply.send("current", TensorBatch(version=self._version))
             elif len(self._parked) >= MAX_PARKED:

@@ -85,3 +85,59 @@ def test_weight_publisher_long_poll():
     with pytest.raises(ValueError, match="must increase"):
         pub.publish(1, {"w": np.ones(3)})
     pub.close()
+
+
+def test_no_hostile_message_kills_the_receiving_loop(echo):
+    """The killer messages (deep nesting, shape products that overflow, absurd sequence numbers) and a corpus of
+    malformed ones: each is refused with a reason, the handler never sees it, and the channel keeps serving."""
+    from tests.hostile import MALFORMED
+
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(echo.endpoint)
+    answered = 0
+    for name, frames in MALFORMED.items():
+        raw.send_multipart(frames, copy=False)
+        if raw.poll(5000):
+            reply = raw.recv_multipart()
+            assert b'"kind":"error"' in reply[0], name
+            answered += 1
+        assert echo.alive and echo.health() is None, name
+    raw.close()
+    assert answered == len(MALFORMED)
+    c = DataClient(echo.endpoint, max_bytes=64 * 1024, timeout_s=5)
+    assert c.request("x", TensorBatch({"a": np.ones(2)}))[1]["a"].tolist() == [2, 2]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_loop_fails_the_services_health_check():
+    """Should a receiving loop die anyway (here: a bug, simulated), the service reports NOT_SERVING and why."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    from services.core.runtime import ServiceOptions, ServiceRuntime
+
+    async def scenario():
+        runtime = ServiceRuntime(ServiceOptions(role="env"))
+        server = DataServer(max_bytes=1024, name="doomed")
+        runtime.watch("doomed-data-plane", server.health)
+
+        def crash(frames, handler):
+            raise SystemExit("a bug in the loop itself")
+
+        server._handle = crash  # noqa: SLF001 — the bug
+        server.start(lambda kind, batch, reply: None)
+        c = DataClient(server.endpoint, max_bytes=1024, timeout_s=0.3)
+        with pytest.raises(PeerTimeout):
+            c.request("x")
+        c.close()
+        server._thread.join(2)
+        runtime.check_components()
+        await asyncio.sleep(0.05)
+        status = runtime.health._server_status[""]  # noqa: SLF001 — what Check answers
+        return status, runtime.failed, server.crashed
+
+    status, failed, crashed = asyncio.run(scenario())
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert "a bug in the loop itself" in failed["doomed-data-plane"] and "SystemExit" in crashed

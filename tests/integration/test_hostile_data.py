@@ -1,0 +1,65 @@
+"""Every data port of a live stack — env, replay, and the learner's weight publisher — takes the killer messages,
+a malformed-message corpus and hostile requests; each service stays SERVING with its loops alive, and a run
+afterwards succeeds."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, learner_pb2_grpc, replay_pb2_grpc
+from services.core.runtime import ROLE_NAMES
+from tests.conftest import short_config
+from tests.hostile import CORPUS
+
+
+def _attack(endpoint: str) -> int:
+    """Send the whole corpus; returns how many were answered (with an error, every one)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    answered = 0
+    try:
+        for name, frames in CORPUS.items():
+            sock.send_multipart(frames, copy=False)
+            assert sock.poll(10_000), f"{endpoint}: no answer to {name!r}"
+            assert b'"kind":"error"' in sock.recv_multipart()[0], name
+            answered += 1
+    finally:
+        sock.close()
+    return answered
+
+
+def test_hostile_messages_leave_every_service_serving_and_a_run_succeeds(stack, tmp_path):
+    workers = {ROLE_NAMES[w.role]: w for w in stack.client.workers() if w.alive}
+    # the learner's weight port exists once it is configured for a run
+    cfg = short_config()
+    req = dict(run_id="t-hostile", config_json=cfg.to_json())
+    with grpc.insecure_channel(workers["env"].endpoint.grpc) as ch:
+        from services.core.proto.rlfabric.v1 import env_pb2_grpc
+
+        env_spec = json.loads(env_pb2_grpc.EnvStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
+                              .detail_json)
+    with grpc.insecure_channel(workers["replay"].endpoint.grpc) as ch:
+        replay = replay_pb2_grpc.ReplayStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
+    with grpc.insecure_channel(workers["learner"].endpoint.grpc) as ch:
+        learner = learner_pb2_grpc.LearnerStub(ch).Configure(common_pb2.ConfigureRequest(
+            **req, peers={"replay": replay.data_endpoint},
+            context_json=json.dumps({"env_spec": env_spec, "run_dir": str(tmp_path)})), timeout=60)
+    for endpoint in (workers["env"].endpoint.data, replay.data_endpoint, learner.data_endpoint):
+        assert _attack(endpoint) == len(CORPUS)
+    for role in ("env", "replay", "learner", "rollout"):
+        w = workers[role]
+        with grpc.insecure_channel(w.endpoint.grpc) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING, role
+        metrics = urllib.request.urlopen(w.endpoint.metrics, timeout=5).read().decode()
+        assert " 0.0" not in [line[line.index("}") + 1:] for line in metrics.splitlines()
+                              if line.startswith("rlfabric_component_up{")], role
+    run = stack.client.submit(short_config(), run_dir=stack.root / "runs" / "after-hostile")
+    final = stack.client.wait(run.run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
