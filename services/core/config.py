@@ -29,6 +29,8 @@ class EnvConfig(_Strict):
     num_envs: int = Field(8, ge=1, le=4096)
     vectorization: Literal["sync", "async"] = "sync"
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
+    options: dict[str, Any] = Field(default_factory=dict, description="the adapter's own options (e.g. minigrid: "
+                                                                       "tile_size, view); the adapter checks them")
     eval_envs: int = Field(10, ge=1, le=1024, description="envs (one episode each) used for evaluation")
 
 
