@@ -38,6 +38,7 @@ from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from services.core import auth
 from services.core.config import ConfigError, load_config
 
 console = Console(stderr=True)
@@ -63,15 +64,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
-        f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.coordinator:
-        return _follow(args.coordinator, args, run_dir, None, _total(config))
+    if args.coordinator:  # where the run lives is the coordinator's: under its runs root
+        return _follow(args.coordinator, args, Path(args.run_dir) if args.run_dir else None, None, _total(config))
+    run_dir = (Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
+        f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     from services.launcher import LocalStack, roles_for
 
     roles = roles_for(config)
-    stack = LocalStack(log_dir=run_dir / "logs", runs_root=args.runs_root, torch_threads=config.runtime.torch_threads,
-                       roles=roles)
+    stack = LocalStack(log_dir=run_dir / "logs", runs_root=run_dir.parent,
+                       torch_threads=config.runtime.torch_threads, roles=roles)
     try:
         with console.status(f"starting services (coordinator, {', '.join(roles)})..."):
             stack.start()
@@ -93,6 +94,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return _follow(args.coordinator, args, run_dir, None, _total(config), resume=True)
     from services.launcher import LocalStack, roles_for
 
+    run_dir = run_dir.resolve()
     stack = LocalStack(log_dir=run_dir / "logs" / time.strftime("resume-%Y%m%d-%H%M%S"),
                        runs_root=run_dir.parent, torch_threads=config.runtime.torch_threads, roles=roles_for(config))
     try:
@@ -116,7 +118,7 @@ def _await_workers(client, stack, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total: tuple[str, int],
+def _follow(address: str, args: argparse.Namespace, run_dir: Path | None, stack, total: tuple[str, int],
             resume: bool = False) -> int:
     import grpc
 
@@ -132,6 +134,7 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path, stack, total:
         code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
         return _fail(exc.details() or str(exc), code)
     run_id = status.run_id
+    run_dir = Path(status.run_dir)  # as the coordinator placed it (under its runs root)
     console.print(f"run [bold]{run_id}[/] -> {run_dir}  (coordinator {address})", soft_wrap=True)
     stopping: list[bool] = []
 
@@ -185,7 +188,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.append(1))
     try:
         address = stack.start()
-        console.print(f"rlfabric is up: coordinator at [bold]{address}[/]; logs in {stack.log_dir}. Ctrl-C stops.")
+        token_file = auth.write_token_file(Path(args.runs_root) / ".rlfabric" / "token", stack.token)
+        console.print(f"rlfabric is up: coordinator at [bold]{address}[/]; logs in {stack.log_dir}. Ctrl-C stops.\n"
+                      f"  its secret is in {token_file} (owner-only): clients use it with "
+                      f"RLFABRIC_TOKEN_FILE={token_file.resolve()} or rlfabric.Client(address, token_file=...)",
+                      soft_wrap=True)
         print(address, flush=True)
         while not stop:
             dead = stack.dead()

@@ -26,6 +26,8 @@ import time
 import warnings
 from pathlib import Path
 
+from services.core import auth
+
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
 # What the forked services import anyway (the collocated rollout hosts its env pool: services.env.local). A
 # child also re-runs the launching program's main module (multiprocessing's rule), so the CLI is preloaded too.
@@ -46,12 +48,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _service_env(torch_threads: int) -> dict[str, str]:
+def _service_env(torch_threads: int, token: str = "") -> dict[str, str]:
     """A local service's environment: the launcher's, less RLFABRIC_* (they configure deployed services, e.g.
     compose; a local stack sets everything by flags, and an inherited RLFABRIC_PORT would make every local service
-    bind the same port)."""
+    bind the same port), plus the stack's own secret."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch_threads))
+    if token:
+        env[auth.TOKEN_ENV] = token
     return env
 
 
@@ -145,7 +149,10 @@ def prestart(torch_threads: int = 1) -> None:
 
 class LocalStack:
     def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
-                 heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1):
+                 heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
+                 token: str | None = None):
+        """``token``: the stack's secret (every port checks it; default: a new one per stack, which this process
+        then uses as its own so its clients get in; "" runs in the clear, loopback only)."""
         self.log_dir = Path(log_dir)
         self.runs_root = Path(runs_root)
         self.roles = roles
@@ -155,12 +162,13 @@ class LocalStack:
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.address = ""
         self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
+        self.token = auth.generate_token() if token is None else token
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = ["--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
                 "--torch-threads", str(self.torch_threads), *args]
-        env = _service_env(self.torch_threads)
+        env = _service_env(self.torch_threads, self.token)
         if self.preload:
             proc = _forkserver_context(self.torch_threads).Process(
                 target=_forked_service, name=name, args=(module, argv, str(self.log_dir / f"{name}.stderr"), env))
@@ -175,6 +183,7 @@ class LocalStack:
 
     def start_coordinator(self, timeout_s: float = 60.0, workers: tuple[str, ...] = ()) -> str:
         """Start the coordinator (and, at the same moment, ``workers`` that register once it is up)."""
+        auth.configure(self.token, auth.current().tls)  # this process is the stack's client
         port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
         self.port_file = port_file
         if self.preload:

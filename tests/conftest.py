@@ -7,7 +7,9 @@ import socket
 
 import pytest
 
+from services.core import auth
 from services.core.config import RunConfig
+from services.core.runtime import GRPC_OPTIONS
 from services.launcher import LocalStack
 
 
@@ -33,7 +35,9 @@ def short_config(**overrides) -> RunConfig:
 def stack(tmp_path_factory):
     """Coordinator + env + replay + learner + rollout as real processes, registered and alive."""
     root = tmp_path_factory.mktemp("stack")
-    s = LocalStack(log_dir=root / "logs", runs_root=root / "runs", heartbeat_timeout_s=3.0)
+    # runs may live anywhere under the session's temporary directory (every tmp_path is in it): the coordinator
+    # confines run directories to its runs root
+    s = LocalStack(log_dir=root / "logs", runs_root=tmp_path_factory.getbasetemp(), heartbeat_timeout_s=3.0)
     s.start()
     from services.coordinator.client import CoordinatorClient
 
@@ -58,7 +62,7 @@ def private_stack(tmp_path):
     """A stack of the test's own with a fast heartbeat timeout, for tests that kill its workers."""
     from services.coordinator.client import CoordinatorClient
 
-    s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", heartbeat_timeout_s=1.5)
+    s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path, heartbeat_timeout_s=1.5)
     s.start()
     s.client = CoordinatorClient(s.address)
     try:
@@ -67,6 +71,32 @@ def private_stack(tmp_path):
     finally:
         s.client.close()
         s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _security(request):
+    """This process presents the secret of the stack a test uses (none otherwise), and nothing leaks between tests:
+    the security settings are process-wide, like a service's."""
+    token = ""
+    for name in ("stack", "private_stack"):
+        if name in request.fixturenames:
+            token = request.getfixturevalue(name).token
+    auth.configure(token)
+    yield
+    auth.configure("")
+
+
+def grpc_channel(address: str):
+    """A blocking channel to a service that presents this process's secret."""
+    return auth.sync_channel(address, GRPC_OPTIONS)
+
+
+def metrics_text(url: str) -> str:
+    """A service's Prometheus page, asked with the bearer token."""
+    import urllib.request
+
+    request = urllib.request.Request(url, headers=auth.metrics_headers())
+    return urllib.request.urlopen(request, timeout=5).read().decode()
 
 
 def free_port() -> int:

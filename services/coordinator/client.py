@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from services.core import auth
 from services.core.config import RunConfig, dump_yaml
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import GRPC_OPTIONS
@@ -16,10 +17,19 @@ STATE_NAMES = {v: k for k, v in coordinator_pb2.RunState.items()}
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, timeout_s: float = 10.0):
+    """``token``/``token_file``: the deployment's secret (default: RLFABRIC_TOKEN_FILE or RLFABRIC_TOKEN, or what
+    this process configured already, e.g. a local stack's); TLS files come from RLFABRIC_TLS_*."""
+
+    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None, token_file: str = ""):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        if token is not None:
+            security = auth.Security(token, auth.current().tls)
+        elif token_file or not auth.current().enabled:
+            security = auth.from_environment(token_file)
+        else:
+            security = auth.current()
+        self._channel = auth.sync_channel(address, GRPC_OPTIONS, security)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:

@@ -57,19 +57,20 @@ class RunLog:
         else:
             (run_dir / "config.yaml").write_text(dump_yaml(config))
         self._csv_file = None
-        self._rewrite(kept)  # verbatim: a resumed file reads exactly as it did before the stop
+        self._written: list[dict] = list(kept)  # verbatim: a resumed file reads exactly as it did before the stop
+        self._rewrite()
         # purge_step drops TensorBoard events at or after it, written before the run stopped
         purge = resume_env_steps + 1 if resume_iteration is not None else None
         self._tb = import_tensorboardx().SummaryWriter(str(run_dir), flush_secs=5, purge_step=purge)
 
-    def _rewrite(self, rows: list[dict]) -> None:
+    def _rewrite(self) -> None:
         """The CSV from scratch with the current columns (at the start, and when a statistic first appears)."""
         if self._csv_file is not None:
             self._csv_file.close()
         self._csv_file = open(self.path, "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")
         self._csv.writeheader()
-        for row in rows:
+        for row in self._written:
             self._csv.writerow(row)
         self._csv_file.flush()
 
@@ -77,10 +78,11 @@ class RunLog:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         row.setdefault("time", time.time())
         self.rows.append(row)
+        self._written.append(row)
         new = [k for k in row if k not in self.columns]
         if new:
             self.columns += new
-            self._rewrite(self.rows)
+            self._rewrite()
         else:
             self._csv.writerow(row)
             self._csv_file.flush()

@@ -73,12 +73,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                f"cannot continue without a {worker.role} worker"))
 
     # -- runs ----------------------------------------------------------------------------------------------
+    def confine(self, run_dir: str) -> Path:
+        """A client's run_dir as a directory under this coordinator's runs root (a relative one is taken from it);
+        anything that resolves elsewhere (an absolute path outside, '..', a symlink out) is a ValueError: a client
+        chooses where its run lives among the runs, never where the coordinator writes on its host."""
+        root = self.runs_root.resolve()
+        path = Path(run_dir)
+        path = (path if path.is_absolute() else root / path).resolve()
+        if path == root or root not in path.parents:
+            raise ValueError(f"run_dir {run_dir!r} is outside this coordinator's runs root {root}. Fix: pass a "
+                             f"directory under it (or just a name), or start the coordinator with --runs-root "
+                             f"covering it")
+        return path
+
     async def SubmitRun(self, request, context):
         config_yaml = request.config_yaml
+        if request.run_dir:
+            try:
+                confined = self.confine(request.run_dir)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.resume:
             if not request.run_dir:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume needs run_dir (the run to continue)")
-            saved = Path(request.run_dir) / "config.yaml"
+            saved = confined / "config.yaml"
             if not config_yaml and not saved.is_file():
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"cannot resume {request.run_dir}: no config.yaml there (is it a run directory?)")
@@ -88,7 +106,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.run_dir:
-            run_dir = Path(request.run_dir)
+            run_dir = confined
             run_id = run_dir.name
         else:
             name = re.sub(r"[^A-Za-z0-9_.-]", "-", config.name)

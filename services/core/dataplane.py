@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from services.core import auth
 from services.core.batch import TensorBatch
 from services.core.codec import FrameError, decode, encode, message_bytes
 
@@ -35,6 +36,8 @@ class PeerTimeout(TimeoutError):
 
 def _socket(kind: int, hwm: int, max_bytes: int) -> zmq.Socket:
     sock = zmq.Context.instance().socket(kind)
+    # CURVE with keys derived from the deployment's token (none configured: in the clear, loopback only)
+    (auth.secure_server_socket if kind == zmq.ROUTER else auth.secure_client_socket)(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

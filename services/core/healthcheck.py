@@ -13,10 +13,13 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.core import auth
+
 
 def check(address: str, timeout_s: float = 3.0, service: str = "") -> tuple[bool, str]:
-    """One Check call, no retries: a health probe should report the state now, not wait for a better one."""
-    with grpc.insecure_channel(address) as ch:
+    """One Check call, no retries: a health probe should report the state now, not wait for a better one. The
+    deployment's token (RLFABRIC_TOKEN / RLFABRIC_TOKEN_FILE) and TLS files (RLFABRIC_TLS_*) come along."""
+    with auth.sync_channel(address, [], auth.from_environment()) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                          timeout=timeout_s)

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 
+from services.core import auth
 from services.core.logs import setup_logging
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -46,7 +47,8 @@ class _CountRpcs(grpc.aio.ServerInterceptor):
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    """A control-plane channel that presents this process's token (and TLS, when configured)."""
+    return auth.aio_channel(address, GRPC_OPTIONS)
 
 
 @dataclass
@@ -75,6 +77,12 @@ class ServiceOptions:
                             help="wait for this file (a coordinator's --port-file) and register with that address")
         parser.add_argument("--log-file", default="", help="JSON-lines log file (default stderr)")
         parser.add_argument("--torch-threads", type=_positive_int, default=1, help="torch intra-op threads")
+        parser.add_argument("--token-file", default="", help="file holding the deployment's secret (else "
+                                                              "RLFABRIC_TOKEN); required to bind a non-loopback host")
+        parser.add_argument("--tls-cert", default="", help="PEM certificate of this service (gRPC over TLS)")
+        parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+        parser.add_argument("--tls-ca", default="", help="PEM CA that signs every service's certificate: peers are "
+                                                         "verified with it and must present one (mTLS)")
         parser.add_argument("--pool", default="", help="the resource pool this worker belongs to: a run places a "
                                                         "stage on the workers of the pool scheduling.placement names")
 
@@ -188,7 +196,10 @@ class ServiceRuntime:
 
     def __init__(self, options: ServiceOptions):
         self.options = options
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[_CountRpcs(options.role)])
+        interceptors = [_CountRpcs(options.role)]
+        if auth.current().enabled:
+            interceptors.insert(0, auth.TokenInterceptor(auth.current()))
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.stopping = asyncio.Event()
@@ -248,12 +259,11 @@ class ServiceRuntime:
                 pass
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        self.port = auth.add_port(self.server, f"{self.options.host}:{self.options.port}")
         if not self.port:
             raise SystemExit(f"{self.options.role}: cannot bind gRPC on {self.options.host}:{self.options.port}")
         await self.server.start()
-        metrics_server, _ = start_http_server(self.options.metrics_port, addr=self.options.host)
-        self.metrics_port = metrics_server.server_port
+        self._metrics_server, self.metrics_port = auth.start_metrics_server(self.options.metrics_port, self.options.host)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._watch_components()))
         loop = asyncio.get_running_loop()
@@ -345,6 +355,17 @@ def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace],
     apply_env_defaults(parser, ignore=("--coordinator",) if role == "coordinator" else ())
     args = parser.parse_args(argv)
     setup_logging(role, args.log_file or None)
+    try:
+        security = auth.from_environment(args.token_file, auth.TLSFiles(args.tls_cert, args.tls_key, args.tls_ca))
+    except auth.AuthError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.exit(2, f"{parser.prog}: error: --tls-cert and --tls-key go together (the certificate and its key)\n")
+    if not security.enabled and not auth.is_loopback(args.host):
+        parser.exit(2, f"{parser.prog}: error: refusing to serve on {args.host} without a secret: anyone who can "
+                       f"reach it could run, stop and feed runs. Fix: set RLFABRIC_TOKEN (or --token-file) to the "
+                       f"deployment's secret on every host, e.g. from `python -c 'import secrets; "
+                       f"print(secrets.token_urlsafe(32))'`, or bind 127.0.0.1\n")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
     options = ServiceOptions(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                              coordinator=args.coordinator, port_file=args.port_file,

@@ -19,6 +19,7 @@ from services.core.config import load_config
 from services.core.dataplane import DataClient
 from services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc
 from services.core.runtime import ROLE_NAMES
+from tests.conftest import grpc_channel
 from tests.support_redis import redis_server  # noqa: F401
 
 CONFIG = "examples/minigrid_pixels_ppo.yaml"
@@ -27,11 +28,10 @@ IMAGE = (24, 24, 3)
 
 def test_the_env_service_sends_uint8_images(stack):
     """On the wire from the env service: uint8, H * W * 3 bytes per env, and the spec says so."""
-    import grpc
 
     cfg = load_config(CONFIG, ["scheduling.mode=disaggregated"])
     env = next(w for w in stack.client.workers() if ROLE_NAMES[w.role] == "env")
-    with grpc.insecure_channel(env.endpoint.grpc) as ch:
+    with grpc_channel(env.endpoint.grpc) as ch:
         reply = env_pb2_grpc.EnvStub(ch).Configure(common_pb2.ConfigureRequest(run_id="px", config_json=cfg.to_json()),
                                                    timeout=60)
     spec = json.loads(reply.detail_json)["observation_space"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import redis
 
 from services.core.objectstore import open_store
@@ -17,7 +16,7 @@ from services.core.proto.rlfabric.v1 import (
     rollout_pb2_grpc,
 )
 from services.core.weights import load_weights
-from tests.conftest import short_config
+from tests.conftest import grpc_channel, short_config
 from tests.integration.test_coordinator import _wait_idle
 from tests.support_redis import redis_server as redis_server  # noqa: F401
 from tests.support_s3 import s3_server as s3_server  # noqa: F401
@@ -57,11 +56,11 @@ def test_run_with_redis_replay_and_s3_storage_then_late_rollout_cold_starts(stac
         workers = {w.pid: w for w in stack.client.workers()}
     roles = {w.worker_id.split("-")[0]: w for w in workers.values() if w.alive and w.pid != late.pid}
     req = dict(run_id=status.run_id, config_json=cfg_late.to_json())
-    env = env_pb2_grpc.EnvStub(grpc.insecure_channel(roles["env"].endpoint.grpc))
-    replay = replay_pb2_grpc.ReplayStub(grpc.insecure_channel(roles["replay"].endpoint.grpc))
+    env = env_pb2_grpc.EnvStub(grpc_channel(roles["env"].endpoint.grpc))
+    replay = replay_pb2_grpc.ReplayStub(grpc_channel(roles["replay"].endpoint.grpc))
     env_reply = env.Configure(common_pb2.ConfigureRequest(**req), timeout=30)
     replay_reply = replay.Configure(common_pb2.ConfigureRequest(**req), timeout=30)
-    rollout = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(workers[late.pid].endpoint.grpc))
+    rollout = rollout_pb2_grpc.RolloutStub(grpc_channel(workers[late.pid].endpoint.grpc))
     rollout.Configure(common_pb2.ConfigureRequest(
         **req, peers={"env": env_reply.data_endpoint, "replay": replay_reply.data_endpoint,
                       "learner": "tcp://127.0.0.1:9"},  # nobody there

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from services.coordinator.client import CoordinatorClient
@@ -20,7 +22,13 @@ def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as a background job
     try:
         address = up.stdout.readline().strip()
-        client = CoordinatorClient(address)
+        token_file = tmp_path / "runs" / ".rlfabric" / "token"  # the stack's secret, for its clients only
+        assert token_file.stat().st_mode & 0o077 == 0
+        stranger = CoordinatorClient(address, token="not-the-secret-of-this-stack")
+        with pytest.raises(grpc.RpcError) as refused:
+            stranger.workers()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        client = CoordinatorClient(address, token_file=str(token_file))
         client.wait_ready(30)
         deadline = time.monotonic() + 60
         while len([w for w in client.workers() if w.alive]) < 4:
@@ -31,7 +39,7 @@ def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
             train = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml",
                                     "--coordinator", address, "--quiet", "--set", "train.total_env_steps=512",
                                     "--run-dir", str(tmp_path / "runs" / "r1")], capture_output=True, text=True,
-                                   timeout=120)
+                                   timeout=120, env={**os.environ, "RLFABRIC_TOKEN_FILE": str(token_file)})
             assert train.returncode == 0, train.stderr
             assert client.status("r1").state == coordinator_pb2.SUCCEEDED
         client.close()

@@ -61,12 +61,18 @@ def test_compose_file_validates_with_docker_compose(tmp_path):
     if cli is None:
         pytest.skip("neither docker-compose nor `docker compose` is installed (CI installs docker-compose)")
     env = _clean_env()
+    refused = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env,
+                             timeout=60)
+    assert refused.returncode != 0 and "RLFABRIC_TOKEN" in refused.stderr  # no secret, no deployment
+    env = _clean_env(RLFABRIC_TOKEN="compose-test-secret-0123456789")
     result = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     normalised = yaml.safe_load(result.stdout)
     assert set(normalised["services"]) == set(RLFABRIC) | set(BACKING)
     assert normalised["services"]["coordinator"]["environment"]["RLFABRIC_PORT"] == "50051"
+    for role in RLFABRIC:  # the secret reaches every rlfabric service, from the env file
+        assert normalised["services"][role]["environment"]["RLFABRIC_TOKEN"] == "compose-test-secret-0123456789"
 
     # The same command must reject a schema error, or the check above proves nothing.
     broken = tmp_path / "broken.yml"
@@ -127,7 +133,8 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
         port = env["RLFABRIC_PORT"]
         ports.add(port)
         assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.core.healthcheck", f"{role}:{port}"]
-        unknown = {k for k in env if k.startswith("RLFABRIC_") and not k.startswith("RLFABRIC_S3_")}
+        unknown = {k for k in env if k.startswith("RLFABRIC_") and not k.startswith("RLFABRIC_S3_")
+                   and k != "RLFABRIC_TOKEN"}  # (the secret is read from the environment, not a flag)
         unknown -= _service_flags(role)
         assert not unknown, f"{role}: {sorted(unknown)} are not flags of `rlfabric serve {role}`"
         if role == "coordinator":
@@ -142,7 +149,7 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
 
 
 def test_env_example_documents_exactly_the_variables_compose_reads():
-    used = set(re.findall(r"\$\{(\w+)(?::?-[^}]*)?\}", COMPOSE.read_text()))
+    used = set(re.findall(r"\$\{(\w+)(?::?[-?][^}]*)?\}", COMPOSE.read_text()))
     documented = {line.split("=", 1)[0] for line in ENV_EXAMPLE.read_text().splitlines()
                   if line and not line.startswith("#")}
     assert used == documented

@@ -5,22 +5,29 @@ afterwards succeeds."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
-import grpc
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, learner_pb2_grpc, replay_pb2_grpc
+from services.core import auth
+from services.core.proto.rlfabric.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    env_pb2_grpc,
+    learner_pb2_grpc,
+    replay_pb2_grpc,
+)
 from services.core.runtime import ROLE_NAMES
-from tests.conftest import short_config
+from tests.conftest import grpc_channel, metrics_text, short_config
 from tests.hostile import CORPUS
 
 
 def _attack(endpoint: str) -> int:
-    """Send the whole corpus; returns how many were answered (with an error, every one)."""
+    """Send the whole corpus as a peer that holds the secret (a buggy or compromised one); returns how many were
+    answered (with an error, every one)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client_socket(sock)
     sock.connect(endpoint)
     answered = 0
     try:
@@ -39,14 +46,12 @@ def test_hostile_messages_leave_every_service_serving_and_a_run_succeeds(stack, 
     # the learner's weight port exists once it is configured for a run
     cfg = short_config()
     req = dict(run_id="t-hostile", config_json=cfg.to_json())
-    with grpc.insecure_channel(workers["env"].endpoint.grpc) as ch:
-        from services.core.proto.rlfabric.v1 import env_pb2_grpc
-
+    with grpc_channel(workers["env"].endpoint.grpc) as ch:
         env_spec = json.loads(env_pb2_grpc.EnvStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
                               .detail_json)
-    with grpc.insecure_channel(workers["replay"].endpoint.grpc) as ch:
+    with grpc_channel(workers["replay"].endpoint.grpc) as ch:
         replay = replay_pb2_grpc.ReplayStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
-    with grpc.insecure_channel(workers["learner"].endpoint.grpc) as ch:
+    with grpc_channel(workers["learner"].endpoint.grpc) as ch:
         learner = learner_pb2_grpc.LearnerStub(ch).Configure(common_pb2.ConfigureRequest(
             **req, peers={"replay": replay.data_endpoint},
             context_json=json.dumps({"env_spec": env_spec, "run_dir": str(tmp_path)})), timeout=60)
@@ -54,10 +59,10 @@ def test_hostile_messages_leave_every_service_serving_and_a_run_succeeds(stack, 
         assert _attack(endpoint) == len(CORPUS)
     for role in ("env", "replay", "learner", "rollout"):
         w = workers[role]
-        with grpc.insecure_channel(w.endpoint.grpc) as ch:
+        with grpc_channel(w.endpoint.grpc) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING, role
-        metrics = urllib.request.urlopen(w.endpoint.metrics, timeout=5).read().decode()
+        metrics = metrics_text(w.endpoint.metrics)
         assert " 0.0" not in [line[line.index("}") + 1:] for line in metrics.splitlines()
                               if line.startswith("rlfabric_component_up{")], role
     run = stack.client.submit(short_config(), run_dir=stack.root / "runs" / "after-hostile")

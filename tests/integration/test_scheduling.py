@@ -35,7 +35,7 @@ def scaling_stack(tmp_path):
     """Coordinator, env, replay, learner and two rollout workers (the second one idle until a run scales)."""
     from services.coordinator.client import CoordinatorClient
 
-    s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs",
+    s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path,
                    roles=("env", "replay", "learner", "rollout", "rollout", "env"))
     s.start()
     s.client = CoordinatorClient(s.address)
@@ -196,7 +196,7 @@ def test_hybrid_placement_runs_each_stage_on_its_pools_workers(tmp_path):
     learner on pool ``b`` takes the pool-a rollout worker, never the pool-b one, and learns as usual."""
     from services.coordinator.client import CoordinatorClient
 
-    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs")
+    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path)
     stack.start_coordinator()
     client = CoordinatorClient(stack.address)
 

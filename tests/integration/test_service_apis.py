@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -12,6 +11,7 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.core import auth
 from services.core.batch import TensorBatch
 from services.core.dataplane import DataClient, RemoteError
 from services.core.proto.rlfabric.v1 import (
@@ -25,7 +25,7 @@ from services.core.proto.rlfabric.v1 import (
     rollout_pb2_grpc,
 )
 from services.core.runtime import ROLE_NAMES
-from tests.conftest import short_config
+from tests.conftest import grpc_channel, metrics_text, short_config
 
 STUBS = {"env": env_pb2_grpc.EnvStub, "replay": replay_pb2_grpc.ReplayStub,
          "learner": learner_pb2_grpc.LearnerStub, "rollout": rollout_pb2_grpc.RolloutStub}
@@ -36,7 +36,7 @@ def _workers(stack) -> dict:
 
 
 def _stub(stack, role):
-    channel = grpc.insecure_channel(_workers(stack)[role].endpoint.grpc)
+    channel = grpc_channel(_workers(stack)[role].endpoint.grpc)
     return STUBS[role](channel)
 
 
@@ -44,10 +44,10 @@ def test_every_service_serves_health_and_prometheus_metrics(stack):
     workers = _workers(stack)
     assert set(workers) == {"env", "replay", "learner", "rollout"}
     for w in [*workers.values()]:
-        with grpc.insecure_channel(w.endpoint.grpc) as ch:
+        with grpc_channel(w.endpoint.grpc) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        body = urllib.request.urlopen(w.endpoint.metrics, timeout=5).read().decode()
+        body = metrics_text(w.endpoint.metrics)
         assert "rlfabric_rpcs_total" in body and "process_cpu_seconds_total" in body
         assert w.seconds_since_heartbeat < 3.0
 
@@ -90,6 +90,7 @@ def test_corrupt_and_oversized_frames_are_refused_and_channel_survives(stack):
     rejected_before = env.GetStats(common_pb2.Empty()).rejected_messages
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    auth.secure_client_socket(raw)  # a peer with the secret, sending garbage
     raw.connect(reply.data_endpoint)
     raw.send_multipart([b"\x00\x01garbage", b"junk"])
     assert raw.poll(5000), "a corrupt frame must be answered, not swallowed"
