@@ -1,5 +1,7 @@
 """Data-plane throughput: TensorBatch request/ack over rlfabric's DataClient/DataServer next to raw pyzmq
-DEALER/ROUTER moving the same bytes with the same ack pattern, each across two processes on loopback.
+DEALER/ROUTER moving the same bytes with the same ack pattern, each across two processes on loopback; in the
+clear and with CURVE (what a deployment with a secret runs: the raw side then uses the same CURVE keys), each
+compared with raw pyzmq under the same security.
 
     python bench/dataplane.py --mib 4 --seconds 3 [--out FILE]
 """
@@ -21,7 +23,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+TOKEN_ENV = "RLFABRIC_BENCH_TOKEN"
+
+
+def _security() -> None:
+    """Both processes of a secure measurement derive the same CURVE keys from one token."""
+    import os
+
+    from services.core import auth
+
+    auth.configure(os.environ.get(TOKEN_ENV, ""))
+
+
 def serve(kind: str) -> None:
+    _security()
     if kind == "ours":
         from services.core.batch import TensorBatch
         from services.core.dataplane import DataServer
@@ -30,7 +45,10 @@ def serve(kind: str) -> None:
         print(server.endpoint, flush=True)
         server.serve(lambda k, b, reply: reply.send("ack", TensorBatch(meta={"n": int(b["x"].nbytes)})))
     else:
+        from services.core import auth
+
         sock = zmq.Context.instance().socket(zmq.ROUTER)
+        auth.secure_server_socket(sock)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         print(f"tcp://127.0.0.1:{port}", flush=True)
         while True:
@@ -38,7 +56,11 @@ def serve(kind: str) -> None:
             sock.send_multipart([frames[0], b"ack"])
 
 
-def measure(kind: str, mib: int, seconds: float) -> float:
+def measure(kind: str, mib: int, seconds: float, token: str = "") -> float:
+    import os
+
+    os.environ[TOKEN_ENV] = token
+    _security()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True)
     try:
         endpoint = proc.stdout.readline().strip()
@@ -52,7 +74,10 @@ def measure(kind: str, mib: int, seconds: float) -> float:
             def one() -> None:
                 client.request("put", TensorBatch({"x": payload}, version=1))
         else:
+            from services.core import auth
+
             sock = zmq.Context.instance().socket(zmq.DEALER)
+            auth.secure_client_socket(sock)
             sock.connect(endpoint)
 
             def one() -> None:
@@ -81,19 +106,25 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    raw, ours = [], []
-    for _ in range(args.rounds):  # alternate so drift on the machine hits both sides alike; compare medians
-        raw.append(measure("raw", args.mib, args.seconds / args.rounds))
-        ours.append(measure("ours", args.mib, args.seconds / args.rounds))
-    result = {"mib": args.mib, "ours_mib_s": statistics.median(ours), "raw_mib_s": statistics.median(raw),
-              "ours_rounds_mib_s": ours, "raw_rounds_mib_s": raw}
+    from services.core.auth import generate_token
+
+    token = generate_token()
+    rounds: dict[str, list[float]] = {"raw": [], "ours": [], "raw_curve": [], "ours_curve": []}
+    for _ in range(args.rounds):  # alternate so drift on the machine hits every side alike; compare medians
+        for name in rounds:
+            side, secure = name.split("_")[0], name.endswith("curve")
+            rounds[name].append(measure(side, args.mib, args.seconds / args.rounds, token if secure else ""))
+    result = {"mib": args.mib, **{f"{name}_mib_s": statistics.median(r) for name, r in rounds.items()},
+              **{f"{name}_rounds_mib_s": r for name, r in rounds.items()}}
     if args.json:
         print(json.dumps(result))
         return
     from common import report
 
-    report("dataplane", result, {"dataplane_vs_raw_pyzmq": result["ours_mib_s"] / result["raw_mib_s"]},
-           {"dataplane_vs_raw_pyzmq": ">=0.9"}, args.out)
+    report("dataplane", result, {
+        "dataplane_vs_raw_pyzmq": result["ours_mib_s"] / result["raw_mib_s"],
+        "dataplane_curve_vs_raw_pyzmq_curve": result["ours_curve_mib_s"] / result["raw_curve_mib_s"],
+    }, {"dataplane_vs_raw_pyzmq": ">=0.9", "dataplane_curve_vs_raw_pyzmq_curve": ">=0.9"}, args.out)
 
 
 if __name__ == "__main__":

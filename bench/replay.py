@@ -40,8 +40,9 @@ import redis  # noqa: E402
 
 from services.core.batch import TensorBatch  # noqa: E402
 from services.core.codec import encode  # noqa: E402
+from services.replay.stores import draw_rows  # noqa: E402
 from services.replay.stores.memory import MemoryStore  # noqa: E402
-from services.replay.stores.redis import RedisStore, draw_transitions  # noqa: E402
+from services.replay.stores.redis import RedisStore  # noqa: E402
 
 T, N = 32, 8
 
@@ -53,7 +54,7 @@ def make_batch(shape: str, version: int, rng: np.random.Generator) -> TensorBatc
         "obs": obs, "actions": rng.integers(0, 2, (T, N)), "rewards": np.ones((T, N), np.float32),
         "dones": np.zeros((T, N), np.float32), "values": rng.standard_normal((T, N), dtype=np.float32),
         "log_probs": rng.standard_normal((T, N), dtype=np.float32), "last_values": np.zeros(N, np.float32),
-    }, version=version)
+    }, version=version, dims=("time", "env"), field_dims={"last_values": ("env",)})
 
 
 def rate(fn: Callable[[], object], seconds: float) -> float:
@@ -138,7 +139,7 @@ def bench_shape(shape: str, url: str, seconds: float, rounds: int) -> dict[str, 
             cold.close()
 
     def raw_get_touched() -> None:
-        owners = np.unique(draw_transitions(counts, n_sample, rrng)[1])
+        owners = np.unique(draw_rows(counts, n_sample, rrng)[1])
         touched.append(len(owners))
         pipe = raw.pipeline(transaction=False)
         for o in owners:

@@ -1,7 +1,8 @@
 """LocalStack: every service as its own local process on loopback, on free ports, shut down cleanly.
 
 The coordinator writes its bound port to a file; workers register with it and report their own ports, so no
-port is ever guessed. Children die with the parent (PR_SET_PDEATHSIG) so a crashed CLI leaves no orphans.
+port is ever guessed. Services die with the launcher (a pidfd watch; PR_SET_PDEATHSIG for plain processes), so a
+crashed or SIGKILLed CLI leaves no orphans.
 
 Services are forked from a multiprocessing forkserver that imported what they all import (torch, numpy, grpc,
 pydantic, the service modules) once, instead of once per process: on 2 cores those imports are most of the
@@ -18,10 +19,12 @@ import ctypes
 import importlib
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -59,16 +62,40 @@ def _service_env(torch_threads: int, token: str = "") -> dict[str, str]:
     return env
 
 
-def _forked_service(module: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+def _die_with(pid: int, grace_s: float = 10.0) -> None:
+    """Stop this process when process ``pid`` (the launcher) exits: SIGTERM to itself (a graceful stop), SIGKILL if
+    that takes longer than ``grace_s``. A service forked from the forkserver has the forkserver as its parent, and
+    the forkserver lives as long as any of its children holds the fd that keeps it alive, so PR_SET_PDEATHSIG alone
+    would leave a whole stack running after its CLI was SIGKILLed; a pidfd on the launcher cannot be fooled so."""
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # no pidfds (old kernel): look every second instead
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(1.0)
+        else:
+            select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+def _forked_service(module: str, argv: list[str], log_path: str, env: dict[str, str], launcher: int) -> None:
     """Entry of a service forked from the preloaded forkserver: the environment the launcher has now (not the one
-    the forkserver started with), stdout/stderr to its log, dies with its parent."""
+    the forkserver started with), stdout/stderr to its log, dies with the launcher."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    _die_with_parent()
+    _die_with(launcher)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *argv]
@@ -171,7 +198,8 @@ class LocalStack:
         env = _service_env(self.torch_threads, self.token)
         if self.preload:
             proc = _forkserver_context(self.torch_threads).Process(
-                target=_forked_service, name=name, args=(module, argv, str(self.log_dir / f"{name}.stderr"), env))
+                target=_forked_service, name=name, args=(module, argv, str(self.log_dir / f"{name}.stderr"), env,
+                                                         os.getpid()))
             proc.start()
             self.procs[name] = ForkedProcess(proc)
             return self.procs[name]

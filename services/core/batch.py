@@ -245,28 +245,45 @@ class TensorBatch:
 
     def sizes(self) -> dict[str, int]:
         """Size of every batch dimension, checked across fields: a field that disagrees is a ValueError naming
-        both fields."""
-        sizes: dict[str, int] = {}
-        seen: dict[str, str] = {}
+        both fields. (On every message and every put: fields with the batch's own dims take a fast path.)"""
+        dims = self.dims
+        if not dims:
+            return {}
+        n = len(dims)
+        ref: tuple[int, ...] | None = None
+        ref_name = ""
+        subsets: list[tuple[str, tuple[str, ...], tuple[int, ...], bool]] = []
         for name, value in self.tensors.items():
-            fd = self.dims_of(name)
-            if not fd:
+            ragged = isinstance(value, Ragged)
+            shape = value.shape if ragged else tuple(value.shape)
+            fd = self.field_dims.get(name)
+            if fd is not None:
+                subsets.append((name, fd, shape, ragged))
                 continue
-            if any(d not in self.dims for d in fd) or [self.dims.index(d) for d in fd] != sorted(
-                    self.dims.index(d) for d in fd):
+            if (ragged and len(shape) != n) or len(shape) < n:
+                raise ValueError(f"{'ragged ' if ragged else ''}field '{name}' has {len(shape)} "
+                                 f"{'cell ' if ragged else ''}dims {list(shape)} but the batch dims are {list(dims)}")
+            lead = shape[:n] if len(shape) != n else shape
+            if ref is None:
+                ref, ref_name = lead, name
+            elif lead != ref:
+                d = next(i for i in range(n) if lead[i] != ref[i])
+                raise ValueError(f"batch dim '{dims[d]}' is {lead[d]} in field '{name}' but {ref[d]} in field "
+                                 f"'{ref_name}'")
+        sizes = dict(zip(dims, ref, strict=True)) if ref is not None else {}
+        seen = dict.fromkeys(sizes, ref_name)
+        for name, fd, shape, ragged in subsets:
+            positions = [dims.index(d) if d in dims else -1 for d in fd]
+            if -1 in positions or positions != sorted(positions):
                 raise ValueError(f"field '{name}' declares dims {list(fd)}, not a subset of the batch dims "
-                                 f"{list(self.dims)} in their order")
-            shape = _shape(value)
-            if isinstance(value, Ragged) and len(shape) != len(fd):
-                raise ValueError(f"ragged field '{name}' has {len(shape)} cell dims {list(shape)} but declares "
-                                 f"{list(fd)}")
-            if len(shape) < len(fd):
+                                 f"{list(dims)} in their order")
+            if (ragged and len(shape) != len(fd)) or len(shape) < len(fd):
                 raise ValueError(f"field '{name}' of shape {list(shape)} lacks its batch dims {list(fd)}")
-            for d, n in zip(fd, shape, strict=False):
-                if d in sizes and sizes[d] != n:
-                    raise ValueError(f"batch dim '{d}' is {n} in field '{name}' but {sizes[d]} in field "
+            for d, size in zip(fd, shape, strict=False):
+                if d in sizes and sizes[d] != size:
+                    raise ValueError(f"batch dim '{d}' is {size} in field '{name}' but {sizes[d]} in field "
                                      f"'{seen[d]}'")
-                sizes.setdefault(d, int(n))
+                sizes.setdefault(d, int(size))
                 seen.setdefault(d, name)
         return sizes
 

@@ -53,6 +53,8 @@ class FrameError(ValueError):
 
 
 def _as_buffer(name: str, value: Any) -> tuple[str, tuple[int, ...], Any]:
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.dtype in _WIRE:  # the usual case, first
+        return _WIRE[value.dtype], value.shape, (memoryview(value).cast("B") if value.size else b"")
     if isinstance(value, np.generic):  # numpy scalars travel as 0-d arrays
         value = np.asarray(value)
     if isinstance(value, np.ndarray):
@@ -124,25 +126,14 @@ def message_bytes(frames: list[Any]) -> int:
 
 
 # -- decoding: everything bounded before use ----------------------------------------------------------------------
-def _parse_int(text: str) -> int:
-    if len(text) > 20:
-        raise FrameError(f"header holds an integer of {len(text)} digits; integers must fit in 64 bits")
-    return int(text)
-
-
+# (Python's json refuses integers of over 4300 digits itself; the checks below bound the rest to 64 bits.)
 def _no_constant(text: str) -> Any:
     raise FrameError(f"header holds {text}; numbers must be finite")
 
 
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise FrameError(f"header holds a number out of range ({text[:32]}); numbers must be finite")
-    return value
-
-
 def _check_meta(meta: Any) -> None:
-    """Nesting depth and node count of the metadata, and 64-bit integers (iteratively: no recursion to exhaust)."""
+    """Nesting depth and node count of the metadata, 64-bit integers and finite numbers (iteratively: no recursion
+    to exhaust)."""
     stack = [(meta, 0)]
     nodes = 0
     while stack:
@@ -158,12 +149,15 @@ def _check_meta(meta: Any) -> None:
             stack.extend((v, depth + 1) for v in value)
         elif isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
             raise FrameError("header meta holds an integer beyond 64 bits")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise FrameError("header meta holds a number out of range; numbers must be finite")
 
 
 def _int64(header: dict, key: str, default: int, minimum: int = INT64_MIN) -> int:
     value = header.get(key, default)
     if type(value) is not int or not minimum <= value <= INT64_MAX:
-        raise FrameError(f"header {key} must be an integer in [{minimum}, 2^63), got {str(value)[:40]!r}")
+        shown = f"a {len(str(value))}-digit integer" if type(value) is int else repr(value)[:40]
+        raise FrameError(f"header {key} must be an integer in [{minimum}, 2^63), got {shown}")
     return value
 
 
@@ -227,13 +221,14 @@ def _decode(frames: list[Any], max_bytes: int, as_torch_bf16: bool) -> tuple[str
     if views[0].nbytes > MAX_HEADER_BYTES:
         raise FrameError(f"header frame of {views[0].nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(views[0].tobytes(), parse_int=_parse_int, parse_float=_parse_float,
-                            parse_constant=_no_constant)
+        header = json.loads(views[0].tobytes(), parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FrameError(f"header is not valid JSON ({exc.__class__.__name__}); is the peer an rlfabric data "
                          f"plane?") from None
     except RecursionError:
         raise FrameError("header nests too deeply") from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise FrameError(f"header holds an unreadable number ({str(exc)[:80]})") from None
     if not isinstance(header, dict) or header.get("w") not in READABLE_WIRE_VERSIONS:
         got = header.get("w") if isinstance(header, dict) else None
         raise FrameError(f"header wire version {str(got)[:20]!r} is not one of {READABLE_WIRE_VERSIONS}")

@@ -50,3 +50,27 @@ def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_a_sigkilled_cli_takes_its_services_with_it(tmp_path):
+    """Services are forked from a forkserver (their parent), which outlives the CLI while any of them runs: they
+    watch the CLI itself, so a SIGKILL of it leaves nothing behind."""
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        address = up.stdout.readline().strip()
+        client = CoordinatorClient(address, token_file=str(tmp_path / "runs" / ".rlfabric" / "token"))
+        client.wait_ready(30)
+        deadline = time.monotonic() + 60
+        while len([w for w in client.workers() if w.alive]) < 4:
+            assert time.monotonic() < deadline and up.poll() is None
+            time.sleep(0.1)
+        pids = {w.pid for w in client.workers()}
+        client.close()
+    finally:
+        up.kill()
+        up.wait()
+    deadline = time.monotonic() + 20
+    while any(subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0 for pid in pids):
+        assert time.monotonic() < deadline, "services outlived their SIGKILLed CLI"
+        time.sleep(0.2)

@@ -34,10 +34,12 @@ def check_batch(batch: TensorBatch, capacity: int) -> int:
         raise ValueError("replay batch declares no batch dims (header 'dims'); a trajectory is (time, env), "
                          "samples or sequences (sample,)")
     try:
-        batch.sizes()
+        sizes = batch.sizes()
     except ValueError as exc:
         raise ValueError(f"replay batch is inconsistent: {exc}") from None
-    rows = batch.rows
+    rows = 1
+    for d in batch.dims:
+        rows *= sizes.get(d, 0)
     if rows == 0:
         raise ValueError("replay batch holds no rows (a batch dim is 0)")
     if rows > capacity:
