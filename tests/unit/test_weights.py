@@ -95,6 +95,25 @@ def test_zmq_full_round_trip_is_bit_identical(pair):
     assert sub.fetch(0) == (0, None)
 
 
+def test_held_versions_are_bounded_in_bytes(pair):
+    """A publisher keeps at most KEEP_VERSIONS versions, fewer when weight_sync.snapshot_bytes says so, and always
+    the newest one (warning once when that alone is over the bound); a held older version still serves a fetch."""
+    open_pub, open_sub = pair
+    one = sum(_raw(v)[2].__len__() for v in model().values())
+    roomy = open_pub(snapshot_bytes=100 * MiB)
+    tight = open_pub(snapshot_bytes=int(2.5 * one))
+    tiny = open_pub(snapshot_bytes=1024)
+    for version in range(5):
+        for pub in (roomy, tight, tiny):
+            pub.publish(version, model(seed=version))
+    assert len(roomy._snapshots) == KEEP_VERSIONS  # noqa: SLF001 — what the bound is about
+    assert len(tight._snapshots) == 2 and tight.snapshot_bytes() <= int(2.5 * one) + 4096  # noqa: SLF001
+    assert list(tiny._snapshots) == [4] and tiny.snapshot_bytes() > 1024  # noqa: SLF001
+    version, got = open_sub(tight).fetch(-1)
+    assert version == 4
+    assert_identical(got, {k: v for k, v in model(seed=4).items()})
+
+
 def test_buckets_smaller_than_one_tensor(pair):
     open_pub, open_sub = pair
     pub = open_pub(bucket_bytes=1000)

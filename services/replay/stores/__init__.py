@@ -56,24 +56,40 @@ def draw_rows(counts: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.
 
 def gather_rows(batches: list[TensorBatch], counts: np.ndarray, flat: np.ndarray, owner: np.ndarray) -> TensorBatch:
     """The drawn rows of every batch, flattened to ("sample",), in draw order, plus a per-row "version" field.
-    Fields that are per batch rather than per row (a trajectory's last_values) are not rows and are left out."""
+    Fields that are per batch rather than per row (a trajectory's last_values) are not rows and are left out.
+    (Sampling runs every iteration of an off-policy run: rows are gathered per owning batch and field, with no
+    intermediate batches.)"""
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    parts, positions = [], []
-    for b in np.unique(owner):
-        sel = np.flatnonzero(owner == b)
-        part = batches[b].flatten().take(flat[sel] - starts[b])
-        part.tensors["version"] = np.full(len(sel), batches[b].version, dtype=np.int64)
-        parts.append(part)
-        positions.append(sel)
-    try:
-        out = TensorBatch.cat(parts, "sample")
-    except ValueError as exc:
-        raise ValueError(f"the replay window mixes batches of different fields, so rows cannot be sampled "
-                         f"together: {exc}") from None
-    out = out.take(np.argsort(np.concatenate(positions), kind="stable"))
-    out.meta, out.field_dims = {}, {}
-    out.version = int(out.tensors["version"].min())
-    return out
+    by_owner = np.argsort(owner, kind="stable")  # draw positions grouped by the batch they come from
+    owners, first = np.unique(owner[by_owner], return_index=True)
+    bounds = [*first[1:], len(by_owner)]
+    names: list[str] | None = None
+    parts: dict[str, list] = {}
+    versions = []
+    for b, lo, hi in zip(owners, first, bounds, strict=True):
+        batch = batches[b]
+        fields = [n for n in batch.tensors if batch.dims_of(n) == batch.dims]
+        if names is None:
+            names, parts = fields, {n: [] for n in fields}
+        elif fields != names:
+            raise ValueError(f"the replay window mixes batches of different fields, so rows cannot be sampled "
+                             f"together: {names} vs {fields}")
+        local = flat[by_owner[lo:hi]] - starts[b]
+        rows, k = int(counts[b]), len(batch.dims)
+        for n in names:
+            v = batch.tensors[n]
+            parts[n].append(v.reshape((rows,)).take(local) if isinstance(v, Ragged)
+                            else v.reshape(rows, *v.shape[k:])[local])
+        versions.append(np.full(hi - lo, batch.version, dtype=np.int64))
+    order = np.argsort(by_owner, kind="stable")  # back to draw order
+    tensors = {}
+    for n, p in parts.items():
+        if isinstance(p[0], Ragged):
+            tensors[n] = TensorBatch.cat([TensorBatch({n: r}, dims=("sample",)) for r in p], "sample")[n].take(order)
+        else:
+            tensors[n] = np.concatenate(p)[order]
+    tensors["version"] = np.concatenate(versions)[order]
+    return TensorBatch(tensors, dims=("sample",), version=int(tensors["version"].min()))
 
 
 def window_counts(batches: list[TensorBatch], length: int) -> np.ndarray:

@@ -1,0 +1,68 @@
+"""Where rlfabric finds its extensions, by name. Each extension point is one new file behind one of these:
+
+    algorithms()    services/learner/algorithms/<name>.py, or any package on the ``rlfabric.algorithms`` entry point
+    policies()      services/core/models (register_policy)
+    collectors()    services/rollout/collectors (register_collector)
+    backends()      services/rollout/backends (register_backend)
+    env_adapters()  services/env/adapters (register_adapter)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def algorithms() -> dict[str, Any]:
+    """Registered algorithm specs by ``algorithm.name``."""
+    from services.core.algorithm import load_algorithms
+
+    return dict(load_algorithms())
+
+
+def policies() -> dict[str, Any]:
+    from services.core.models import POLICIES
+
+    return dict(POLICIES)
+
+
+def collectors() -> dict[str, str]:
+    """Collector names and where each lives (``module:Class``)."""
+    from services.rollout.collectors import COLLECTORS
+
+    return dict(COLLECTORS)
+
+
+def backends() -> dict[str, str]:
+    from services.rollout.backends import BACKENDS
+
+    return dict(BACKENDS)
+
+
+def env_adapters() -> dict[str, str]:
+    from services.env.adapters import ADAPTERS
+
+    return dict(ADAPTERS)
+
+
+def register_policy(name: str):
+    from services.core.models import register_policy as register
+
+    return register(name)
+
+
+def register_collector(name: str, target: str, adapters: tuple[str, ...] = ()) -> None:
+    from services.rollout.collectors import register_collector as register
+
+    register(name, target, adapters)
+
+
+def register_backend(name: str, target: str) -> None:
+    from services.rollout.backends import register_backend as register
+
+    register(name, target)
+
+
+def register_adapter(name: str, module: str) -> None:
+    from services.env.adapters import register_adapter as register
+
+    register(name, module)
