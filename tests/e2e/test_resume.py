@@ -25,6 +25,21 @@ def _rows(run_dir):
         return list(csv.DictReader(f))
 
 
+def _train_then_sigkill(run_dir, spec: str, *sets: str) -> None:
+    """Train in a session of its own; once two periodic checkpoints are behind it, SIGKILL the CLI and every
+    service it started, with no chance to clean up."""
+    args = [a for s in sets for a in ("--set", s)]
+    train = subprocess.Popen([sys.executable, "-m", "services.cli", "train", spec, "--run-dir", str(run_dir),
+                              "--quiet", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
+        assert train.poll() is None and time.monotonic() < deadline, train.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.killpg(train.pid, signal.SIGKILL)
+    train.wait()
+
+
 def _assert_resumed_and_solved(rows, resumed_from: int):
     iters = [int(r["iteration"]) for r in rows]
     assert iters == list(range(1, len(rows) + 1)), "the curve must continue without a jump back"
@@ -64,16 +79,7 @@ def test_sigkill_learner_then_resume_solves(private_stack, tmp_path):
 @pytest.mark.slow
 def test_sigkill_whole_run_then_cli_resume_solves(tmp_path):
     run_dir = tmp_path / "run"
-    train = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml",
-                              "--run-dir", str(run_dir), "--quiet", "--set", f"checkpoint.every_iterations={CKPT_EVERY}"],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             start_new_session=True)
-    deadline = time.monotonic() + 120
-    while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
-        assert train.poll() is None and time.monotonic() < deadline, train.stderr.read().decode()[-2000:]
-        time.sleep(0.05)
-    os.killpg(train.pid, signal.SIGKILL)  # the CLI and every service it started, no chance to clean up
-    train.wait()
+    _train_then_sigkill(run_dir, "examples/cartpole_ppo.yaml", f"checkpoint.every_iterations={CKPT_EVERY}")
     resumed_from = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
     proc = subprocess.run([sys.executable, "-m", "services.cli", "resume", str(run_dir), "--quiet"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
@@ -87,19 +93,9 @@ def test_sac_on_redis_killed_and_resumed_keeps_its_replay_window(tmp_path, redis
     """The off-policy window survives: after a SIGKILL of the whole run, the resumed run starts from the same
     replay window the killed one had (its untaken FIFO dropped), and goes on learning with counters continuing."""
     run_dir = tmp_path / "sac-redis"
-    sets = ["--set", "replay.store=redis", "--set", f"replay.redis_url={redis_server}", "--set",
-            f"checkpoint.every_iterations={CKPT_EVERY}", "--set", "train.stop_at_eval_return=null",
-            "--set", "train.total_env_steps=4096"]
-    train = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "examples/pendulum_sac.yaml",
-                              "--run-dir", str(run_dir), "--quiet", *sets],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             start_new_session=True)
-    deadline = time.monotonic() + 120
-    while len(_rows(run_dir)) < 2 * CKPT_EVERY + 2:
-        assert train.poll() is None and time.monotonic() < deadline, train.stderr.read().decode()[-2000:]
-        time.sleep(0.05)
-    os.killpg(train.pid, signal.SIGKILL)
-    train.wait()
+    _train_then_sigkill(run_dir, "examples/pendulum_sac.yaml", "replay.store=redis", f"replay.redis_url={redis_server}",
+                        f"checkpoint.every_iterations={CKPT_EVERY}", "train.stop_at_eval_return=null",
+                        "train.total_env_steps=4096")
     stats = redis.Redis.from_url(redis_server).hgetall(f"rlfabric:{run_dir.name}:stats")
     window = int(stats[b"transitions"])
     assert window >= 2 * CKPT_EVERY * 128  # every collected epoch is in the window

@@ -15,25 +15,31 @@ from services.coordinator.client import CoordinatorClient
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 
 
+def _serving(up: subprocess.Popen, tmp_path) -> tuple[str, CoordinatorClient]:
+    """The address `rlfabric up` printed and a client holding its secret, once every worker is registered."""
+    address = up.stdout.readline().strip()
+    client = CoordinatorClient(address, token_file=str(tmp_path / "runs" / ".rlfabric" / "token"))
+    client.wait_ready(30)
+    deadline = time.monotonic() + 60
+    while len([w for w in client.workers() if w.alive]) < 4:
+        assert time.monotonic() < deadline and up.poll() is None
+        time.sleep(0.1)
+    return address, client
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as a background job
     try:
-        address = up.stdout.readline().strip()
+        address, client = _serving(up, tmp_path)
         token_file = tmp_path / "runs" / ".rlfabric" / "token"  # the stack's secret, for its clients only
         assert token_file.stat().st_mode & 0o077 == 0
         stranger = CoordinatorClient(address, token="not-the-secret-of-this-stack")
         with pytest.raises(grpc.RpcError) as refused:
             stranger.workers()
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        client = CoordinatorClient(address, token_file=str(token_file))
-        client.wait_ready(30)
-        deadline = time.monotonic() + 60
-        while len([w for w in client.workers() if w.alive]) < 4:
-            assert time.monotonic() < deadline and up.poll() is None
-            time.sleep(0.1)
         pids = {w.pid for w in client.workers()}
         if sig == signal.SIGTERM:  # one run through the served stack, as a notebook would submit it
             train = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml",
@@ -58,13 +64,7 @@ def test_a_sigkilled_cli_takes_its_services_with_it(tmp_path):
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
-        address = up.stdout.readline().strip()
-        client = CoordinatorClient(address, token_file=str(tmp_path / "runs" / ".rlfabric" / "token"))
-        client.wait_ready(30)
-        deadline = time.monotonic() + 60
-        while len([w for w in client.workers() if w.alive]) < 4:
-            assert time.monotonic() < deadline and up.poll() is None
-            time.sleep(0.1)
+        _, client = _serving(up, tmp_path)
         pids = {w.pid for w in client.workers()}
         client.close()
     finally:

@@ -140,6 +140,32 @@ def test_replay_api_and_data_plane(stack):
     assert kind == "empty"
 
 
+def test_replay_loads_data_sets_as_named_sources_and_samples_a_weighted_mix(stack, tmp_path):
+    replay = _stub(stack, "replay")
+    for name, value, rows in (("demos", 0.0, 300), ("play", 1.0, 500)):
+        np.savez(tmp_path / f"{name}.npz", obs=np.full((rows, 3), value, np.float32),
+                 rewards=np.full(rows, value, np.float32))
+    cfg = short_config(replay={"datasets": {"demos": str(tmp_path / "demos.npz"), "play": str(tmp_path / "play.npz")}})
+    reply = replay.Configure(common_pb2.ConfigureRequest(run_id="t-mix", config_json=cfg.to_json()), timeout=30)
+    assert json.loads(reply.detail_json)["loaded"] == {"demos": 300, "play": 500}
+    assert dict(replay.GetStats(common_pb2.Empty()).source_transitions) == {"online": 0, "demos": 300, "play": 500}
+    client = DataClient(reply.data_endpoint, max_bytes=1 << 24, timeout_s=5, peer="replay")
+    _, mix = client.request("sample", TensorBatch(meta={"n": 4000, "mix": {"demos": 0.25, "play": 0.75}}))
+    assert mix.meta["sources"] == ["demos", "play"] and mix.dims == ("sample",)
+    from_play = mix["source"] == 1
+    assert 0.70 < from_play.mean() < 0.80
+    np.testing.assert_array_equal(mix["obs"][:, 0], from_play.astype(np.float32))  # rows stay with their source
+    _, demos = client.request("sample", TensorBatch(meta={"n": 50, "source": "demos"}))
+    assert (demos["rewards"] == 0).all()
+    client.close()
+    broken = tmp_path / "broken.npz"
+    np.savez(broken, obs=np.zeros((3, 2)), rewards=np.zeros(4))
+    with pytest.raises(grpc.RpcError) as info:
+        replay.Configure(common_pb2.ConfigureRequest(run_id="t-bad", config_json=short_config(
+            replay={"datasets": {"x": str(broken)}}).to_json()), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "same number of rows" in info.value.details()
+
+
 def test_learner_and_rollout_apis_driven_by_hand(stack, tmp_path):
     """The macro workflow's calls, one by one: configure, collect, train, evaluate, checkpoint."""
     cfg = short_config()

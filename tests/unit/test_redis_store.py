@@ -444,3 +444,17 @@ def test_a_retry_after_a_lost_reply_neither_duplicates_nor_skips(redis_server, i
 
 def _evalsha_calls(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_sequence_windows_match_the_memory_store(redis_server):  # noqa: F811
+    mem, red = MemoryStore(1000), _store(redis_server, capacity=1000, cache_bytes=0)
+    for v in range(3):
+        b = _batch(v, T=6, N=3)
+        b["rewards"] = (100 * np.arange(6)[:, None] + np.arange(3)[None, :] + 10000 * v).astype(np.float32)
+        mem.put(b)
+        red.put(b)
+    a, b = mem.sample_windows(200, 3, np.random.default_rng(4)), red.sample_windows(200, 3, np.random.default_rng(4))
+    assert a.dims == b.dims == ("sample", "time")
+    for name in ("obs", "rewards", "version"):
+        np.testing.assert_array_equal(a[name], b[name])
+    assert (np.diff(b["rewards"], axis=1) == 100).all()

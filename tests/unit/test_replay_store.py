@@ -66,3 +66,25 @@ def test_eviction_in_the_onpolicy_steady_state():
     assert s.take_onpolicy(0).version == 0
     s.put(_batch(2))
     assert s.evicted == 1 and s.pending == 2 and s.take_onpolicy(0).version == 1
+
+
+def _numbered(version: int, T: int = 6, N: int = 3) -> TensorBatch:
+    """obs[t, n] = 100 * t + n (+ 10000 * version): every window tells where it came from."""
+    cell = (100 * np.arange(T)[:, None] + np.arange(N)[None, :] + 10000 * version).astype(np.float32)
+    return TensorBatch({"obs": cell[..., None].repeat(2, -1), "rewards": cell, "last_values": np.zeros(N, np.float32)},
+                       version=version, dims=("time", "env"), field_dims={"last_values": ("env",)})
+
+
+def test_sequence_windows_are_consecutive_steps_of_one_env():
+    s = MemoryStore(1000)
+    for v in range(3):
+        s.put(_numbered(v))
+    out = s.sample_windows(500, 4, np.random.default_rng(0))
+    assert out.dims == ("sample", "time") and out["obs"].shape == (500, 4, 2) and out["rewards"].shape == (500, 4)
+    steps = np.diff(out["rewards"], axis=1)
+    assert (steps == 100).all()  # the same env, one step apart
+    assert set(np.unique(out["rewards"][:, 0] % 100)) == {0, 1, 2}  # every env
+    assert set(np.unique(out["rewards"][:, 0] // 100 % 100)) == {0, 1, 2}  # every start that fits (T - 4 + 1 = 3)
+    np.testing.assert_array_equal(out["version"], out["rewards"][:, 0] // 10000)
+    with pytest.raises(ValueError, match="no trajectory of at least 7 steps"):
+        s.sample_windows(1, 7, np.random.default_rng(0))

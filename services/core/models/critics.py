@@ -12,6 +12,13 @@ from services.core.models.encoders import build_encoder
 from services.core.models.mlp import mlp
 
 
+@torch.no_grad()
+def soft_update(target: nn.Module, source: nn.Module, rate: float) -> None:
+    """Polyak averaging of target networks: target <- rate * source + (1 - rate) * target."""
+    for t, s in zip(target.parameters(), source.parameters(), strict=True):
+        t.lerp_(s, rate)
+
+
 class QNetwork(nn.Module):
     """Q(s, a): the encoded observation with the action appended, through an MLP."""
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
 from services.core.batch import tree_map
-from services.core.models.critics import QNetwork, ValueNetwork
+from services.core.models.critics import QNetwork, ValueNetwork, soft_update
 
 
 class IQLConfig(OfflineConfig):
@@ -39,12 +39,6 @@ def expectile_loss(diff: torch.Tensor, tau: float) -> torch.Tensor:
     """Asymmetric squared error: positive errors (Q above V) weigh tau, negative ones 1 - tau."""
     weight = torch.where(diff > 0, tau, 1 - tau)
     return (weight * diff.pow(2)).mean()
-
-
-@torch.no_grad()
-def polyak_update(target: nn.Module, source: nn.Module, rate: float) -> None:
-    for t, s in zip(target.parameters(), source.parameters(), strict=True):
-        t.lerp_(s, rate)
 
 
 @register
@@ -100,8 +94,8 @@ class IQL(OfflineAlgorithm):
         actor_loss.backward()
         self.actor_optimizer.step()
 
-        polyak_update(self.q1_target, self.q1, cfg.polyak)
-        polyak_update(self.q2_target, self.q2, cfg.polyak)
+        soft_update(self.q1_target, self.q1, cfg.polyak)
+        soft_update(self.q2_target, self.q2, cfg.polyak)
         self.optimizer_steps += 1
         return {"v_loss": v_loss.item(), "q_loss": q_loss.item(), "actor_loss": actor_loss.item(),
                 "advantage_mean": advantage.mean().item(), "weight_mean": weights.mean().item(),

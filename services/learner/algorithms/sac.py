@@ -23,7 +23,7 @@ from torch import nn
 
 from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
 from services.core.batch import tree_map
-from services.core.models.critics import QNetwork
+from services.core.models.critics import QNetwork, soft_update
 
 
 class SACConfig(AlgorithmConfig):
@@ -43,12 +43,6 @@ class SACConfig(AlgorithmConfig):
 def critic_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
                   next_logp: torch.Tensor, gamma: float, alpha: float) -> torch.Tensor:
     return rewards + gamma * (1.0 - terminated) * (torch.min(next_q1, next_q2) - alpha * next_logp)
-
-
-@torch.no_grad()
-def polyak(target: nn.Module, source: nn.Module, tau: float) -> None:
-    for t, s in zip(target.parameters(), source.parameters(), strict=True):
-        t.lerp_(s, tau)
 
 
 @register
@@ -123,8 +117,8 @@ class SAC(Algorithm):
             self.alpha_optimizer.zero_grad(set_to_none=True)
             alpha_loss.backward()
             self.alpha_optimizer.step()
-        polyak(self.q1_target, self.q1, self.cfg.tau)
-        polyak(self.q2_target, self.q2, self.cfg.tau)
+        soft_update(self.q1_target, self.q1, self.cfg.tau)
+        soft_update(self.q2_target, self.q2, self.cfg.tau)
         self.optimizer_steps += 1
         return {"q_loss": q_loss.item(), "actor_loss": actor_loss.item(), "alpha": alpha,
                 "q_mean": q1.mean().item(), "entropy": -logp.mean().item()}

@@ -92,6 +92,15 @@ def gather_rows(batches: list[TensorBatch], counts: np.ndarray, flat: np.ndarray
     return TensorBatch(tensors, dims=("sample",), version=int(tensors["version"].min()))
 
 
+def sample_windows(batches: list[TensorBatch], n: int, length: int, rng: np.random.Generator) -> TensorBatch:
+    """n windows of ``length`` consecutive steps, uniform over every window the trajectories hold (both stores)."""
+    counts = window_counts(batches, length)
+    if not counts.sum():
+        raise ValueError(f"replay holds no trajectory of at least {length} steps to cut windows from")
+    flat, owner = draw_rows(counts, n, rng)
+    return gather_windows(batches, counts, flat, owner, length)
+
+
 def window_counts(batches: list[TensorBatch], length: int) -> np.ndarray:
     """Windows of ``length`` steps each batch offers: its envs times the start steps that fit."""
     out = np.zeros(len(batches), dtype=np.int64)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.core.batch import TensorBatch
-from services.replay.stores import check_batch, draw_rows, gather_rows, gather_windows, window_counts
+from services.replay.stores import check_batch, draw_rows, gather_rows, sample_windows
 
 
 @dataclass(eq=False)  # identity, not field equality: comparing batches would compare arrays
@@ -77,13 +77,9 @@ class MemoryStore:
         return gather_rows([s.batch for s in self._window], counts, flat, owner)
 
     def sample_windows(self, n: int, length: int, rng: np.random.Generator) -> TensorBatch:
-        batches = [s.batch for s in self._window]
-        counts = window_counts(batches, length)
-        if not counts.sum():
-            raise ValueError(f"replay holds no trajectory of at least {length} steps to cut windows from")
-        flat, owner = draw_rows(counts, n, rng)
+        out = sample_windows([s.batch for s in self._window], n, length, rng)
         self.samples += 1
-        return gather_windows(batches, counts, flat, owner, length)
+        return out
 
     def clear(self) -> None:
         self._window.clear()

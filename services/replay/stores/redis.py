@@ -55,7 +55,7 @@ from redis.retry import Retry
 
 from services.core.batch import Ragged, TensorBatch
 from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
-from services.replay.stores import check_batch, draw_rows, gather_rows, gather_windows, window_counts
+from services.replay.stores import check_batch, draw_rows, gather_rows, sample_windows
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -975,13 +975,9 @@ class RedisStore:
         """n windows of ``length`` consecutive steps, uniform over every window the stored trajectories hold."""
         ids = [e.id for e in self._window]
         batches = self._fetch(ids, "sample")
-        ordered = [batches[i] for i in ids]
-        counts = window_counts(ordered, length)
-        if not counts.sum():
-            raise ValueError(f"replay holds no trajectory of at least {length} steps to cut windows from")
-        flat, owner = draw_rows(counts, n, rng)
+        out = sample_windows([batches[i] for i in ids], n, length, rng)
         self._unflushed_samples += 1
-        return gather_windows(ordered, counts, flat, owner, length)
+        return out
 
     def drop_pending(self) -> int:
         """Forget the on-policy FIFO (batches not yet taken) but keep the window; returns how many were dropped."""
