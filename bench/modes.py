@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     base = load_config(CONFIG)
     work = Path(tempfile.mkdtemp(prefix="rlfabric-modes-"))
-    stack = LocalStack(log_dir=work / "logs", runs_root=work / "runs",
+    stack = LocalStack(log_dir=work / "logs", runs_root=work,
                        roles=("env", "env", "replay", "learner", "rollout", "rollout"))
     stack.start()
     client = CoordinatorClient(stack.address)
@@ -100,11 +100,11 @@ def main() -> None:
 
         # auto: profiles and measures every candidate, then keeps one; its steady state comes after the decision
         p = base.scheduling.profile_iterations
-        auto_iters = 4 * (p + 1) + args.iterations
+        auto_iters = 4 * (p + 1) + 8 + args.iterations
         auto_dir = work / "auto"
         rows = train(client, base, {"mode": "auto", "staleness": 1, "pipeline_chunks": 2}, auto_iters, auto_dir)
         plan = json.loads((auto_dir / "plan.json").read_text())
-        decided = 4 * (p + 1)
+        decided = plan["decided_after_iteration"]  # every candidate measured (streams drain a few more)
         auto = steps_per_s(rows[decided + WARMUP:])
         metrics["auto env_steps_per_s"] = auto
         metrics["auto chose"] = plan["chosen"]

@@ -151,10 +151,11 @@ class StaticScheduler:
             await self.control.request_plan(self.every[nxt], nxt)
             return
         self.done = True
-        chosen = self.decide()
+        chosen = self.decide(record.iteration)
         await self.control.request_plan(self.plans[chosen], chosen)
 
-    def decide(self) -> str:
+    def decide(self, iteration: int = 0) -> str:
+        """Pick the plan from the measurements (after iteration ``iteration``; the choice runs from the next)."""
         cfg, control = self.cfg, self.control
         T, N = cfg.algorithm.n_steps, cfg.env.num_envs
         W, E = control.rollout_workers, control.env_workers
@@ -182,6 +183,7 @@ class StaticScheduler:
         control.log("static scheduler decision (" + why + "):\n" + "\n".join(lines))
         (self.run_dir / "plan.json").write_text(json.dumps(
             {"profile": asdict(profile), "control_overhead_s": overhead, "decisions": table, "chosen": chosen["plan"],
-             "why": why, "host_cores": host["host"].units, "num_envs": N, "n_steps": T, "rollout_workers": W},
+             "why": why, "decided_after_iteration": iteration, "host_cores": host["host"].units, "num_envs": N,
+             "n_steps": T, "rollout_workers": W},
             indent=2))
         return chosen["plan"]
