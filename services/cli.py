@@ -28,6 +28,7 @@ if __name__ == "__main__" and sys.argv[1:2] in (["train"], ["resume"]) and not a
 import argparse
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -39,15 +40,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.core import auth
-from services.core.config import ConfigError, load_config
 
 console = Console(stderr=True)
 SERVICES = ("coordinator", "learner", "rollout", "env", "replay")
 
 
-def _total(config) -> tuple[str, int]:
-    """What the progress bar counts: env steps, or iterations for an algorithm that collects nothing."""
-    return ("env steps", config.train.total_env_steps) if config.collects else ("iterations", config.iterations())
+def _load(path, overrides: list[str] | None = None):
+    """The validated run spec (imports the algorithm specs, torch with them: for commands without local services)."""
+    from services.core.config import load_config
+
+    return load_config(path, overrides)
 
 
 def _fail(message: str, code: int) -> int:
@@ -55,28 +57,65 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    if not args.coordinator:  # local services: their forkserver starts importing (if __main__ has not yet)
-        from services.launcher import prestart
+def _local_stack(spec: str | Path, overrides: list[str], run_dir, log_dir, what: str):
+    """Start a local stack for a spec: the coordinator first, the spec validated (in a forkserver child, see
+    launcher.describe_spec) while it comes up, then the workers the spec's plan needs. Returns (stack, facts), or
+    an exit code after saying why (an invalid spec leaves no run directory behind)."""
+    from services.core.spec_yaml import ConfigError, read_spec_file
+    from services.launcher import LocalStack, describe_spec
 
-        prestart()
-    try:
-        config = load_config(args.config, args.set)
+    try:  # the cheap read (no schema, no torch): the run's name and thread count, to start the coordinator
+        raw = read_spec_file(spec, overrides)
     except ConfigError as exc:
-        return _fail(str(exc), 2)
-    if args.coordinator:  # where the run lives is the coordinator's: under its runs root
-        return _follow(args.coordinator, args, Path(args.run_dir) if args.run_dir else None, None, _total(config))
-    run_dir = (Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
-        f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
-    from services.launcher import LocalStack, roles_for
-
-    roles = roles_for(config)
-    stack = LocalStack(log_dir=run_dir / "logs", runs_root=run_dir.parent,
-                       torch_threads=config.runtime.torch_threads, roles=roles)
+        return _fail(f"{what}{exc}", 2)
+    name = raw.get("name") if isinstance(raw.get("name"), str) else "run"
+    threads = (raw.get("runtime") or {}).get("torch_threads", 1) if isinstance(raw.get("runtime"), dict) else 1
+    run_dir = run_dir(name).resolve()
+    fresh = not run_dir.exists()
+    stack = LocalStack(log_dir=log_dir(run_dir), runs_root=run_dir.parent, roles=(),
+                       torch_threads=threads if isinstance(threads, int) and 1 <= threads <= 256 else 1)
     try:
-        with console.status(f"starting services (coordinator, {', '.join(roles)})..."):
-            stack.start()
-        return _follow(stack.address, args, run_dir, stack, _total(config))
+        with console.status("starting services..."):
+            stack.spawn_coordinator()
+            facts = describe_spec(spec, overrides)
+            if "error" not in facts:
+                stack.torch_threads, stack.roles = facts["torch_threads"], tuple(facts["roles"])
+                stack.spawn_workers(stack.roles)
+                stack.wait_coordinator()
+    except BaseException:
+        stack.stop()
+        raise
+    if "error" in facts:
+        stack.stop()
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        return _fail(f"{what}{facts['error']}", 2)
+    facts["run_dir"] = run_dir
+    return stack, facts
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.coordinator:  # where the run lives is the coordinator's: under its runs root
+        from services.core.config import ConfigError
+
+        try:
+            config = _load(args.config, args.set)
+        except ConfigError as exc:
+            return _fail(str(exc), 2)
+        return _follow(args.coordinator, args, Path(args.run_dir) if args.run_dir else None, None, config.progress())
+    from services.launcher import prestart
+
+    prestart()  # the forkserver's imports (torch) start now, while the CLI reads the spec
+    try:
+        started = _local_stack(args.config, args.set, lambda name: Path(args.run_dir) if args.run_dir else Path(
+            args.runs_root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", lambda run_dir: run_dir / "logs", "")
+    except RuntimeError as exc:
+        return _fail(str(exc), 1)
+    if isinstance(started, int):
+        return started
+    stack, facts = started
+    try:
+        return _follow(stack.address, args, facts["run_dir"], stack, tuple(facts["progress"]))
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
@@ -85,22 +124,31 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    try:
-        config = load_config(run_dir / "config.yaml")
-    except ConfigError as exc:
-        return _fail(f"cannot resume {run_dir}: {exc}", 2)
     args.config, args.set = str(run_dir / "config.yaml"), []
     if args.coordinator:
-        return _follow(args.coordinator, args, run_dir, None, _total(config), resume=True)
-    from services.launcher import LocalStack, roles_for
+        from services.core.config import ConfigError
 
-    run_dir = run_dir.resolve()
-    stack = LocalStack(log_dir=run_dir / "logs" / time.strftime("resume-%Y%m%d-%H%M%S"),
-                       runs_root=run_dir.parent, torch_threads=config.runtime.torch_threads, roles=roles_for(config))
+        try:
+            config = _load(run_dir / "config.yaml")
+        except ConfigError as exc:
+            return _fail(f"cannot resume {run_dir}: {exc}", 2)
+        return _follow(args.coordinator, args, run_dir, None, config.progress(), resume=True)
+    from services.launcher import prestart
+
+    prestart()
+    if not run_dir.is_dir():
+        return _fail(f"cannot resume {run_dir}: no such run directory. Fix: pass a directory `rlfabric train` "
+                     f"made (it holds config.yaml and checkpoints/)", 2)
     try:
-        with console.status("starting services to resume the run..."):
-            stack.start()
-        return _follow(stack.address, args, run_dir, stack, _total(config), resume=True)
+        started = _local_stack(args.config, [], lambda _: run_dir, lambda d: d / "logs" / time.strftime(
+            "resume-%Y%m%d-%H%M%S"), f"cannot resume {run_dir}: ")
+    except RuntimeError as exc:
+        return _fail(str(exc), 1)
+    if isinstance(started, int):
+        return started
+    stack, facts = started
+    try:
+        return _follow(stack.address, args, facts["run_dir"], stack, tuple(facts["progress"]), resume=True)
     except RuntimeError as exc:
         return _fail(str(exc), 1)
     finally:
@@ -291,9 +339,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from services.coordinator.simulator import StageProfile, candidate_plans, parse_cluster, rank
+    from services.core.config import ConfigError
 
     try:
-        config = load_config(args.config, args.set)
+        config = _load(args.config, args.set)
         pools = parse_cluster(args.cluster)
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc), 2)
@@ -350,7 +399,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
             old = load_dataset(out, max_rows=1 << 40)
             batch = merge_datasets([TensorBatch(old.tensors, dims=("sample",)), batch])
         path = save_dataset(out, batch)
-    except (FileNotFoundError, ValueError, ConfigError, DatasetError) as exc:
+    except (FileNotFoundError, ValueError, DatasetError) as exc:  # (ConfigError and DatasetError are ValueErrors)
         return _fail(str(exc), 2)
     mean = sum(returns) / len(returns)
     console.print(f"{len(returns)} episodes (mean return {mean:.2f}), {batch.rows} transitions -> {path}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import json
 import multiprocessing
 import os
 import select
@@ -28,8 +29,6 @@ import threading
 import time
 import warnings
 from pathlib import Path
-
-from services.core import auth
 
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
 # What the forked services import anyway (the collocated rollout hosts its env pool: services.env.local). A
@@ -58,6 +57,8 @@ def _service_env(torch_threads: int, token: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch_threads))
     if token:
+        from services.core import auth
+
         env[auth.TOKEN_ENV] = token
     return env
 
@@ -111,6 +112,51 @@ def _names(roles: tuple[str, ...]) -> list[str]:
         seen[role] = n + 1
         names.append(role if n == 0 else f"{role}-{n}")
     return names
+
+
+def spec_facts(config) -> dict:
+    """What a launcher needs to know of a run spec before it starts anything (JSON-able)."""
+    unit, total = config.progress()
+    return {"name": config.name, "torch_threads": config.runtime.torch_threads, "roles": list(roles_for(config)),
+            "progress": [unit, total]}
+
+
+def _describe_spec(conn, path: str, overrides: list[str]) -> None:
+    """In a child of the preloaded forkserver: validate a run spec there (its algorithm specs import torch, which
+    the forkserver has loaded already) and send back its facts, or the error, as JSON."""
+    from services.core.config import ConfigError, load_config
+
+    try:
+        facts = spec_facts(load_config(path, overrides))
+    except ConfigError as exc:
+        facts = {"error": str(exc)}
+    conn.send_bytes(json.dumps(facts).encode())
+    conn.close()
+
+
+def describe_spec(path: str | Path, overrides: list[str] | None = None, torch_threads: int = 1) -> dict:
+    """Validate a run spec and return its facts ({"error": reason} when invalid). With the forkserver in use, the
+    validation runs in a child of it: a CLI that starts local services then never imports torch itself (its
+    algorithm specs do), which on 2 cores would compete with the forkserver's own imports at start-up."""
+    if os.environ.get("RLFABRIC_LAUNCH", "fork") != "fork":
+        from services.core.config import ConfigError, load_config
+
+        try:
+            return spec_facts(load_config(path, overrides))
+        except ConfigError as exc:
+            return {"error": str(exc)}
+    ctx = _forkserver_context(torch_threads)
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_describe_spec, args=(send, str(path), list(overrides or [])), name="describe-spec",
+                        daemon=True)
+    child.start()
+    send.close()
+    try:
+        return json.loads(receive.recv_bytes())
+    except EOFError:
+        child.join(10)
+        raise RuntimeError(f"validating {path} failed in the forkserver (exit code {child.exitcode})") from None
+    # (not joined: the child exits on its own; waiting for a torch process to wind down would delay the stack)
 
 
 def roles_for(config) -> tuple[str, ...]:
@@ -189,6 +235,8 @@ class LocalStack:
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.address = ""
         self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
+        from services.core import auth  # (imported here: prestart, above, runs before grpc and zmq load)
+
         self.token = auth.generate_token() if token is None else token
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
@@ -209,28 +257,42 @@ class LocalStack:
         self.procs[name] = proc
         return proc
 
-    def start_coordinator(self, timeout_s: float = 60.0, workers: tuple[str, ...] = ()) -> str:
-        """Start the coordinator (and, at the same moment, ``workers`` that register once it is up)."""
+    def spawn_coordinator(self) -> None:
+        """Start the coordinator without waiting for it (``wait_coordinator`` does): a launcher does its own
+        remaining work (validating the spec, starting workers) while the coordinator comes up."""
+        from services.core import auth
+
         auth.configure(self.token, auth.current().tls)  # this process is the stack's client
-        port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
-        self.port_file = port_file
+        self.port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
         if self.preload:
             prestart(self.torch_threads)
-        proc = self._spawn("coordinator", "services.coordinator.server",
-                           ["--port-file", str(port_file), "--runs-root", str(self.runs_root),
-                            "--heartbeat-timeout", str(self.heartbeat_timeout_s)])
-        for name in _names(workers):
-            self._spawn(name, f"services.{name.split('-')[0]}.server", ["--coordinator-file", str(port_file)])
+        self._spawn("coordinator", "services.coordinator.server",
+                    ["--port-file", str(self.port_file), "--runs-root", str(self.runs_root),
+                     "--heartbeat-timeout", str(self.heartbeat_timeout_s)])
+
+    def spawn_workers(self, roles: tuple[str, ...]) -> None:
+        """Start workers that register with the coordinator once it is up (they wait for its address file)."""
+        for name in _names(roles):
+            self._spawn(name, f"services.{name.split('-')[0]}.server", ["--coordinator-file", str(self.port_file)])
+
+    def wait_coordinator(self, timeout_s: float = 60.0) -> str:
+        proc = self.procs["coordinator"]
         deadline = time.monotonic() + timeout_s
-        while not port_file.exists():
+        while not self.port_file.exists():
             if proc.poll() is not None:
                 raise RuntimeError(f"coordinator exited with code {proc.returncode} at start-up; see "
                                    f"{self.log_dir / 'coordinator.stderr'}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"coordinator did not start within {timeout_s:.0f}s")
             time.sleep(0.005)
-        self.address = port_file.read_text().strip()
+        self.address = self.port_file.read_text().strip()
         return self.address
+
+    def start_coordinator(self, timeout_s: float = 60.0, workers: tuple[str, ...] = ()) -> str:
+        """Start the coordinator (and, at the same moment, ``workers`` that register once it is up)."""
+        self.spawn_coordinator()
+        self.spawn_workers(workers)
+        return self.wait_coordinator(timeout_s)
 
     def start_worker(self, role: str, name: str | None = None, pool: str = "") -> subprocess.Popen:
         """One more worker of ``role``; ``pool`` registers it in that resource pool (``--pool``)."""

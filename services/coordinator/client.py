@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.core import auth
-from services.core.config import RunConfig, dump_yaml
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import GRPC_OPTIONS
+
+if TYPE_CHECKING:
+    from services.core.config import RunConfig
 
 STATE_NAMES = {v: k for k, v in coordinator_pb2.RunState.items()}
 
@@ -37,8 +40,11 @@ class CoordinatorClient:
 
     def submit(self, config: str | Path | RunConfig, overrides: list[str] | None = None,
                run_dir: str | Path | None = None) -> coordinator_pb2.RunStatus:
-        """Submit a run spec: a RunConfig, a YAML path, or YAML text."""
-        if isinstance(config, RunConfig):
+        """Submit a run spec: a RunConfig, a YAML path, or YAML text. (The coordinator validates it; this client
+        stays light, importing the schema only when handed a RunConfig.)"""
+        if hasattr(config, "model_dump_json"):
+            from services.core.config import dump_yaml
+
             text = dump_yaml(config)
         elif isinstance(config, Path) or (isinstance(config, str) and "\n" not in config and Path(config).is_file()):
             text = Path(config).read_text()

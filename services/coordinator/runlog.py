@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,15 +65,18 @@ class RunLog:
         self._tb = import_tensorboardx().SummaryWriter(str(run_dir), flush_secs=5, purge_step=purge)
 
     def _rewrite(self) -> None:
-        """The CSV from scratch with the current columns (at the start, and when a statistic first appears)."""
+        """The CSV from scratch with the current columns (at the start, and when a statistic first appears),
+        written beside it and renamed over it: a reader, or a crash, never sees a half-written file."""
         if self._csv_file is not None:
             self._csv_file.close()
-        self._csv_file = open(self.path, "w", newline="")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(self._written)
+        os.replace(tmp, self.path)
+        self._csv_file = open(self.path, "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")
-        self._csv.writeheader()
-        for row in self._written:
-            self._csv.writerow(row)
-        self._csv_file.flush()
 
     def write(self, row: dict[str, float]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}

@@ -12,10 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.core.algorithm import ALGORITHMS, load_algorithms
-
-
-class ConfigError(ValueError):
-    """A run config that cannot be used. The message names each bad field and the fix."""
+from services.core.spec_yaml import ConfigError, read_spec, read_spec_file
 
 
 class _Strict(BaseModel):
@@ -297,6 +294,10 @@ class RunConfig(_Strict):
     def iterations(self) -> int:
         return self.spec.iterations(self)
 
+    def progress(self) -> tuple[str, int]:
+        """What progress counts: env steps, or iterations for an algorithm that collects nothing."""
+        return ("env steps", self.train.total_env_steps) if self.collects else ("iterations", self.iterations())
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         sched = self.scheduling
@@ -417,49 +418,12 @@ def _old_algorithm_layout(data: dict[str, Any]) -> str | None:
     return None
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` overrides (values parsed as YAML scalars) to a raw config dict."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set train.total_env_steps=50000")
-        key, value = item.split("=", 1)
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
-            raise ConfigError(f"--set {item!r}: empty key. Fix: name a field, e.g. seed=1")
-        node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = _parse_value(value)
-    return data
-
-
 def parse_config(text: str, source: str = "config", overrides: list[str] | None = None) -> RunConfig:
     """Parse YAML text into a RunConfig, raising ConfigError with the field, the problem and the fix."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(
-            f"{source}:{where}: malformed YAML ({problem}). Fix: check indentation and 'key: value' syntax there"
-        ) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections (env:, train:, ...), "
-                          f"got {type(data).__name__}")
-    data = apply_overrides(data, overrides or [])
+    return _validate(read_spec(text, source, overrides), source)
+
+
+def _validate(data: dict[str, Any], source: str) -> RunConfig:
     old = _old_algorithm_layout(data)
     if old:
         raise ConfigError(f"{source}: {old}")
@@ -471,9 +435,7 @@ def parse_config(text: str, source: str = "config", overrides: list[str] | None 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file. Fix: pass a YAML run spec, e.g. examples/cartpole_ppo.yaml")
-    return parse_config(path.read_text(), str(path), overrides)
+    return _validate(read_spec_file(path, overrides), str(path))
 
 
 def dump_yaml(config: RunConfig) -> str:

@@ -48,8 +48,13 @@ def test_cli_malformed_yaml_exits_2_with_line(tmp_path):
 
 
 def test_cli_bad_field_and_override_exit_2(tmp_path):
-    proc = _cli("train", "examples/cartpole_ppo.yaml", "--set", "algorithm.n_epoch=3")
+    proc = _cli("train", "examples/cartpole_ppo.yaml", "--run-dir", str(tmp_path / "run"), "--set",
+                "algorithm.n_epoch=3")
     assert proc.returncode == 2 and "did you mean 'algorithm.n_epochs'" in proc.stderr
+    # the coordinator starts while the spec is validated; an invalid spec stops it and leaves no run behind
+    assert not (tmp_path / "run").exists()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout
+    assert not left.strip(), f"service processes left running: {left}"
     proc = _cli("eval", str(tmp_path / "missing.pt"))
     assert proc.returncode == 2 and "no such checkpoint" in proc.stderr
 

@@ -78,3 +78,17 @@ def test_json_round_trip_and_bad_json():
         RunConfig.from_json("{")
     with pytest.raises(ConfigError, match="seed"):
         RunConfig.from_json('{"seed": "x"}')
+
+
+def test_the_cheap_spec_reader_agrees_with_the_schema_on_overrides(tmp_path):
+    """The launcher reads a spec's name and threads without the schema (no torch): same YAML, same overrides."""
+    from services.core.spec_yaml import read_spec_file
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: a\nruntime:\n  torch_threads: 2\n")
+    raw = read_spec_file(spec, ["name=b", "runtime.torch_threads=3", "train.total_env_steps=4096"])
+    assert raw == {"name": "b", "runtime": {"torch_threads": 3}, "train": {"total_env_steps": 4096}}
+    config = load_config(spec, ["name=b", "runtime.torch_threads=3", "train.total_env_steps=4096"])
+    assert (config.name, config.runtime.torch_threads, config.train.total_env_steps) == ("b", 3, 4096)
+    with pytest.raises(ConfigError, match="'name' is a value, not a section"):
+        read_spec_file(spec, ["name.x=1"])
