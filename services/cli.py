@@ -356,7 +356,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profile = StageProfile(**json.loads(path.read_text())["profile"])
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         return _fail(f"{path}: not a stage profile written by a mode-auto run ({exc})", 2)
-    T, N = config.algorithm.n_steps, config.env.num_envs
+    T, N = config.spec.steps_per_env(config.algorithm), config.env.num_envs
     ranked = rank(profile, candidate_plans(N, T, pools, staleness_options=(config.scheduling.staleness,)), pools)
     table = Table(title=f"plans for {config.name} on {args.cluster} (profile {path}; units = {profile.device})")
     for col in ("#", "plan", "s/iteration", "env steps/s", "busiest pool"):

@@ -251,4 +251,6 @@ class TrainingLoop:
 def _describe(space: dict) -> str:
     if space.get("kind") == "dict":
         return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in space["spaces"].items()) + "}"
+    if space.get("kind") == "text":
+        return f"text[<={space.get('max_length')} bytes]"
     return f"{space.get('dtype', '')}{space.get('shape', [])}"

@@ -157,7 +157,7 @@ class StaticScheduler:
     def decide(self, iteration: int = 0) -> str:
         """Pick the plan from the measurements (after iteration ``iteration``; the choice runs from the next)."""
         cfg, control = self.cfg, self.control
-        T, N = cfg.algorithm.n_steps, cfg.env.num_envs
+        T, N = cfg.spec.steps_per_env(cfg.algorithm), cfg.env.num_envs
         W, E = control.rollout_workers, control.env_workers
         profile = fit_profile(T, N // W, self.every["disaggregated"].chunks(), steady(self.measured["collocated"]),
                               steady(self.measured["disaggregated"]), N, self.ipc)

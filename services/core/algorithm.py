@@ -142,6 +142,12 @@ class Algorithm:
         return DataAccess.on_policy()
 
     @classmethod
+    def needs(cls, cfg: Any) -> Roles:
+        """The roles a run with this config needs (default: the class's ``roles``; e.g. a reference policy only
+        when a KL term is on)."""
+        return cls.roles
+
+    @classmethod
     def steps_per_env(cls, cfg: Any) -> int:
         """Env steps each env takes per iteration (0 when the algorithm collects nothing)."""
         return int(getattr(cfg, "n_steps", 0)) if cls.roles.rollout == "policy" else 0

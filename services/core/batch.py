@@ -80,6 +80,22 @@ class Ragged:
             values = np.zeros((0, *item_shape), dtype=dtype or np.float32)
         return cls(values, np.array([len(a) for a in arrays], dtype=np.int64))
 
+    @classmethod
+    def from_texts(cls, texts: Sequence[str]) -> Ragged:
+        """Strings as their UTF-8 bytes, one cell each (text crosses the data plane this way)."""
+        return cls.from_rows([np.frombuffer(t.encode(), dtype=np.uint8) for t in texts], dtype=np.uint8)
+
+    def texts(self, field: str = "text") -> list[str]:
+        """The cells of a uint8 Ragged as strings; a ValueError naming ``field`` when a cell is not UTF-8."""
+        if np.dtype(self.values.dtype) != np.uint8 or self.item_shape:
+            raise ValueError(f"{field} must be UTF-8 bytes (a Ragged uint8 field), got {self.values.dtype}")
+        values = np.asarray(self.values)
+        o = self.offsets
+        try:
+            return [values[o[i]:o[i + 1]].tobytes().decode() for i in range(len(o) - 1)]
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{field} holds bytes that are not UTF-8 ({exc.reason})") from None
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The batch shape of the cells (what ``lengths`` is shaped as)."""
@@ -395,7 +411,7 @@ class TensorBatch:
             if dim not in fd:
                 out[name] = value
             elif isinstance(value, Ragged):
-                out[name] = _cat_ragged(parts, fd.index(dim))
+                out[name] = cat_ragged(parts, fd.index(dim))
             else:
                 out[name] = _concat(parts, fd.index(dim))
         return TensorBatch(out, meta=dict(first.meta), version=min(b.version for b in batches), seq=first.seq,
@@ -426,7 +442,7 @@ class TensorBatch:
         return cls(dict(tensors), **kw)
 
 
-def _cat_ragged(parts: list[Ragged], axis: int) -> Ragged:
+def cat_ragged(parts: list[Ragged], axis: int) -> Ragged:
     """Ragged fields joined along batch axis ``axis``: lengths concatenate along it, values follow the cells'
     row-major order in the joined shape."""
     lengths = np.concatenate([np.asarray(p.lengths) for p in parts], axis=axis)
@@ -449,4 +465,4 @@ def _cat_ragged(parts: list[Ragged], axis: int) -> Ragged:
     return Ragged(_index(values, segment_index(np.concatenate(starts)[order], flat_lengths)), lengths)
 
 
-__all__ = ["Ragged", "TensorBatch", "flatten_names", "nest_names", "segment_index", "tree_map", "SEP"]
+__all__ = ["Ragged", "TensorBatch", "cat_ragged", "flatten_names", "nest_names", "segment_index", "tree_map", "SEP"]

@@ -29,6 +29,8 @@ class EnvConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="the adapter's own options (e.g. minigrid: "
                                                                        "tile_size, view); the adapter checks them")
     eval_envs: int = Field(10, ge=1, le=1024, description="envs (one episode each) used for evaluation")
+    eval_options: dict[str, Any] = Field(default_factory=dict, description="options that differ for evaluation, "
+                                                                           "over options (e.g. split: held_out)")
 
 
 class CNNConfig(_Strict):
@@ -49,12 +51,48 @@ class CNNConfig(_Strict):
         return self
 
 
+class LoRAConfig(_Strict):
+    """LoRA adapters (peft) on a language model; rank 0 trains every parameter."""
+
+    rank: int = Field(0, ge=0, le=1024)
+    alpha: float = Field(16.0, gt=0, allow_inf_nan=False)
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                               description="module names that get adapters")
+
+
+class LMConfig(_Strict):
+    """A causal language model (policies ``causal_lm``): a transformers architecture built from these sizes and
+    randomly initialised, or a saved local directory (``path``). Never fetched from a hub."""
+
+    arch: Literal["llama", "qwen2"] = "llama"
+    hidden_size: int = Field(128, ge=8, le=65536)
+    intermediate_size: int = Field(256, ge=8, le=262144)
+    layers: int = Field(2, ge=1, le=256)
+    heads: int = Field(2, ge=1, le=256, description="attention heads; hidden_size/heads is the head dim (vLLM on "
+                                                    "CPU needs 64 or another size its kernels support)")
+    max_positions: int = Field(256, ge=16, le=1 << 20)
+    tie_embeddings: bool = False
+    path: str = Field("", max_length=4096, description="a local directory written by save_pretrained (model and "
+                                                       "tokenizer); empty builds the model from the sizes above")
+    gradient_checkpointing: bool = False
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+
+    @model_validator(mode="after")
+    def _heads(self) -> LMConfig:
+        if self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by heads={self.heads}")
+        return self
+
+
 class PolicyConfig(_Strict):
     hidden_sizes: list[int] = Field(default_factory=lambda: [64, 64])
     activation: Literal["tanh", "relu"] = "tanh"
     log_std_init: float = 0.0
     ortho_init: bool = True
     cnn: CNNConfig = Field(default_factory=CNNConfig, description="encoder of image observations")
+    lm: LMConfig = Field(default_factory=LMConfig, description="the language model of LM policies")
+    init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
+                                                                  "file (e.g. a supervised warm start's); empty: fresh init")
 
     @model_validator(mode="after")
     def _positive_sizes(self) -> PolicyConfig:
@@ -226,7 +264,11 @@ class RolloutConfig(_Strict):
                            description="how rollout workers act (services/rollout/collectors): auto picks the "
                                        "env adapter's collector (gym stepping for gymnasium envs)")
     backend: str = Field("torch", pattern=r"^[a-z][a-z0-9_]{0,63}$",
-                         description="inference backend (services/rollout/backends): torch")
+                         description="inference backend (services/rollout/backends): torch; hf or vllm for "
+                                     "language-model policies")
+    temperature: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
+                               description="LM sampling temperature (log-probs are of the tempered distribution)")
+    max_new_tokens: int = Field(16, ge=1, le=1 << 16, description="LM tokens generated per turn at most")
 
 
 class StorageConfig(_Strict):

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from services.core.batch import Ragged, cat_ragged
 from services.core.dataplane import meta_int
 from services.env.adapters import adapter
 from services.env.adapters.gymnasium import describe_space, final_observations
@@ -22,6 +23,8 @@ def concat_obs(parts: list[Any]) -> Any:
     """Observations of several chunks as one batch (per key for Dict observations)."""
     if isinstance(parts[0], dict):
         return {k: concat_obs([p[k] for p in parts]) for k in parts[0]}
+    if isinstance(parts[0], Ragged):
+        return cat_ragged(parts, 0)
     return np.concatenate(parts)
 
 
@@ -38,6 +41,7 @@ class EnvPool:
         self.single_action_space = self.envs[0].single_action_space
         self.obs_spec = describe_space(self.single_observation_space)
         self.act_spec = describe_space(self.single_action_space)
+        self.text_obs = self.obs_spec["kind"] == "text"
         self._returns = [np.zeros(self.chunk_size) for _ in self.envs]
         self._lengths = [np.zeros(self.chunk_size, dtype=np.int64) for _ in self.envs]
         self.env_steps = 0
@@ -55,13 +59,17 @@ class EnvPool:
             obs, _ = env.reset(seed=seed + c * self.chunk_size)
             self._returns[c][:] = 0
             self._lengths[c][:] = 0
-            out.append(obs)
+            out.append(Ragged.from_texts(obs) if self.text_obs else obs)
         return out
 
-    def check_actions(self, chunk: int, actions: np.ndarray) -> np.ndarray:
+    def check_actions(self, chunk: int, actions: Any) -> Any:
         if not 0 <= chunk < self.num_chunks:
             raise ValueError(f"chunk {chunk} out of range: the pool has {self.num_chunks} chunk(s)")
         space = self.single_action_space
+        if self.act_spec["kind"] == "text":
+            return self._text_actions(chunk, actions)
+        if not isinstance(actions, np.ndarray):
+            raise ValueError(f"{self.env_id} takes dense 'actions' (an array), got {type(actions).__name__}")
         expected = (self.chunk_size, *space.shape)
         if tuple(actions.shape) != expected:
             raise ValueError(
@@ -78,7 +86,17 @@ class EnvPool:
             raise ValueError("continuous actions contain NaN or inf; the policy diverged")
         return actions.astype(space.dtype, copy=False)
 
-    def step(self, chunk: int, actions: np.ndarray) -> dict[str, np.ndarray]:
+    def _text_actions(self, chunk: int, actions: Any) -> tuple[str, ...]:
+        if not isinstance(actions, Ragged) or actions.shape != (self.chunk_size,):
+            raise ValueError(f"{self.env_id} takes text actions: a Ragged uint8 'actions' field of {self.chunk_size} "
+                             f"cells (one UTF-8 string per env of chunk {chunk})")
+        limit = self.act_spec["max_length"]
+        longest = int(actions.flat_lengths().max()) if self.chunk_size else 0
+        if longest > limit:
+            raise ValueError(f"a text action of {longest} bytes exceeds env.options.max_chars={limit}")
+        return tuple(actions.texts("actions"))
+
+    def step(self, chunk: int, actions: Any) -> dict[str, Any]:
         actions = self.check_actions(chunk, actions)
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, info = self.envs[chunk].step(actions)
@@ -95,10 +113,11 @@ class EnvPool:
         ret[done] = 0.0
         length[done] = 0
         self.env_steps += self.chunk_size
-        out = {"obs": obs, "reward": np.asarray(reward, dtype=np.float32), "terminated": terminated,
-               "truncated": truncated}
+        out = {"obs": Ragged.from_texts(obs) if self.text_obs else obs, "reward": np.asarray(reward, dtype=np.float32),
+               "terminated": terminated, "truncated": truncated}
         if done.any():  # most steps end no episode: keep those messages small
-            out["final_obs"] = final_observations(obs, info, done)
+            if not self.text_obs:  # a text episode's last observation is what the model already read
+                out["final_obs"] = final_observations(obs, info, done)
             out["episode_return"] = ep_return.astype(np.float32)
             out["episode_length"] = ep_length.astype(np.int64)
         return out
@@ -117,7 +136,8 @@ class EnvPools:
     def __init__(self, config, build_train: bool = True) -> None:
         self.config = config
         env = config.env
-        self.pools: dict[str, EnvPool] = {"eval": EnvPool(env, env.eval_envs, 1, "sync")}
+        eval_env = env.model_copy(update={"options": env.options | env.eval_options}) if env.eval_options else env
+        self.pools: dict[str, EnvPool] = {"eval": EnvPool(eval_env, env.eval_envs, 1, "sync")}
         if build_train:
             self.pools["train"] = self._train_pool(env.num_envs)
 
@@ -171,8 +191,6 @@ class EnvPools:
         if kind == "step":
             if "actions" not in tensors:
                 raise ValueError("step needs an 'actions' tensor")
-            if not isinstance(tensors["actions"], np.ndarray):
-                raise ValueError("step needs a dense 'actions' tensor")
             return "stepped", pool.step(meta_int(meta, "chunk", 0, 0, 1 << 16), tensors["actions"])
         raise ValueError(f"unknown request kind {kind!r}; expected 'reset', 'step' or 'echo'")
 

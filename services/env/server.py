@@ -33,7 +33,7 @@ def _space(spec: dict) -> env_pb2.Space:
     box = spec["kind"] == "box"
     return env_pb2.Space(kind=spec["kind"], shape=spec["shape"], dtype=spec["dtype"],
                          low=bounds(spec, "low") if box else [], high=bounds(spec, "high") if box else [],
-                         n=spec.get("n", 0), spaces={k: _space(v) for k, v in spec.get("spaces", {}).items()})
+                         n=spec.get("n", spec.get("max_length", 0)), spaces={k: _space(v) for k, v in spec.get("spaces", {}).items()})
 
 
 class EnvService(env_pb2_grpc.EnvServicer):

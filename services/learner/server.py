@@ -33,6 +33,15 @@ UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
 
+def _read_checkpoint(path: str, field: str) -> dict:
+    try:
+        data = open(path, "rb").read()
+    except OSError as exc:
+        raise ValueError(f"{field}={path!r} cannot be read ({exc.strerror}). Fix: give a checkpoint file of a "
+                         f"finished run (RUN_DIR/checkpoints/...)") from None
+    return ckpt.unpack(data, path)
+
+
 def _frozen(module: torch.nn.Module) -> torch.nn.Module:
     module.eval()
     for p in module.parameters():
@@ -70,14 +79,15 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         from the config's expert_checkpoint)."""
         roles: dict[str, torch.nn.Module] = {}
         spec = config.spec
-        if spec.roles.reference:
+        needs = spec.needs(config.algorithm)
+        if needs.reference:
             roles["reference"] = _frozen(copy.deepcopy(self.policy))
-        if spec.roles.expert:
+        if needs.expert:
             path = getattr(config.algorithm, "expert_checkpoint", "")
             if not path:
                 raise ValueError(f"algorithm {spec.name!r} needs an expert: set algorithm.expert_checkpoint to a "
                                  f"checkpoint file of a run with the same env")
-            state = ckpt.unpack(open(path, "rb").read(), path)
+            state = _read_checkpoint(path, "algorithm.expert_checkpoint")
             expert = build_policy(spec.policy, json.loads(state["env_spec_json"]), RunConfig.from_json(
                 state["config_json"]).policy).to(self.device)
             expert.load_state_dict(state["policy"])
@@ -94,6 +104,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         np.random.seed(config.seed)
         spec = config.spec
         self.policy = build_policy(spec.policy, env_spec, config.policy).to(self.device)
+        if config.policy.init_checkpoint and not resume:  # a warm start (a supervised run's weights); resume has its own
+            state = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint")
+            try:
+                self.policy.load_state_dict(state["policy"])
+            except RuntimeError as exc:
+                raise ValueError(f"policy.init_checkpoint={config.policy.init_checkpoint!r} holds another policy "
+                                 f"shape: {str(exc)[:300]}. Fix: give the same policy section as that run") from None
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 7)
         self.algo = spec(self.policy, config, self.generator, env_spec=env_spec, **self._roles(config, env_spec))
         if self.replay is not None:

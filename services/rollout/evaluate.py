@@ -14,6 +14,7 @@ from services.core.batch import TensorBatch
 from services.core.config import RunConfig
 from services.env.local import LocalEnvChannel
 from services.rollout.backends import build_backend
+from services.rollout.collectors import collector_class
 from services.rollout.collectors.gym import play
 
 
@@ -45,12 +46,11 @@ def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None
     """Returns of ``episodes`` episodes; by default on the run's own eval seeds, so it reproduces the run's eval."""
     config, backend = _from_checkpoint(path)
     env = LocalEnvChannel(config)
-    try:
-        returns, _ = play(env, backend, config.env.eval_envs, episodes,
-                          config.eval_seed() if seed is None else seed, deterministic)
+    try:  # the run's own collector plays them: gym stepping, LLM turns, ...
+        collector = collector_class(config)(config, backend, env, config.env.eval_envs, 1, "eval")
+        return collector.evaluate(episodes, deterministic, config.eval_seed() if seed is None else seed)
     finally:
         env.close()
-    return returns
 
 
 def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bool = False,

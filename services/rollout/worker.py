@@ -101,7 +101,7 @@ class RolloutWorker:
             self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s,
                                             sync=cfg.weight_sync)
             self.collector = collector_class(cfg)(cfg, self.backend, self.env, self.shard_envs, self.chunks,
-                                                  self.pool)
+                                                  self.pool, self.env_offset)
             if cfg.collects:
                 self.collector.reset(cfg.seed + 7919 * self.start_iteration + self.env_offset)
         except BaseException as exc:  # noqa: BLE001 — surfaced to Configure

@@ -6,6 +6,7 @@ observation and action spaces and the run's ``policy`` config section.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from services.core.models.actor_critic import ActorCritic
@@ -13,7 +14,10 @@ from services.core.models.encoders import build_encoder
 from services.core.models.mlp import mlp
 from services.core.models.squashed_gaussian import SquashedGaussianActor
 
-POLICIES: dict[str, type] = {"actor_critic": ActorCritic, "squashed_gaussian": SquashedGaussianActor}
+POLICIES: dict[str, Any] = {
+    "actor_critic": ActorCritic, "squashed_gaussian": SquashedGaussianActor,
+    "causal_lm": "services.core.models.lm:CausalLMPolicy",  # imported when used: it needs transformers
+}
 
 
 def register_policy(name: str):
@@ -27,7 +31,11 @@ def register_policy(name: str):
 def build_policy(name: str, env_spec: dict[str, Any], policy_config: Any):
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not registered; available: {sorted(POLICIES)}")
-    return POLICIES[name](env_spec["observation_space"], env_spec["action_space"], policy_config)
+    cls = POLICIES[name]
+    if isinstance(cls, str):
+        module, _, attr = cls.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+    return cls(env_spec["observation_space"], env_spec["action_space"], policy_config)
 
 
 __all__ = ["ActorCritic", "POLICIES", "SquashedGaussianActor", "build_encoder", "build_policy", "mlp",

@@ -14,6 +14,7 @@ from types import ModuleType
 ADAPTERS: dict[str, str] = {
     "gymnasium": "services.env.adapters.gymnasium",  # any registered gymnasium id (state observations)
     "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
+    "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
 }
 
 

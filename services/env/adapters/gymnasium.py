@@ -40,7 +40,10 @@ def check(env_cfg: Any) -> None:
 
 
 def vectorize(make: Callable[[], gym.Env], num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
-    fns = [make] * num_envs
+    return vectorize_fns([make] * num_envs, vectorization)
+
+
+def vectorize_fns(fns: list[Callable[[], gym.Env]], vectorization: str = "sync") -> gym.vector.VectorEnv:
     if vectorization == "async":
         # spawn, not fork: the parent runs gRPC and ZeroMQ threads that must not be forked.
         return gym.vector.AsyncVectorEnv(fns, context="spawn", autoreset_mode=AutoresetMode.SAME_STEP)
@@ -89,9 +92,11 @@ def describe_space(space: gym.Space) -> dict[str, Any]:
     if isinstance(space, gym.spaces.Box):
         return {"kind": "box", "shape": list(space.shape), "dtype": str(space.dtype),
                 "low": _bounds(space.low), "high": _bounds(space.high)}
+    if isinstance(space, gym.spaces.Text):  # UTF-8 bytes on the wire (a Ragged uint8 field)
+        return {"kind": "text", "shape": [], "dtype": "uint8", "max_length": int(space.max_length)}
     if isinstance(space, gym.spaces.Dict):
         return {"kind": "dict", "shape": [], "dtype": "", "spaces": {k: describe_space(s) for k, s in space.items()}}
-    raise ValueError(f"space {space} is not supported yet (Box, Discrete and Dict of them are); wrap the env to "
+    raise ValueError(f"space {space} is not supported yet (Box, Discrete, Text and Dict of them are); wrap the env to "
                      f"convert it")
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-BACKENDS: dict[str, str] = {"torch": "services.rollout.backends.torch:TorchBackend"}
+BACKENDS: dict[str, str] = {
+    "torch": "services.rollout.backends.torch:TorchBackend",
+    "hf": "services.rollout.backends.hf:HFBackend",  # transformers generate (causal_lm policies)
+}
 
 
 def register_backend(name: str, target: str) -> None:

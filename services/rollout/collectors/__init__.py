@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-COLLECTORS: dict[str, str] = {"gym": "services.rollout.collectors.gym:GymCollector"}
-BY_ADAPTER: dict[str, str] = {"gymnasium": "gym", "minigrid": "gym"}
+COLLECTORS: dict[str, str] = {"gym": "services.rollout.collectors.gym:GymCollector",
+                              "llm": "services.rollout.collectors.llm:LLMCollector"}
+BY_ADAPTER: dict[str, str] = {"gymnasium": "gym", "minigrid": "gym", "text": "llm"}
 
 
 def register_collector(name: str, target: str, adapters: tuple[str, ...] = ()) -> None:

@@ -67,7 +67,8 @@ def _copy(value: Any) -> Any:
 
 
 class GymCollector:
-    def __init__(self, config: Any, backend: Any, env: Any, shard_envs: int, chunks: int, pool: str):
+    def __init__(self, config: Any, backend: Any, env: Any, shard_envs: int, chunks: int, pool: str,
+                 env_offset: int = 0):
         self.config, self.backend, self.env = config, backend, env
         self.trajectory: Trajectory = config.spec.trajectory(config.algorithm) if config.collects else Trajectory(())
         wanted = set(self.trajectory.fields)

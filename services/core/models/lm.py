@@ -1,0 +1,131 @@
+"""Causal language-model policies through ``transformers``: built from a config and randomly initialised, or
+loaded from a local directory (never from a hub), with the character-level tokenizer of the shipped text tasks.
+
+The tokenizer is a ``tokenizers`` WordLevel model over single characters (every printable ASCII character, plus
+``<pad>``, ``<bos>``, ``<eos>``), wrapped as a ``PreTrainedTokenizerFast`` and saved with the model: tiny models
+learn arithmetic digit by digit, and the vocabulary is the same on every machine.
+
+``CausalLMPolicy`` is what the learner trains and the ``hf`` backend generates with. ``token_logprobs`` gives the
+log-probability of every token given its prefix, the quantity every LM algorithm's loss is built from.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+PAD, BOS, EOS = 0, 1, 2
+CHARS = string.printable
+
+
+def build_tokenizer() -> Any:
+    """The character-level tokenizer of the text tasks (deterministic: the same ids on every machine)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def load_tokenizer(path: str | Path | None) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    if path and (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return build_tokenizer()
+
+
+def model_config(cfg: Any, vocab_size: int) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        cfg.arch, vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+        max_position_embeddings=cfg.max_positions, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+        tie_word_embeddings=cfg.tie_embeddings, dtype="float32")
+
+
+def build_lm(cfg: Any, tokenizer: Any) -> nn.Module:
+    """A causal LM: from ``cfg.path`` (a saved local directory) or built from the config, randomly initialised."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.path:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"policy.lm.path={cfg.path!r} is not a saved model directory (no config.json). Fix: "
+                             f"point it at a directory written by save_pretrained, or leave it empty to build one")
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(model_config(cfg, len(tokenizer)), dtype=torch.float32)
+
+
+def token_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """``[B, L-1]``: log p(tokens[:, t+1] | tokens[:, :t+1]) for right-padded ``[B, L]`` sequences."""
+    logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
+    """LoRA adapters (peft) on ``cfg.targets``; only they train, the base weights stay frozen. Rollout backends
+    build the same wrapped model, so a published version carries base and adapters under the same names."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets),
+                                            lora_dropout=0.0, bias="none"))
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state dict with LoRA adapters folded in (W + B A * alpha / r), leaving ``model`` as it
+    was: what an engine that serves no adapters loads."""
+    import copy
+
+    if not hasattr(model, "merge_and_unload"):
+        return model.state_dict()
+    return copy.deepcopy(model).merge_and_unload().state_dict()
+
+
+class CausalLMPolicy(nn.Module):
+    """A causal LM as a policy: its action is a text turn; its trainable state is the model's parameters."""
+
+    has_value = False
+    discrete = True
+
+    def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
+        super().__init__()
+        if obs_space.get("kind") != "text" or action_space.get("kind") != "text":
+            raise ValueError(f"policy causal_lm acts in text spaces (env.adapter: text), not observation "
+                             f"{obs_space.get('kind')!r} / action {action_space.get('kind')!r}")
+        self.cfg = cfg.lm
+        self.tokenizer = load_tokenizer(self.cfg.path)
+        self.model = build_lm(self.cfg, self.tokenizer)
+        if self.cfg.lora.rank:
+            self.model = with_lora(self.model, self.cfg.lora)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.max_chars = int(action_space["max_length"])
+
+    def token_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                       temperature: float = 1.0) -> torch.Tensor:
+        return token_logprobs(self.model, tokens, attention_mask, temperature)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """A directory any transformers-based engine loads (vLLM's reload reads exactly this)."""
+        self.model.save_pretrained(str(path), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(path))
+
+
+__all__ = ["BOS", "CausalLMPolicy", "EOS", "PAD", "build_lm", "build_tokenizer", "load_tokenizer", "merged_state_dict",
+           "token_logprobs", "with_lora"]

@@ -1,0 +1,141 @@
+"""Multi-turn tool use, Search-R1 style: arithmetic over facts the model must look up, with a calculator.
+
+Turn protocol (every tag on one model turn; the first complete tag counts):
+
+    <search>legs of a spider</search>   the env answers  <result>8</result>      (best match in a shipped corpus)
+    <calc>8*7+3</calc>                   the env answers  <result>59</result>     (integers, + - * and parentheses)
+    <answer>59</answer>                  the episode ends; reward by the task's verifier
+
+A turn without a complete tag, or with a tool call the env cannot run (an unknown fact, a malformed expression),
+ends that turn with ``<error>...</error>`` and a parse penalty; the episode goes on until ``max_turns``. Tool
+output is context, not the model's action: the collector masks it out of the loss.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.env.tasks.arith import Problem, held_out, parse_int
+
+FACTS: dict[str, int] = json.loads((Path(__file__).parent / "data" / "facts.json").read_text())
+TAG = re.compile(r"<(search|calc|answer)>(.*?)</\1>", re.DOTALL)
+MAX_EXPR = 64
+
+
+class ToolError(ValueError):
+    """A tool call the env cannot run; its message is what the model reads back."""
+
+
+def search(query: str) -> int:
+    """The fact whose name shares the most words with the query (ties: the shorter name); an error if none does."""
+    words = set(re.findall(r"[a-z]+", query.lower()))
+    best = max(FACTS, key=lambda k: (len(words & set(k.split())), -len(k)))
+    if not words & set(best.split()) - {"a", "an", "the", "of", "in", "on"}:
+        raise ToolError(f"no fact matches {query[:40]!r}")
+    return FACTS[best]
+
+
+def _eval(node: ast.AST) -> int:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult):
+        left, right = _eval(node.left), _eval(node.right)
+        value = left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) \
+            else left * right
+        if abs(value) > 10**12:
+            raise ToolError("result too large")
+        return value
+    raise ToolError("only integers, + - * and parentheses")
+
+
+def calc(expr: str) -> int:
+    """An integer expression, evaluated by walking its syntax tree (never ``eval``), bounded in size."""
+    if len(expr) > MAX_EXPR:
+        raise ToolError(f"expression longer than {MAX_EXPR} characters")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError:
+        raise ToolError("malformed expression") from None
+    return _eval(tree)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What the env makes of one model turn: the text it answers with, whether the episode ends, the answer given
+    (when it ends with one) and whether the turn was malformed (a parse penalty)."""
+
+    reply: str
+    done: bool
+    answer: str | None = None
+    malformed: bool = False
+
+
+def run_turn(text: str) -> Turn:
+    match = TAG.search(text)
+    if match is None:
+        return Turn("<error>no complete <search>, <calc> or <answer> tag</error>", False, malformed=True)
+    kind, body = match.group(1), match.group(2)
+    if kind == "answer":
+        return Turn("", True, answer=body)
+    try:
+        value = search(body) if kind == "search" else calc(body)
+    except ToolError as exc:
+        return Turn(f"<error>{exc}</error>", False, malformed=True)
+    return Turn(f"<result>{value}</result>", False)
+
+
+class ToolArithTask:
+    """Problems "<fact> * b + c" (e.g. "legs of a spider*7+3"): look the fact up, compute, answer."""
+
+    multi_turn = True
+    prompt_suffix = " Use <search>, <calc>, then <answer>."
+
+    def __init__(self, split: str = "train", held_out_fraction: float = 0.2, level: int = 1):
+        if split not in ("train", "held_out"):
+            raise ValueError(f"env.options.split={split!r}: use train or held_out")
+        self.split, self.fraction, self.level = split, held_out_fraction, level
+        self.names = sorted(FACTS)
+
+    def problem(self, rng: np.random.Generator) -> Problem:
+        want = self.split == "held_out"
+        for _ in range(10_000):
+            name = self.names[int(rng.integers(len(self.names)))]
+            b, c = int(rng.integers(2, 10)), int(rng.integers(0, 100))
+            question = f"{name}*{b}+{c}"
+            if held_out(question, self.fraction) == want:
+                return Problem(question, str(FACTS[name] * b + c))
+        raise RuntimeError(f"no {self.split} problems at held_out_fraction {self.fraction}")
+
+    def prompt(self, problem: Problem) -> str:
+        return problem.prompt + self.prompt_suffix
+
+    def transcript(self, problem: Problem) -> list[tuple[str, bool]]:
+        """A correct episode: search the fact, compute with it, answer (tool replies are not the model's)."""
+        name, rest = problem.question.split("*")
+        expr = f"{FACTS[name]}*{rest}"
+        out: list[tuple[str, bool]] = [(self.prompt(problem), False)]
+        for turn in (f"<search>{name}</search>", f"<calc>{expr}</calc>", f"<answer>{problem.answer}</answer>"):
+            out.append((turn, True))
+            reply = run_turn(turn)
+            if not reply.done:
+                out.append((reply.reply, False))
+        return out
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        rng = np.random.default_rng(seed)
+        return [self.problem(rng) for _ in range(n)]
+
+    @staticmethod
+    def correct(problem: Problem, answer: str) -> bool:
+        value = parse_int(answer)
+        return value is not None and value == int(problem.answer)

@@ -1,0 +1,218 @@
+"""GRPO (Shao et al. 2024): group-relative advantages for language-model policies, no value function.
+
+    for each prompt, G sampled responses o_1..o_G with rewards r_1..r_G (one group):
+    advantage   A_i = (r_i - mean(r)) / (std(r) + eps)          (scale_rewards: none keeps r_i - mean(r))
+    ratio       rho_t = pi(o_t | o_<t) / pi_old(o_t | o_<t)     per response token t
+    surrogate   L_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)
+    KL          + beta * (pi_ref / pi - log(pi_ref / pi) - 1)   (the k3 estimator, per token; beta > 0 only)
+    loss        mean over each response's tokens, then over responses (loss_agg: sequence), or over all response
+                tokens of the batch (loss_agg: token)
+
+Prompt and tool-output tokens are masked out (``loss_mask``). pi_old is the policy that sampled: the engine's
+log-probs (``behaviour: engine``), or the learner's own recomputation before the update (``behaviour: proximal``,
+decoupled PPO: the engine's log-probs then only weight each token by min(pi_prox / pi_engine, tis_cap), the
+truncated importance-sampling correction for stale or mismatched samples). Every update reports the mismatch
+between the engine's and the learner's log-probs of the same tokens under the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Roles, Trajectory, register
+
+
+class GRPOConfig(AlgorithmConfig):
+    name: Literal["grpo"] = "grpo"
+    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)
+    epochs: int = Field(1, ge=1, le=100, description="passes over each batch")
+    minibatch_size: int = Field(64, ge=1, le=1 << 16, description="responses per gradient step")
+    clip_low: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="eps_low of the ratio clip")
+    clip_high: float = Field(0.2, gt=0, allow_inf_nan=False, description="eps_high (DAPO's clip-higher: > eps_low)")
+    kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="beta; > 0 keeps a frozen reference policy")
+    scale_rewards: Literal["group", "none"] = "group"
+    loss_agg: Literal["sequence", "token"] = "sequence"
+    behaviour: Literal["engine", "proximal"] = "engine"
+    tis_cap: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                  description="truncated importance weight cap (behaviour: proximal); None: no "
+                                              "weight")
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+def padded(batch: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Ragged per-sample fields as right-padded ``[B, L]`` tensors, plus their ``attention_mask``."""
+    out = {}
+    for name in names:
+        values, mask = batch[name].padded(0)
+        out[name] = values
+        out["attention_mask"] = mask.long()
+    return out
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
+    """r_i - mean of its group (divided by the group's std when ``scale``)."""
+    _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    mean = (sums / counts)[inverse]
+    centred = rewards - mean
+    if not scale:
+        return centred
+    var = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, centred.pow(2))
+    std = (var / (counts - 1).clamp(min=1)).sqrt()[inverse]
+    return centred / (std + eps)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Mean over each response's tokens then over responses (sequence), or over all tokens (token)."""
+    if how == "token":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+
+
+def k3(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate, unbiased and non-negative: exp(d) - d - 1 with d = log pi_ref - log pi."""
+    d = logp_ref - logp
+    return d.exp() - d - 1
+
+
+def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, low: float,
+                      high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = (logp - old).exp()
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+    return per_token, ((ratio < 1 - low) | (ratio > 1 + high)).float()
+
+
+@register
+class GRPO(Algorithm):
+    Config = GRPOConfig
+    policy = "causal_lm"
+
+    @classmethod
+    def trajectory(cls, cfg: Any) -> Trajectory:
+        return Trajectory(fields=("tokens", "loss_mask", "logp", "rewards", "group", "response_tokens",
+                                  "truncated"))
+
+    @classmethod
+    def data(cls, cfg: Any) -> DataAccess:
+        return DataAccess.on_policy()
+
+    @classmethod
+    def needs(cls, cfg: Any) -> Roles:
+        return Roles(reference=cfg.kl_coef > 0)
+
+    @classmethod
+    def steps_per_env(cls, cfg: Any) -> int:
+        return 1  # one episode (a prompt's response, all its turns) per env per iteration
+
+    @classmethod
+    def check(cls, run: Any) -> None:
+        if run.env.adapter != "text":
+            raise ValueError(f"algorithm {run.algorithm.name} trains language-model policies on text tasks: set "
+                             f"env.adapter: text (got {run.env.adapter!r})")
+        if run.env.options.get("group_size", 1) < 2:
+            raise ValueError("env.options.group_size must be >= 2: group-relative advantages compare the responses "
+                             "to one prompt")
+
+    def __init__(self, policy: nn.Module, run: Any, generator: torch.Generator | None = None, **kw):
+        super().__init__(policy, run, generator, **kw)
+        self.temperature = run.rollout.temperature
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        # torch's AdamW: transformers imports torch.optim anyway, so the thin Adam of the MLP learners buys nothing
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay)
+
+    # -- hooks variants override (dapo.py, reinforce_pp.py) ----------------------------------------------------
+    kl_in_loss = True  # beta * KL(pi || pi_ref) per token in the loss (Reinforce++ puts it in the reward)
+
+    def advantages(self, batch: dict, mask: torch.Tensor, old: torch.Tensor,
+                   ref: torch.Tensor | None) -> torch.Tensor:
+        """Per-token advantages [B, L-1]: here one per response (group-relative), broadcast over its tokens."""
+        adv = group_advantages(self.rewards(batch), batch["group"], self.cfg.scale_rewards == "group")
+        return adv[:, None].expand_as(mask)
+
+    def rewards(self, batch: dict) -> torch.Tensor:
+        """Each response's scalar reward (DAPO shapes overlong responses here)."""
+        return batch["rewards"].float()
+
+    def select(self, batch: dict) -> dict | None:
+        """The responses this iteration trains on, or None to train on nothing yet (all of them here; DAPO drops
+        groups with no signal and waits for enough)."""
+        return batch
+
+    # -- the update ---------------------------------------------------------------------------------------------
+    def update(self, batch: dict) -> dict[str, float]:
+        cfg = self.cfg
+        self.env_steps += int(batch["rewards"].shape[0])
+        stats: dict[str, float] = {"reward_mean": float(batch["rewards"].float().mean())}
+        batch = self.select(batch)
+        if batch is None:
+            return stats | {"updated": 0.0}
+        seq = padded(batch, ("tokens", "loss_mask", "logp"))
+        tokens, attn = seq["tokens"], seq["attention_mask"]
+        mask = seq["loss_mask"][:, 1:].float()
+        engine = seq["logp"][:, 1:].float()
+        B = tokens.shape[0]
+        with torch.no_grad():  # the learner's log-probs before the update: the mismatch, the proximal policy, pi_ref
+            prox = torch.cat([self.policy.token_logprobs(tokens[i:i + cfg.minibatch_size],
+                                                         attn[i:i + cfg.minibatch_size], self.temperature)
+                              for i in range(0, B, cfg.minibatch_size)])
+            ref = torch.cat([self._ref_logprobs(tokens[i:i + cfg.minibatch_size], attn[i:i + cfg.minibatch_size])
+                             for i in range(0, B, cfg.minibatch_size)]) if cfg.kl_coef > 0 else None
+        n = mask.sum().clamp(min=1)
+        delta = (prox - engine) * mask
+        stats["logprob_mismatch_abs"] = float(delta.abs().sum() / n)
+        stats["logprob_mismatch_kl"] = float((k3(engine, prox) * mask).sum() / n)  # KL(learner || engine)
+        old = engine if cfg.behaviour == "engine" else prox
+        adv = self.advantages(batch, mask, old, ref)
+        weight = torch.ones_like(engine)
+        if cfg.behaviour == "proximal" and cfg.tis_cap is not None:
+            weight = (prox - engine).exp().clamp(max=cfg.tis_cap)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.epochs):
+            order = torch.randperm(B, generator=self.generator)
+            for start in range(0, B, cfg.minibatch_size):
+                idx = order[start:start + cfg.minibatch_size]
+                logp = self.policy.token_logprobs(tokens[idx], attn[idx], self.temperature)
+                per_token, clipped = clipped_surrogate(logp, old[idx], adv[idx], cfg.clip_low, cfg.clip_high)
+                per_token = per_token * weight[idx]
+                m = mask[idx]
+                if ref is not None and self.kl_in_loss:
+                    kl = k3(ref[idx], logp)
+                    per_token = per_token + cfg.kl_coef * kl
+                    sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl * m).sum() / m.sum().clamp(min=1))
+                loss = aggregate(per_token, m, cfg.loss_agg)
+                self.optimizer.zero_grad()
+                loss.backward()
+                grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True)
+                self.optimizer.step()
+                self.optimizer_steps += 1
+                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+                sums["clip_fraction"] = sums.get("clip_fraction", 0.0) + float((clipped * m).sum() / m.sum()
+                                                                               .clamp(min=1))
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+                count += 1
+        stats.update({k: v / max(count, 1) for k, v in sums.items()})
+        stats["response_tokens"] = float(batch["response_tokens"].float().mean())
+        stats["truncated"] = float(batch["truncated"].float().mean())
+        stats["samples"], stats["updated"] = float(B), 1.0
+        return stats
+
+    def _ref_logprobs(self, tokens: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return self.reference.token_logprobs(tokens, attn, self.temperature)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "env_steps": self.env_steps,
+                "optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.env_steps = int(state["env_steps"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+
+__all__ = ["GRPO", "GRPOConfig", "aggregate", "clipped_surrogate", "group_advantages", "k3", "padded"]

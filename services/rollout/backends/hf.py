@@ -1,0 +1,85 @@
+"""HFBackend: batched ``generate`` of a transformers causal LM (the ``causal_lm`` policy), with the log-probability
+of every sampled token, and weight versions loaded in place through a state-dict receiver.
+
+Prompts of different lengths are left-padded into one batch. Log-probs are those of the distribution sampled from
+(logits over the sampling temperature, no top-k/top-p), which is what the learner recomputes: the difference
+between the two is the logprob-mismatch metric. Sampling draws from a torch RNG stream forked per call and seeded
+from this backend's generator, so a worker's samples are reproducible and nothing else's random state moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.core.models import build_policy
+from services.core.models.lm import EOS, PAD
+from services.rollout.backends.receivers import StateDictReceiver
+
+
+@dataclass
+class Generation:
+    """One sample's new tokens (ending with eos unless cut at ``max_new_tokens``) and their log-probs."""
+
+    tokens: np.ndarray  # int64 [n]
+    logp: np.ndarray  # float32 [n]
+    finished: bool  # ended with eos (False: cut by the length limit)
+
+
+class HFBackend:
+    def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(self.device)
+        self.policy.eval()
+        self.tokenizer = self.policy.tokenizer
+        self.has_value = False
+        self.receiver = StateDictReceiver(self.policy)
+        self.version = -1
+        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        self.temperature = config.rollout.temperature
+
+    def load(self, version: int, tensors: dict[str, Any]) -> None:
+        self.receiver.load(version, tensors)
+        self.version = version
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: Any) -> str:
+        return self.tokenizer.decode([int(t) for t in tokens if t != EOS], skip_special_tokens=False)
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
+        """Continue every context by up to ``max_new_tokens`` tokens (sampled, or greedy when ``sample`` is
+        False)."""
+        if not contexts:
+            return []
+        longest = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), longest), PAD, dtype=torch.long)
+        mask = torch.zeros((len(contexts), longest), dtype=torch.long)
+        for i, c in enumerate(contexts):  # left padding: every prompt ends where generation starts
+            ids[i, longest - len(c):] = torch.tensor(c, dtype=torch.long)
+            mask[i, longest - len(c):] = 1
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        kwargs = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0} if sample else \
+            {"do_sample": False}
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.policy.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
+                eos_token_id=EOS, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True, **kwargs)
+        new = out.sequences[:, longest:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, new, vocab], before any processing
+        if sample:
+            logits = logits / self.temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, new[..., None]).squeeze(-1)
+        result = []
+        for i in range(len(contexts)):
+            row = new[i].numpy()
+            ends = np.flatnonzero(row == EOS)
+            n = int(ends[0]) + 1 if len(ends) else len(row)
+            result.append(Generation(row[:n].astype(np.int64), logp[i, :n].numpy().astype(np.float32),
+                                     bool(len(ends))))
+        return result
