@@ -184,10 +184,14 @@ class Algorithm:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        raise NotImplementedError
+        """What a checkpoint keeps of the update: by default its ``optimizer`` and the step counters."""
+        return {"optimizer": self.optimizer.state_dict(), "env_steps": self.env_steps,
+                "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.env_steps = int(state.get("env_steps", 0))
+        self.optimizer_steps = int(state["optimizer_steps"])
 
 
 class OfflineConfig(AlgorithmConfig):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.env.tasks.arith import Problem, held_out, parse_int
+from services.env.tasks.arith import ArithTask, Problem, held_out
 
 FACTS: dict[str, int] = json.loads((Path(__file__).parent / "data" / "facts.json").read_text())
 TAG = re.compile(r"<(search|calc|answer)>(.*?)</\1>", re.DOTALL)
@@ -94,16 +94,15 @@ def run_turn(text: str) -> Turn:
     return Turn(f"<result>{value}</result>", False)
 
 
-class ToolArithTask:
-    """Problems "<fact> * b + c" (e.g. "legs of a spider*7+3"): look the fact up, compute, answer."""
+class ToolArithTask(ArithTask):
+    """Problems "<fact> * b + c" (e.g. "legs of a spider*7+3"): look the fact up, compute, answer. The split,
+    the verifier and ``problems`` are arithmetic's."""
 
     multi_turn = True
     prompt_suffix = " Use <search>, <calc>, then <answer>."
 
-    def __init__(self, split: str = "train", held_out_fraction: float = 0.2, level: int = 1):
-        if split not in ("train", "held_out"):
-            raise ValueError(f"env.options.split={split!r}: use train or held_out")
-        self.split, self.fraction, self.level = split, held_out_fraction, level
+    def __init__(self, level: int = 1, split: str = "train", held_out_fraction: float = 0.2):
+        super().__init__(level, split, held_out_fraction)
         self.names = sorted(FACTS)
 
     def problem(self, rng: np.random.Generator) -> Problem:
@@ -131,11 +130,3 @@ class ToolArithTask:
                 out.append((reply.reply, False))
         return out
 
-    def problems(self, n: int, seed: int) -> list[Problem]:
-        rng = np.random.default_rng(seed)
-        return [self.problem(rng) for _ in range(n)]
-
-    @staticmethod
-    def correct(problem: Problem, answer: str) -> bool:
-        value = parse_int(answer)
-        return value is not None and value == int(problem.answer)

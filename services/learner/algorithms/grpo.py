@@ -205,14 +205,5 @@ class GRPO(Algorithm):
     def _ref_logprobs(self, tokens: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         return self.reference.token_logprobs(tokens, attn, self.temperature)
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "env_steps": self.env_steps,
-                "optimizer_steps": self.optimizer_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.env_steps = int(state["env_steps"])
-        self.optimizer_steps = int(state["optimizer_steps"])
-
 
 __all__ = ["GRPO", "GRPOConfig", "aggregate", "clipped_surrogate", "group_advantages", "k3", "padded"]

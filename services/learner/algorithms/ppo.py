@@ -164,14 +164,5 @@ class PPO(Algorithm):
                    explained_variance=float("nan") if var_y == 0 else 1 - float((y - y_hat).var()) / var_y)
         return out
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "env_steps": self.env_steps,
-                "optimizer_steps": self.optimizer_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.env_steps = int(state["env_steps"])
-        self.optimizer_steps = int(state["optimizer_steps"])
-
 
 __all__ = ["PPO", "PPOConfig", "compute_gae", "ppo_loss"]

@@ -70,10 +70,3 @@ class SFT(OfflineAlgorithm):
             total += float(loss) * float(n)
             tokens += float(n)
         return {"sft_loss": total / max(tokens, 1.0)}
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "optimizer_steps": self.optimizer_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.optimizer_steps = int(state["optimizer_steps"])

@@ -176,13 +176,17 @@ class GymCollector:
 
     def probe(self, round_trips: int) -> tuple[float, int]:
         """Median round trip of a message as large as one chunk's step (its observations) to the env and back."""
-        payload = TensorBatch({"obs": _copy(_rows(self.obs, slice(0, self.S)))})
-        times = []
-        for _ in range(max(1, round_trips)):
-            t0 = time.perf_counter()
-            self.env.request("echo", payload)
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times)), int(payload.nbytes)
+        return probe_echo(self.env, TensorBatch({"obs": _copy(_rows(self.obs, slice(0, self.S)))}), round_trips)
+
+
+def probe_echo(env: Any, payload: TensorBatch, round_trips: int) -> tuple[float, int]:
+    """(median seconds, bytes) of ``payload`` sent to the env channel and echoed back: the scheduler's IPC probe."""
+    times = []
+    for _ in range(max(1, round_trips)):
+        t0 = time.perf_counter()
+        env.request("echo", payload)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), int(payload.nbytes)
 
 
 def cfg_action_shape(backend: Any) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from services.core.batch import Ragged, TensorBatch
 from services.core.models.lm import BOS
-from services.rollout.collectors.gym import Collected, Stopped
+from services.rollout.collectors.gym import Collected, Stopped, probe_echo
 
 OFFERS = ("tokens", "loss_mask", "logp", "rewards", "group", "turns", "response_tokens", "truncated")
 SEED_STRIDE = 100_003  # iterations draw disjoint seed ranges (a prime: group seeds never line up)
@@ -148,10 +148,5 @@ class LLMCollector:
         return returns[:episodes]
 
     def probe(self, round_trips: int) -> tuple[float, int]:
-        payload = TensorBatch({"obs": Ragged.from_texts(["x" * 64] * self.S)})
-        times = []
-        for _ in range(max(1, round_trips)):
-            t0 = time.perf_counter()
-            self.env.request("echo", payload)
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times)), int(payload.nbytes)
+        """The echo round trip of a prompt-sized text message."""
+        return probe_echo(self.env, TensorBatch({"obs": Ragged.from_texts(["x" * 64] * self.S)}), round_trips)
