@@ -269,6 +269,10 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
                                description="LM sampling temperature (log-probs are of the tempered distribution)")
     max_new_tokens: int = Field(16, ge=1, le=1 << 16, description="LM tokens generated per turn at most")
+    engine_memory_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
+                                                 description="share of device memory (host memory on CPU) an "
+                                                             "inference engine reserves; default: 0.1 on CPU, the "
+                                                             "engine's own on GPUs")
 
 
 class StorageConfig(_Strict):

@@ -150,6 +150,9 @@ class RolloutWorker:
         self._closed = True
         if getattr(self, "offload", None) is not None:  # its file goes now: a stopping process may not wait for us
             self.offload.close()
+        close = getattr(getattr(self, "backend", None), "close", None)
+        if close is not None:  # an engine's own processes (vLLM) stop with the worker
+            close()
 
     @contextmanager
     def _turn(self) -> Iterator[None]:

