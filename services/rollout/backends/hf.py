@@ -29,17 +29,13 @@ class Generation:
     finished: bool  # ended with eos (False: cut by the length limit)
 
 
-class HFBackend:
-    def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(self.device)
-        self.policy.eval()
-        self.tokenizer = self.policy.tokenizer
-        self.has_value = False
-        self.receiver = StateDictReceiver(self.policy)
-        self.version = -1
-        self.generator = torch.Generator().manual_seed(config.seed + 1)
-        self.temperature = config.rollout.temperature
+class LMBackend:
+    """What every language-model backend shares: the run's tokenizer, and weight versions through a receiver
+    (``self.receiver``) with the version it serves."""
+
+    tokenizer: Any
+    receiver: Any
+    version: int = -1
 
     def load(self, version: int, tensors: dict[str, Any]) -> None:
         self.receiver.load(version, tensors)
@@ -50,6 +46,19 @@ class HFBackend:
 
     def decode(self, tokens: Any) -> str:
         return self.tokenizer.decode([int(t) for t in tokens if t != EOS], skip_special_tokens=False)
+
+
+class HFBackend(LMBackend):
+    def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(self.device)
+        self.policy.eval()
+        self.tokenizer = self.policy.tokenizer
+        self.has_value = False
+        self.receiver = StateDictReceiver(self.policy)
+        self.version = -1
+        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        self.temperature = config.rollout.temperature
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
         """Continue every context by up to ``max_new_tokens`` tokens (sampled, or greedy when ``sample`` is

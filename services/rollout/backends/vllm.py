@@ -28,7 +28,7 @@ import torch
 
 from services.core.models import build_policy
 from services.core.models.lm import EOS, merged_state_dict
-from services.rollout.backends.hf import Generation
+from services.rollout.backends.hf import Generation, LMBackend
 from services.rollout.backends.receivers import StateDictReceiver
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def write_model(policy: torch.nn.Module, directory: Path) -> None:
     os.replace(tmp, directory)
 
 
-class VLLMBackend:
+class VLLMBackend(LMBackend):
     def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
         try:
             from vllm import LLM
@@ -97,16 +97,6 @@ class VLLMBackend:
         self.receiver = EngineReloadReceiver(self.policy, self.engine, self.model_dir)
         self.version = -1
         self.asleep = False
-
-    def load(self, version: int, tensors: dict[str, Any]) -> None:
-        self.receiver.load(version, tensors)
-        self.version = version
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, tokens: Any) -> str:
-        return self.tokenizer.decode([int(t) for t in tokens if t != EOS], skip_special_tokens=False)
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
         from vllm import SamplingParams
