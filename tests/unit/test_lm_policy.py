@@ -7,29 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import parse_config
-
-TEXT = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
-SPEC = {"observation_space": TEXT, "action_space": TEXT}
+from tests.lm_support import SPEC, lm_run, perturb
 
 
 def _run(lora: int = 0):
-    return parse_config(f"""
-name: t
-seed: 3
-env: {{adapter: text, id: arith, num_envs: 4, eval_envs: 4, options: {{group_size: 2}}}}
-policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 2, heads: 1, max_positions: 48,
-              lora: {{rank: {lora}}}}}}}
-rollout: {{backend: hf, max_new_tokens: 8}}
-algorithm: {{name: grpo}}
-""")
+    return lm_run("hf", lora)
 
 
 def _perturb(module: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    perturb(module, seed)
 
 
 @pytest.fixture(scope="module")
