@@ -105,6 +105,12 @@ class CausalLMPolicy(nn.Module):
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
+        try:
+            import tokenizers  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"policy causal_lm needs transformers and tokenizers ({exc.name} is missing). Fix: "
+                             f"pip install -e '.[llm]'") from None
         if obs_space.get("kind") != "text" or action_space.get("kind") != "text":
             raise ValueError(f"policy causal_lm acts in text spaces (env.adapter: text), not observation "
                              f"{obs_space.get('kind')!r} / action {action_space.get('kind')!r}")
