@@ -45,13 +45,19 @@ class GRPOConfig(AlgorithmConfig):
 
 
 def padded(batch: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Ragged per-sample fields as right-padded ``[B, L]`` tensors, plus their ``attention_mask``."""
-    out = {}
-    for name in names:
-        values, mask = batch[name].padded(0)
-        out[name] = values
-        out["attention_mask"] = mask.long()
+    """Ragged per-sample fields (of equal lengths) as right-padded ``[B, L]`` tensors, plus their
+    ``attention_mask``."""
+    out = {name: batch[name].padded(0)[0] for name in names}
+    out["attention_mask"] = batch[names[0]].padded(0)[1].long()
     return out
+
+
+@torch.no_grad()
+def chunked_logprobs(model: nn.Module, tokens: torch.Tensor, attn: torch.Tensor, chunk: int,
+                     temperature: float) -> torch.Tensor:
+    """``model.token_logprobs`` over the batch, ``chunk`` sequences at a time (bounded activation memory)."""
+    return torch.cat([model.token_logprobs(tokens[i:i + chunk], attn[i:i + chunk], temperature)
+                      for i in range(0, tokens.shape[0], chunk)])
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
@@ -156,12 +162,10 @@ class GRPO(Algorithm):
         mask = seq["loss_mask"][:, 1:].float()
         engine = seq["logp"][:, 1:].float()
         B = tokens.shape[0]
-        with torch.no_grad():  # the learner's log-probs before the update: the mismatch, the proximal policy, pi_ref
-            prox = torch.cat([self.policy.token_logprobs(tokens[i:i + cfg.minibatch_size],
-                                                         attn[i:i + cfg.minibatch_size], self.temperature)
-                              for i in range(0, B, cfg.minibatch_size)])
-            ref = torch.cat([self._ref_logprobs(tokens[i:i + cfg.minibatch_size], attn[i:i + cfg.minibatch_size])
-                             for i in range(0, B, cfg.minibatch_size)]) if cfg.kl_coef > 0 else None
+        # the learner's log-probs before the update (the mismatch, the proximal policy) and pi_ref's
+        prox = chunked_logprobs(self.policy, tokens, attn, cfg.minibatch_size, self.temperature)
+        ref = chunked_logprobs(self.reference, tokens, attn, cfg.minibatch_size, self.temperature) \
+            if cfg.kl_coef > 0 else None
         n = mask.sum().clamp(min=1)
         delta = (prox - engine) * mask
         stats["logprob_mismatch_abs"] = float(delta.abs().sum() / n)
@@ -202,8 +206,6 @@ class GRPO(Algorithm):
         stats["samples"], stats["updated"] = float(B), 1.0
         return stats
 
-    def _ref_logprobs(self, tokens: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return self.reference.token_logprobs(tokens, attn, self.temperature)
 
-
-__all__ = ["GRPO", "GRPOConfig", "aggregate", "clipped_surrogate", "group_advantages", "k3", "padded"]
+__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "group_advantages", "k3",
+           "padded"]

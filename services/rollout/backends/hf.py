@@ -33,9 +33,19 @@ class LMBackend:
     """What every language-model backend shares: the run's tokenizer, and weight versions through a receiver
     (``self.receiver``) with the version it serves."""
 
-    tokenizer: Any
     receiver: Any
-    version: int = -1
+
+    def __init__(self, config: Any, env_spec: dict, device: torch.device | str, policy_device: str | None = None):
+        """The run's policy (on ``policy_device``, default the backend's device), its tokenizer, the sampling
+        temperature and this worker's seeded generator."""
+        self.device = torch.device(device)
+        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(policy_device or self.device)
+        self.policy.eval()
+        self.tokenizer = self.policy.tokenizer
+        self.has_value = False
+        self.temperature = config.rollout.temperature
+        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        self.version = -1
 
     def load(self, version: int, tensors: dict[str, Any]) -> None:
         self.receiver.load(version, tensors)
@@ -50,15 +60,8 @@ class LMBackend:
 
 class HFBackend(LMBackend):
     def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(self.device)
-        self.policy.eval()
-        self.tokenizer = self.policy.tokenizer
-        self.has_value = False
+        super().__init__(config, env_spec, device)
         self.receiver = StateDictReceiver(self.policy)
-        self.version = -1
-        self.generator = torch.Generator().manual_seed(config.seed + 1)
-        self.temperature = config.rollout.temperature
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
         """Continue every context by up to ``max_new_tokens`` tokens (sampled, or greedy when ``sample`` is

