@@ -131,6 +131,10 @@ class Algorithm:
     policy: ClassVar[str] = "actor_critic"
     roles: ClassVar[Roles] = Roles()
     default: ClassVar[bool] = False  # the algorithm a run spec without an algorithm section gets
+    # runs on N learner ranks (runtime.learner_ranks): its update takes each rank's share of every minibatch with
+    # ``shard`` and scales that share's loss by the whole minibatch's denominator, so the summed gradients are
+    # exactly one rank's
+    data_parallel: ClassVar[bool] = False
 
     # -- declarations (every service) -------------------------------------------------------------------------
     @classmethod
@@ -175,6 +179,16 @@ class Algorithm:
         self.reference, self.expert = reference, expert
         self.env_steps = 0
         self.optimizer_steps = 0
+        self.rank, self.world = 0, 1  # set by the learner's rank group
+
+    def shard(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """This rank's rows of a minibatch's indices (all of them on one rank), and the weight of its loss share:
+        1, or 0 for a rank left without rows, which runs its passes on the first row (every rank runs the same
+        forward and backward passes: they are collectives)."""
+        if self.world == 1:
+            return idx, 1.0
+        mine = idx[self.rank::self.world]
+        return (mine, 1.0) if len(mine) else (idx[:1], 0.0)
 
     def updates_for(self, env_steps: int) -> int:
         """Sampled data access: minibatches to draw this iteration after ``env_steps`` more were collected."""

@@ -301,6 +301,10 @@ class RuntimeConfig(_Strict):
         description="where learner and rollout models live: cpu, cuda, cuda:N, or auto (cuda where the host has "
                     "one, else cpu); each worker resolves it on its own host")
     worker_wait_s: float = Field(60.0, gt=0, description="how long a run waits for workers to register")
+    learner_ranks: int = Field(
+        1, ge=1, le=64, description="torch.distributed ranks of the learner (FSDP2 data parallelism): the learner "
+                                    "service starts ranks 1..N-1 on its host; gloo on CPU, NCCL with one GPU per "
+                                    "rank")
 
 
 class RunConfig(_Strict):
@@ -348,6 +352,14 @@ class RunConfig(_Strict):
     def _consistent(self) -> RunConfig:
         sched = self.scheduling
         self.spec.check(self)
+        if self.runtime.learner_ranks > 1:
+            if not self.spec.data_parallel:
+                raise ValueError(f"runtime.learner_ranks={self.runtime.learner_ranks}, but algorithm "
+                                 f"{self.algorithm.name!r} does not split its update over ranks. Fix: "
+                                 f"runtime.learner_ranks: 1")
+            if sched.offload != "off":
+                raise ValueError("scheduling.offload moves one learner's state; with runtime.learner_ranks > 1 the "
+                                 "state is sharded over the ranks already. Fix: scheduling.offload: off")
         if not self.collects:
             return self
         if sched.offload == "host" and self.runtime.device == "cpu":

@@ -27,6 +27,7 @@ from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
 from services.learner import checkpoint as ckpt
 from services.learner.feeds import feed_for
+from services.learner.ranks import RankGroup, rank_device
 
 log = logging.getLogger(__name__)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
@@ -68,8 +69,10 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.env_spec: dict = {}
         self.device = torch.device("cpu")
         self.offload: ModelOffload | None = None
+        self.ranks: RankGroup | None = None  # ranks 1..N-1 when runtime.learner_ranks > 1 (this process is rank 0)
         runtime.on_shutdown(self.close)
         runtime.watch("weights-data-plane", lambda: self.publisher.server.health() if self.publisher else None)
+        runtime.watch("learner-ranks", lambda: self.ranks.dead() if self.ranks else None)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -99,25 +102,31 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if self.offload is not None:
             self.offload.close()
             self.offload = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
         self.device = resolve_device(config.runtime.device)
-        torch.manual_seed(config.seed)
-        np.random.seed(config.seed)
-        spec = config.spec
-        self.policy = build_policy(spec.policy, env_spec, config.policy).to(self.device)
-        if config.policy.init_checkpoint and not resume:  # a warm start (a supervised run's weights); resume has its own
-            state = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint")
-            try:
-                self.policy.load_state_dict(state["policy"])
-            except RuntimeError as exc:
-                raise ValueError(f"policy.init_checkpoint={config.policy.init_checkpoint!r} holds another policy "
-                                 f"shape: {str(exc)[:300]}. Fix: give the same policy section as that run") from None
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 7)
-        self.algo = spec(self.policy, config, self.generator, env_spec=env_spec, **self._roles(config, env_spec))
+        self.store = open_store(config.storage, run_dir, run_id)
+        detail: dict = {}
+        state = None
+        if resume:
+            key, state, skipped = ckpt.load_latest(self.store)
+            detail = {"resumed_from": key, "skipped": skipped, "extra": json.loads(state.get("extra_json", "{}"))}
+        warm = None
+        if config.policy.init_checkpoint and not resume:  # a warm start (a supervised run's weights)
+            warm = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint")["policy"]
+        if config.runtime.learner_ranks > 1:
+            self.device = rank_device(self.device, 0)
+            self.ranks = RankGroup(config.runtime.learner_ranks, self.device, config.data_plane.timeout_s)
+            self.policy, self.algo, self.generator = self.ranks.configure(
+                config, env_spec, state["policy"] if state else warm, state)
+        else:
+            self._build(config, env_spec, warm)
         if self.replay is not None:
             self.replay.close()
         self.replay = DataClient(replay_endpoint, max_bytes=config.data_plane.max_message_bytes,
                                  timeout_s=config.data_plane.timeout_s, peer="replay")
-        self.feed = feed_for(spec.data(config.algorithm), self.replay, config.collects, config.env.num_envs)
+        self.feed = feed_for(config.spec.data(config.algorithm), self.replay, config.collects, config.env.num_envs)
         if self.publisher is not None and self.publisher_sync != config.weight_sync:
             self.publisher.close()  # a run with other weight-sync options (transport, buckets, deltas)
             self.publisher = None
@@ -125,16 +134,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.publisher = WeightPublisher(self.host, config.data_plane.max_message_bytes,
                                              self.runtime.advertise_host, sync=config.weight_sync)
             self.publisher_sync = config.weight_sync
-        self.store = open_store(config.storage, run_dir, run_id)
         self.config, self.env_spec = config, env_spec
-        detail: dict = {}
         self.version = 0
-        if resume:
-            key, state, skipped = ckpt.load_latest(self.store)
+        if state is not None:
             self._restore(state)
-            detail = {"resumed_from": key, "skipped": skipped, "extra": json.loads(state.get("extra_json", "{}"))}
-        self.publisher.reset(self.version, self.policy.state_dict())
-        save_weights(self.store, self.version, self.policy.state_dict())  # cold starts read it from here
+        weights = self._weights()
+        self.publisher.reset(self.version, weights)
+        save_weights(self.store, self.version, weights)  # cold starts read it from here
         VERSION.set(self.version)
         target = config.scheduling.offload_target(self.device.type)
         if target is not None:  # learner and rollout take turns: the idle learner's state leaves the device
@@ -142,14 +148,34 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.offload.offload()
         return {"weight_version": self.version, "weights_endpoint": self.publisher.endpoint,
                 "env_steps": self.algo.env_steps, "optimizer_steps": self.algo.optimizer_steps,
-                "device": str(self.device), **detail}
+                "device": str(self.device), "learner_ranks": config.runtime.learner_ranks, **detail}
+
+    def _build(self, config: RunConfig, env_spec: dict, warm: dict | None) -> None:
+        """One rank: the policy (from a warm start's weights), its frozen roles, the algorithm."""
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
+        spec = config.spec
+        self.policy = build_policy(spec.policy, env_spec, config.policy).to(self.device)
+        if warm is not None:
+            try:
+                self.policy.load_state_dict(warm)
+            except RuntimeError as exc:
+                raise ValueError(f"policy.init_checkpoint={config.policy.init_checkpoint!r} holds another policy "
+                                 f"shape: {str(exc)[:300]}. Fix: give the same policy section as that run") from None
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 7)
+        self.algo = spec(self.policy, config, self.generator, env_spec=env_spec, **self._roles(config, env_spec))
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights (gathered from every rank's shards on a multi-rank learner)."""
+        return self.ranks.weights(self.policy) if self.ranks is not None else self.policy.state_dict()
 
     def _restore(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.algo.load_state_dict(state["algorithm"])
+        if self.ranks is None:  # a rank group restored policy, optimiser and generator while it was built
+            self.policy.load_state_dict(state["policy"])
+            self.algo.load_state_dict(state["algorithm"])
+            self.generator.set_state(state["generator"])
         self.version = int(state["weight_version"])
         torch.set_rng_state(state["torch_rng"])
-        self.generator.set_state(state["generator"])
         pos, has_gauss, cached = state["numpy_rng_pos"].tolist()
         np.random.set_state(("MT19937", state["numpy_rng"].numpy().astype(np.uint32), int(pos), int(has_gauss),
                              float(cached)))
@@ -191,13 +217,16 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         u0 = time.perf_counter()
         stats = {}
         if batch is not None:
-            stats = self.algo.update(batch.to_torch(self.device, pin=self.device.type == "cuda"))
+            if self.ranks is not None:  # every rank takes its share of each minibatch
+                stats = self.ranks.update(self.algo, batch)
+            else:
+                stats = self.algo.update(batch.to_torch(self.device, pin=self.device.type == "cuda"))
             if "update" in batch.dims:
                 stats["updates"] = batch.sizes()["update"]
         stats["update_seconds"] = time.perf_counter() - u0
         self.version += 1
         p0 = time.perf_counter()
-        self.publisher.publish(self.version, self.policy.state_dict())
+        self.publisher.publish(self.version, self._weights())
         stats["publish_seconds"] = time.perf_counter() - p0
         if self.offload is not None:  # the rollout's turn: free what the update used
             stats["offload_bytes"] = self.offload.offload()
@@ -230,12 +259,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
     def _write_checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
         np_state = np.random.get_state()
+        weights = self._weights()
         state = {
             "config_json": self.config.to_json(),
             "env_spec_json": json.dumps(self.env_spec),
             "extra_json": extra_json or "{}",
-            "policy": self.policy.state_dict(),
-            "algorithm": self.algo.state_dict(),
+            "policy": weights,
+            "algorithm": self.ranks.algorithm_state(self.policy, self.algo) if self.ranks else self.algo.state_dict(),
             "weight_version": self.version,
             "torch_rng": torch.get_rng_state(),
             "generator": self.generator.get_state(),
@@ -245,7 +275,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         key = key or ckpt.periodic_key(self.version)
         data = ckpt.pack(state)
         uri = self.store.put_bytes(key, data)
-        save_weights(self.store, self.version, self.policy.state_dict())
+        save_weights(self.store, self.version, weights)
         if periodic:
             for old in ckpt.prune(self.store, self.config.checkpoint.keep):
                 log.info("pruned checkpoint", extra={"key": old})
@@ -266,6 +296,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             algorithm=self.config.algorithm.name if self.config else "")
 
     def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
         if self.publisher is not None:
             self.publisher.close()
         if self.offload is not None:

@@ -75,7 +75,9 @@ def token_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch
     logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    # .sum(-1) of the one gathered value, not .squeeze(-1): a new tensor, not a view (a sharded learner's FSDP hooks
+    # attach to its output, and a view would lose them)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).sum(-1)
 
 
 def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
@@ -102,6 +104,7 @@ class CausalLMPolicy(nn.Module):
 
     has_value = False
     discrete = True
+    forward_methods = ("token_logprobs",)  # what a sharded (FSDP) learner calls instead of forward()
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
@@ -126,6 +129,11 @@ class CausalLMPolicy(nn.Module):
     def token_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
                        temperature: float = 1.0) -> torch.Tensor:
         return token_logprobs(self.model, tokens, attention_mask, temperature)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The FSDP units of a multi-rank learner: the decoder layers (each all-gathered on its own)."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return list(base.model.layers)
 
     def save_pretrained(self, path: str | Path) -> None:
         """A directory any transformers-based engine loads (vLLM's reload reads exactly this)."""

@@ -73,11 +73,20 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: bool, ep
     return centred / (std + eps)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """Mean over each response's tokens then over responses (sequence), or over all tokens (token)."""
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str,
+              whole: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over each response's tokens then over responses (sequence), or over all tokens (token). With ``whole``
+    (the mask of the whole minibatch when ``mask`` is one rank's share of it) the denominators are the whole
+    minibatch's: the shares then add up to the minibatch loss."""
+    whole = mask if whole is None else whole
     if how == "token":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        return (per_token * mask).sum() / whole.sum().clamp(min=1)
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / max(whole.shape[0], 1)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) result as a plain tensor; a plain one as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def k3(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -97,6 +106,7 @@ def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, 
 class GRPO(Algorithm):
     Config = GRPOConfig
     policy = "causal_lm"
+    data_parallel = True
 
     @classmethod
     def trajectory(cls, cfg: Any) -> Trajectory:
@@ -180,7 +190,8 @@ class GRPO(Algorithm):
         for _ in range(cfg.epochs):
             order = torch.randperm(B, generator=self.generator)
             for start in range(0, B, cfg.minibatch_size):
-                idx = order[start:start + cfg.minibatch_size]
+                whole = order[start:start + cfg.minibatch_size]
+                idx, share = self.shard(whole)  # this rank's rows (all of them on one rank)
                 logp = self.policy.token_logprobs(tokens[idx], attn[idx], self.temperature)
                 per_token, clipped = clipped_surrogate(logp, old[idx], adv[idx], cfg.clip_low, cfg.clip_high)
                 per_token = per_token * weight[idx]
@@ -189,10 +200,10 @@ class GRPO(Algorithm):
                     kl = k3(ref[idx], logp)
                     per_token = per_token + cfg.kl_coef * kl
                     sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl * m).sum() / m.sum().clamp(min=1))
-                loss = aggregate(per_token, m, cfg.loss_agg)
+                loss = aggregate(per_token, m, cfg.loss_agg, mask[whole]) * share
                 self.optimizer.zero_grad()
                 loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True)
+                grad_norm = full(nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True))
                 self.optimizer.step()
                 self.optimizer_steps += 1
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
@@ -207,5 +218,5 @@ class GRPO(Algorithm):
         return stats
 
 
-__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "group_advantages", "k3",
+__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages", "k3",
            "padded"]

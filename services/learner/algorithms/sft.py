@@ -27,22 +27,28 @@ class SFTConfig(OfflineConfig):
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
 
 
-def response_nll(policy: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor,
-                 loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean negative log-likelihood of the model's tokens, their count) for a right-padded [B, L] batch."""
+def model_token_mask(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention mask [B, L], mask of the predicted tokens that carry loss [B, L-1]) of a right-padded batch."""
     longest = int(lengths.max())
-    tokens = tokens[:, :longest]
     attn = (torch.arange(longest)[None, :] < lengths[:, None]).long()
-    logp = policy.token_logprobs(tokens, attn)  # [B, L-1]: predicts tokens[:, 1:]
-    mask = loss_mask[:, 1:longest].float() * attn[:, 1:]
+    return attn, loss_mask[:, 1:longest].float() * attn[:, 1:]
+
+
+def response_nll(policy: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor,
+                 total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean negative log-likelihood of the model's tokens, their count) for a right-padded [B, L] batch; with
+    ``total`` (the whole minibatch's count when this is one rank's share) the sum over ``total``."""
+    attn, mask = model_token_mask(lengths, loss_mask)
+    logp = policy.token_logprobs(tokens[:, :attn.shape[1]], attn)  # [B, L-1]: predicts tokens[:, 1:]
     n = mask.sum().clamp(min=1)
-    return -(logp * mask).sum() / n, n
+    return -(logp * mask).sum() / (n if total is None else total.clamp(min=1)), n
 
 
 @register
 class SFT(OfflineAlgorithm):
     Config = SFTConfig
     policy = "causal_lm"
+    data_parallel = True
 
     @classmethod
     def check(cls, run: Any) -> None:
@@ -60,13 +66,17 @@ class SFT(OfflineAlgorithm):
         """One gradient step per minibatch of a [U, B, ...] batch."""
         total, tokens = 0.0, 0.0
         for u in range(batch["tokens"].shape[0]):
-            loss, n = response_nll(self.policy, batch["tokens"][u].long(), batch["lengths"][u].long(),
-                                   batch["loss_mask"][u])
+            lengths, loss_mask = batch["lengths"][u].long(), batch["loss_mask"][u]
+            rows, share = self.shard(torch.arange(len(lengths)))  # this rank's rows (all of them on one rank)
+            whole = model_token_mask(lengths, loss_mask)[1].sum()  # the minibatch's loss tokens, all ranks'
+            loss, n = response_nll(self.policy, batch["tokens"][u][rows].long(), lengths[rows], loss_mask[rows],
+                                   whole)
+            loss = loss * share
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm, foreach=True)
             self.optimizer.step()
             self.optimizer_steps += 1
-            total += float(loss) * float(n)
-            tokens += float(n)
+            total += float(loss) * float(whole)  # this rank's summed NLL
+            tokens += float(n) * share
         return {"sft_loss": total / max(tokens, 1.0)}

@@ -1,0 +1,279 @@
+"""The learner as N torch.distributed ranks (``runtime.learner_ranks``): FSDP2 data parallelism.
+
+The learner service is rank 0. It starts ranks 1..N-1 itself, the way torchrun would (``python -m
+services.learner.ranks`` with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK in the environment), and
+drives them as a single controller: each call it makes (configure, update, gather the weights) is broadcast to
+every rank as a command, and all ranks then run the same collective code. Gloo on CPU, NCCL on CUDA: the same code.
+
+    configure   every rank builds the policy from the same seed; rank 0's weights (a warm start or a resume) are
+                broadcast; the policy is sharded with ``fully_shard`` (each decoder layer, then the root); every
+                rank builds the algorithm
+    update      rank 0's batch (codec frames: a typed header plus raw buffers, never pickle) is broadcast; each
+                rank computes its share of every minibatch's loss (``Algorithm.shard``, denominators of the whole
+                minibatch) and FSDP sums the gradients (divide factor 1), so N ranks make the update one rank would
+    gather      the full weights (or optimiser state) on rank 0, for publishing and checkpoints
+
+A rank that dies makes the next collective fail on rank 0 within ``data_plane.timeout_s`` (not hang), and the
+learner's health check names it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from services.core.codec import decode, encode, pack_frames, unpack_frames
+
+log = logging.getLogger(__name__)
+CONFIGURE, UPDATE, WEIGHTS, OPTIMIZER, STOP = range(5)
+MAX_COMMAND_BYTES = 1 << 31
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or CUDA device r of this host."""
+    return base if base.type == "cpu" else torch.device("cuda", rank)
+
+
+def backend_for(device: torch.device) -> str:
+    return "gloo" if device.type == "cpu" else "nccl"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- what every rank runs -----------------------------------------------------------------------------------------
+_wire = torch.device("cpu")  # where command tensors live: the CPU for gloo, this rank's GPU for NCCL
+
+
+def _send(op: int, payload: bytes = b"") -> None:
+    dist.broadcast(torch.tensor([op, len(payload)], dtype=torch.int64, device=_wire), src=0)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_wire), src=0)
+
+
+def _receive() -> tuple[int, bytes]:
+    head = torch.zeros(2, dtype=torch.int64, device=_wire)
+    dist.broadcast(head, src=0)
+    op, n = int(head[0]), int(head[1])
+    if not 0 <= n <= MAX_COMMAND_BYTES:
+        raise ValueError(f"a learner command of {n} bytes: the rank group is out of step")
+    data = torch.empty(n, dtype=torch.uint8, device=_wire)
+    if n:
+        dist.broadcast(data, src=0)
+    return op, data.cpu().numpy().tobytes()
+
+
+def _init(device: torch.device, rank: int, world: int, timeout_s: float, init_method: str) -> None:
+    global _wire
+    _wire = device
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def shard_policy(policy: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2 over every rank: each of the policy's shard units (an LM's decoder layers) is one all-gather group,
+    the root holds the rest. Gradients are summed, not averaged: each rank's loss is its share of the minibatch's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    units = policy.shard_units() if hasattr(policy, "shard_units") else []
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    for method in getattr(policy, "forward_methods", ()):  # entry points besides forward() gather weights too
+        register_fsdp_forward_method(policy, method)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return policy
+
+
+def build(config: Any, env_spec: dict, device: torch.device, policy_state: dict | None) -> tuple[Any, Any, Any]:
+    """(policy, algorithm, generator) of this rank, built collectively: same seed, rank 0's weights broadcast
+    before sharding (so a frozen reference copy starts from them too)."""
+    from services.core.models import build_policy
+
+    torch.manual_seed(config.seed)
+    np.random.seed(config.seed)
+    spec = config.spec
+    policy = build_policy(spec.policy, env_spec, config.policy).to(device)
+    if policy_state is not None:
+        policy.load_state_dict(policy_state)
+    with torch.no_grad():
+        for tensor in policy.state_dict().values():
+            dist.broadcast(tensor, src=0)
+    roles = {}
+    if spec.needs(config.algorithm).reference:
+        roles["reference"] = copy.deepcopy(policy).eval().requires_grad_(False)
+    shard_policy(policy, device)
+    generator = torch.Generator(device=device).manual_seed(config.seed + 7)
+    algo = spec(policy, config, generator, env_spec=env_spec, **roles)
+    algo.rank, algo.world = dist.get_rank(), dist.get_world_size()
+    return policy, algo, generator
+
+
+def full_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights, on rank 0's CPU (other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer(policy: torch.nn.Module, optimizer: Any) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+
+
+def load_optimizer(policy: torch.nn.Module, optimizer: Any, state: dict) -> None:
+    """Rank 0's full optimiser state (a checkpoint's), scattered to every rank's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(policy, optimizer, state, options=StateDictOptions(full_state_dict=True,
+                                                                                broadcast_from_rank0=True))
+
+
+def _sync_generator(generator: torch.Generator) -> None:
+    """Every rank draws the same minibatch order from its generator."""
+    state = generator.get_state().to(_wire)
+    dist.broadcast(state, src=0)
+    generator.set_state(state.cpu())
+
+
+def worker_main() -> None:
+    """Ranks 1..N-1: execute rank 0's commands until it says stop (or its process group fails)."""
+    from services.core.config import RunConfig
+    from services.core.runtime import set_torch_threads
+
+    logging.basicConfig(level=logging.INFO, format=f"learner rank {os.environ.get('RANK')}: %(message)s")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = torch.device(os.environ.get("RLFABRIC_LEARNER_DEVICE", "cpu"))
+    device = rank_device(base, int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _init(device, rank, world, float(os.environ.get("RLFABRIC_LEARNER_TIMEOUT_S", "600")), "env://")
+    policy = algo = None
+    try:
+        while True:
+            op, payload = _receive()
+            if op == CONFIGURE:
+                info = json.loads(payload)
+                config = RunConfig.from_json(info["config_json"])
+                set_torch_threads(config.runtime.torch_threads)
+                policy, algo, generator = build(config, info["env_spec"], device, None)
+                if info["resume"]:
+                    load_optimizer(policy, algo.optimizer, {})
+                _sync_generator(generator)
+            elif op == UPDATE:
+                _, batch = decode(unpack_frames(payload), max_bytes=MAX_COMMAND_BYTES)
+                algo.update(batch.to_torch(device))
+            elif op == WEIGHTS:
+                full_weights(policy)
+            elif op == OPTIMIZER:
+                full_optimizer(policy, algo.optimizer)
+            elif op == STOP:
+                break
+            else:
+                raise ValueError(f"unknown learner command {op}")
+    finally:
+        dist.destroy_process_group()
+
+
+# -- rank 0: the learner service's side ----------------------------------------------------------------------------
+class RankGroup:
+    """Ranks 1..N-1 of one run, started and driven by the learner service (rank 0, on its training thread)."""
+
+    def __init__(self, world: int, device: torch.device, timeout_s: float):
+        self.world, self.device = world, device
+        port = _free_port()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "RLFABRIC_LEARNER_DEVICE": device.type,
+               "RLFABRIC_LEARNER_TIMEOUT_S": str(timeout_s)}
+        self.procs = [subprocess.Popen([sys.executable, "-m", "services.learner.ranks"],
+                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+                      for r in range(1, world)]
+        try:
+            _init(device, 0, world, timeout_s, f"tcp://127.0.0.1:{port}")
+        except Exception:
+            self._kill()
+            raise
+        log.info("learner ranks up", extra={"world": world, "backend": backend_for(device)})
+
+    def dead(self) -> str | None:
+        """Why the group cannot work (a rank process that exited), or None."""
+        for r, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                return f"learner rank {r} (pid {proc.pid}) exited with code {proc.returncode}"
+        return None
+
+    def configure(self, config: Any, env_spec: dict, policy_state: dict | None,
+                  resume: dict | None) -> tuple[Any, Any, Any]:
+        """Every rank builds; ``policy_state`` (a warm start or the resumed policy) and ``resume``'s optimiser state
+        and generator reach every rank."""
+        _send(CONFIGURE, json.dumps({"config_json": config.to_json(), "env_spec": env_spec,
+                                     "resume": resume is not None}).encode())
+        policy, algo, generator = build(config, env_spec, self.device, policy_state)
+        if resume is not None:
+            load_optimizer(policy, algo.optimizer, resume["algorithm"]["optimizer"])
+            algo.env_steps = int(resume["algorithm"].get("env_steps", 0))
+            algo.optimizer_steps = int(resume["algorithm"]["optimizer_steps"])
+            generator.set_state(resume["generator"])
+        _sync_generator(generator)
+        return policy, algo, generator
+
+    def update(self, algo: Any, batch: Any) -> dict[str, float]:
+        _send(UPDATE, pack_frames(encode("batch", batch)))
+        return algo.update(batch.to_torch(self.device))
+
+    def weights(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+        _send(WEIGHTS)
+        return full_weights(policy)
+
+    def algorithm_state(self, policy: torch.nn.Module, algo: Any) -> dict:
+        """The algorithm's checkpoint state with its optimiser state unsharded (keyed by parameter name)."""
+        _send(OPTIMIZER)
+        return {"optimizer": full_optimizer(policy, algo.optimizer), "env_steps": algo.env_steps,
+                "optimizer_steps": algo.optimizer_steps}
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        try:
+            if self.dead() is None:
+                _send(STOP)
+        except RuntimeError as exc:  # a broken group: the ranks are killed below anyway
+            log.warning("learner ranks did not stop cleanly", extra={"error": str(exc)})
+        finally:
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker_main()
