@@ -78,3 +78,60 @@ def test_a_grpo_update_raises_the_likelihood_of_the_rewarded_response(lm_run):
     assert seq(after)[0] > seq(before)[0] and seq(after)[1:].mean() < seq(before)[1:].mean()
     assert stats["logprob_mismatch_abs"] < 1e-5  # the "engine" log-probs were the learner's own
     assert stats["reward_mean"] == pytest.approx(0.25)
+
+
+def test_gae_over_response_tokens_skips_masked_positions_and_matches_a_hand_computation():
+    from services.learner.algorithms.ppo_lm import gae
+
+    # one row: response tokens at positions 0, 1, 3 (position 2 is a tool output, masked out); reward at the end
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.2, 9.0, 0.4]])  # the masked value (9) must play no part
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    gamma, lam = 0.9, 0.8
+    d3 = 1.0 - 0.4                        # last response token: no bootstrap
+    d1 = 0.0 + gamma * 0.4 - 0.2          # bootstraps from position 3 across the tool output
+    d0 = 0.0 + gamma * 0.2 - 0.5
+    a3, a1 = d3, d1 + gamma * lam * d3
+    a0 = d0 + gamma * lam * a1
+    torch.testing.assert_close(gae(rewards, values, mask, gamma, lam), torch.tensor([[a0, a1, 0.0, a3]]))
+
+
+def test_a_ppo_update_with_a_value_head_raises_the_rewarded_response_and_fits_the_values():
+    from services.core.config import parse_config
+    from services.core.models import build_policy
+
+    run = parse_config("""
+name: t
+seed: 0
+env: {adapter: text, id: arith, num_envs: 4, eval_envs: 4, options: {group_size: 1}}
+policy: {lm: {hidden_size: 64, intermediate_size: 128, layers: 1, heads: 1, max_positions: 32}}
+algorithm: {name: ppo_lm, learning_rate: 0.003, minibatch_size: 4, epochs: 2, vf_coef: 0.5}
+""")
+    text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
+    torch.manual_seed(0)
+    policy = build_policy(run.spec.policy, {"observation_space": text, "action_space": text}, run.policy)
+    assert policy.has_value and run.spec.policy == "causal_lm_value"
+    tok = policy.tokenizer
+    prompt = [1, *tok.encode("Q: 2+2= A:", add_special_tokens=False)]
+    rows = [prompt + tok.encode(a, add_special_tokens=False) + [2] for a in (" 4", " 5", " 6", " 7")]
+    masks = [[0] * len(prompt) + [1] * (len(r) - len(prompt)) for r in rows]
+    tokens, attn = torch.tensor(rows), torch.ones(4, len(rows[0]), dtype=torch.long)
+    mask = torch.tensor(masks)[:, 1:].float()
+    with torch.no_grad():
+        before, v_before = policy.token_logprobs_values(tokens, attn)
+    engine = [np.concatenate([[0.0], (before[i] * mask[i]).numpy()]) for i in range(4)]
+    batch = TensorBatch({
+        "tokens": Ragged.from_rows(rows, dtype=np.int64), "loss_mask": Ragged.from_rows(masks, dtype=np.uint8),
+        "logp": Ragged.from_rows(engine, dtype=np.float32), "rewards": np.array([1, 0, 0, 0], np.float32),
+        "group": np.arange(4), "response_tokens": np.full(4, 3), "truncated": np.zeros(4, np.float32),
+    }, dims=("env",))
+    stats = run.spec(policy, run, torch.Generator().manual_seed(0)).update(batch.to_torch())
+    with torch.no_grad():
+        after, v_after = policy.token_logprobs_values(tokens, attn)
+    digit = len(prompt)  # log p of the answer's digit (the space before it and the end token are shared by all rows)
+    assert after[0, digit] > before[0, digit] and after[1:, digit].mean() < before[1:, digit].mean()
+    last = mask.cumsum(1) == mask.sum(1, keepdim=True)  # each response's last token: V there should approach r
+    target = torch.tensor([1.0, 0, 0, 0])
+    err = lambda v: (v[last & (mask > 0)] - target).abs().mean()  # noqa: E731
+    assert float(err(v_after)) < float(err(v_before))
+    assert stats["value_loss"] > 0 and "explained_variance" in stats

@@ -17,6 +17,7 @@ from services.core.models.squashed_gaussian import SquashedGaussianActor
 POLICIES: dict[str, Any] = {
     "actor_critic": ActorCritic, "squashed_gaussian": SquashedGaussianActor,
     "causal_lm": "services.core.models.lm:CausalLMPolicy",  # imported when used: it needs transformers
+    "causal_lm_value": "services.core.models.lm:CausalLMValuePolicy",
 }
 
 

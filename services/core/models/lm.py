@@ -75,6 +75,11 @@ def token_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch
     logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
+    return gathered_logprobs(logits, tokens)
+
+
+def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p of each next token from the (already shifted and tempered) logits [B, L-1, V]."""
     # .sum(-1) of the one gathered value, not .squeeze(-1): a new tensor, not a view (a sharded learner's FSDP hooks
     # attach to its output, and a view would lose them)
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).sum(-1)
@@ -141,5 +146,31 @@ class CausalLMPolicy(nn.Module):
         self.tokenizer.save_pretrained(str(path))
 
 
-__all__ = ["BOS", "CausalLMPolicy", "EOS", "PAD", "build_lm", "build_tokenizer", "load_tokenizer", "merged_state_dict",
+class CausalLMValuePolicy(CausalLMPolicy):
+    """A causal LM with a value head on its last hidden state (one trunk for actor and critic, the RLHF recipe).
+    Engines serve only the LM (``self.model``); the head lives with the learner and travels in its state."""
+
+    has_value = True
+    forward_methods = ("token_logprobs", "token_logprobs_values")
+
+    def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
+        super().__init__(obs_space, action_space, cfg)
+        hidden = self.model.config.hidden_size if hasattr(self.model, "config") else cfg.lm.hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def token_logprobs_values(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, L-1] log p of each next token, [B, L-1] V of the state that predicts it), one forward pass."""
+        out = self.model(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
+                         output_hidden_states=True)
+        logits = out.logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        values = self.value_head(out.hidden_states[-1][:, :-1].float()).sum(-1)  # (not a view: see above)
+        return gathered_logprobs(logits, tokens), values
+
+
+__all__ = ["BOS", "CausalLMPolicy", "CausalLMValuePolicy", "EOS", "PAD", "build_lm", "build_tokenizer", "load_tokenizer", "merged_state_dict",
            "token_logprobs", "with_lora"]

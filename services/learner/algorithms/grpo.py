@@ -144,15 +144,25 @@ class GRPO(Algorithm):
     # -- hooks variants override (dapo.py, reinforce_pp.py) ----------------------------------------------------
     kl_in_loss = True  # beta * KL(pi || pi_ref) per token in the loss (Reinforce++ puts it in the reward)
 
-    def advantages(self, batch: dict, mask: torch.Tensor, old: torch.Tensor,
+    def advantages(self, batch: dict, seq: dict[str, torch.Tensor], mask: torch.Tensor, old: torch.Tensor,
                    ref: torch.Tensor | None) -> torch.Tensor:
-        """Per-token advantages [B, L-1]: here one per response (group-relative), broadcast over its tokens."""
+        """Per-token advantages [B, L-1]: here one per response (group-relative), broadcast over its tokens.
+        ``seq``: the padded tokens and attention_mask; ``old``/``ref``: log-probs of the sampler and reference."""
         adv = group_advantages(self.rewards(batch), batch["group"], self.cfg.scale_rewards == "group")
         return adv[:, None].expand_as(mask)
 
     def rewards(self, batch: dict) -> torch.Tensor:
         """Each response's scalar reward (DAPO shapes overlong responses here)."""
         return batch["rewards"].float()
+
+    def forward(self, tokens: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The minibatch's per-token log-probs [b, L-1], and whatever else the loss needs (a critic's values)."""
+        return self.policy.token_logprobs(tokens, attn, self.temperature), None
+
+    def auxiliary_loss(self, aux: Any, idx: torch.Tensor, mask: torch.Tensor,
+                       whole: torch.Tensor) -> tuple[torch.Tensor | float, dict[str, float]]:
+        """A loss term added to the surrogate (a value loss), aggregated like it, and its stats (none here)."""
+        return 0.0, {}
 
     def select(self, batch: dict) -> dict | None:
         """The responses this iteration trains on, or None to train on nothing yet (all of them here; DAPO drops
@@ -181,7 +191,7 @@ class GRPO(Algorithm):
         stats["logprob_mismatch_abs"] = float(delta.abs().sum() / n)
         stats["logprob_mismatch_kl"] = float((k3(engine, prox) * mask).sum() / n)  # KL(learner || engine)
         old = engine if cfg.behaviour == "engine" else prox
-        adv = self.advantages(batch, mask, old, ref)
+        adv = self.advantages(batch, seq, mask, old, ref)
         weight = torch.ones_like(engine)
         if cfg.behaviour == "proximal" and cfg.tis_cap is not None:
             weight = (prox - engine).exp().clamp(max=cfg.tis_cap)
@@ -192,7 +202,7 @@ class GRPO(Algorithm):
             for start in range(0, B, cfg.minibatch_size):
                 whole = order[start:start + cfg.minibatch_size]
                 idx, share = self.shard(whole)  # this rank's rows (all of them on one rank)
-                logp = self.policy.token_logprobs(tokens[idx], attn[idx], self.temperature)
+                logp, aux = self.forward(tokens[idx], attn[idx])
                 per_token, clipped = clipped_surrogate(logp, old[idx], adv[idx], cfg.clip_low, cfg.clip_high)
                 per_token = per_token * weight[idx]
                 m = mask[idx]
@@ -200,7 +210,10 @@ class GRPO(Algorithm):
                     kl = k3(ref[idx], logp)
                     per_token = per_token + cfg.kl_coef * kl
                     sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl * m).sum() / m.sum().clamp(min=1))
-                loss = aggregate(per_token, m, cfg.loss_agg, mask[whole]) * share
+                extra, extra_stats = self.auxiliary_loss(aux, idx, m, mask[whole])
+                loss = (aggregate(per_token, m, cfg.loss_agg, mask[whole]) + extra) * share
+                for k, v in extra_stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
                 self.optimizer.zero_grad()
                 loss.backward()
                 grad_norm = full(nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True))

@@ -52,7 +52,7 @@ class ReinforcePP(GRPO):
             raise ValueError(f"algorithm reinforce_pp trains language-model policies on text tasks: set env.adapter: "
                              f"text (got {run.env.adapter!r})")
 
-    def advantages(self, batch: dict, mask: torch.Tensor, old: torch.Tensor,
+    def advantages(self, batch: dict, seq: dict[str, torch.Tensor], mask: torch.Tensor, old: torch.Tensor,
                    ref: torch.Tensor | None) -> torch.Tensor:
         per_token = last_token(mask) * self.rewards(batch)[:, None]
         if ref is not None:

