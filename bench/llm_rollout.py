@@ -4,7 +4,8 @@ one run. Both are the backends the rollout service uses, built from one run conf
 
   * generated tokens/s at batch 64 (and the other ``--batches``), sampled at temperature 1, median of
     ``--repeats`` interleaved rounds after a warm-up round, on two response-length profiles:
-      - ``tail``: responses end at a steady rate (about 1 in ``--mean-length`` tokens is end-of-sequence, cut at
+      - ``tail``: responses end at a steady rate (the random model with a bias on its end token:
+        services.core.models.lm.bias_end_token) (about 1 in ``--mean-length`` tokens is end-of-sequence, cut at
         ``--new-tokens``), the long tail of sampled RL responses; the target's workload. A batched ``generate``
         runs every row until the longest one ends, an engine with continuous batching retires rows as they end.
       - ``full``: every response runs to ``--new-tokens`` (a random model, whose end token is as rare as any).
@@ -32,7 +33,7 @@ SPEC = {"observation_space": {"kind": "text", "shape": [], "dtype": "uint8", "ma
         "action_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 256}}
 
 
-def run_config(hidden: int, layers: int, heads: int, backend: str):
+def run_config(hidden: int, layers: int, heads: int, backend: str, memory: float = 0.3):
     from services.core.config import parse_config
 
     return parse_config(f"""
@@ -41,7 +42,7 @@ seed: 0
 env: {{adapter: text, id: arith, num_envs: 64, options: {{group_size: 8}}}}
 policy: {{lm: {{hidden_size: {hidden}, intermediate_size: {hidden * 2}, layers: {layers}, heads: {heads},
               max_positions: 256}}}}
-rollout: {{backend: {backend}, temperature: 1.0}}
+rollout: {{backend: {backend}, temperature: 1.0, engine_memory_fraction: {memory}}}
 algorithm: {{name: grpo}}
 """)
 
@@ -53,45 +54,21 @@ def prompts(backend, n: int) -> list[list[int]]:
     return [[1, *backend.encode(task.prompt(p))] for p in task.problems(n, seed=0)]
 
 
-def with_tail(state: dict, bias: float) -> dict:
-    """The same random model, edited so that the end token's logit gets a fixed ``bias``: one residual coordinate
-    is held constant (embedding column set, every layer's writes to it zeroed) and only the end token's output row
-    reads it."""
-    import math
-
-    import torch
-
-    from services.core.models.lm import EOS
-
-    state = {k: v.clone() for k, v in state.items()}
-    k = 0
-    emb = next(v for name, v in state.items() if name.endswith("embed_tokens.weight"))
-    emb[:, k] = 1.0
-    for name, v in state.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            v[k, :] = 0.0  # no layer writes the coordinate: it stays 1 all the way up
-    head = next(v for name, v in state.items() if name.endswith("lm_head.weight"))
-    vocab, hidden = head.shape
-    others = emb[:, 1:].pow(2).mean().item() * (hidden - 1)
-    normed = 1.0 / math.sqrt((1.0 + others) / hidden)  # the coordinate after the final RMSNorm (its weight is 1)
-    head[:, k] = 0.0
-    head[EOS, k] = bias / normed
-    assert torch.isfinite(head).all()
-    return state
-
-
 def calibrated_tail(hf, base: dict, mean_length: float, contexts: list[list[int]], new_tokens: int) -> dict:
-    """``with_tail`` with the bias that gives responses of about ``mean_length`` tokens (a few hf rounds)."""
+    """``bias_end_token`` with the weight that gives responses of about ``mean_length`` tokens (a few hf rounds)."""
     import math
 
-    bias = 0.0
-    for _ in range(6):
-        state = with_tail(base, bias)
+    from services.core.models.lm import bias_end_token
+
+    weight = 0.0
+    for _ in range(8):
+        state = bias_end_token(base, weight)
         hf.load(hf.version + 1, state)
         _, length = tokens_per_s(hf, contexts, new_tokens)
+        print(f"tail calibration: end-token weight {weight:.2f} -> mean response {length:.1f} tokens")
         if abs(length - mean_length) < 0.1 * mean_length:
             break
-        bias += math.log(max(length - 1, 0.5)) - math.log(mean_length - 1)  # P(end) grows like exp(bias)
+        weight += 0.5 * (math.log(max(length - 1, 0.5)) - math.log(mean_length - 1))  # P(end) ~ exp(bias)
     return state
 
 
@@ -106,13 +83,14 @@ def tokens_per_s(backend, contexts: list[list[int]], new_tokens: int) -> tuple[f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)  # 76M parameters: a small LM, not a toy
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--mean-length", type=float, default=12.0, help="tail profile: mean response length")
     ap.add_argument("--batches", default="64,8", help="comma-separated batch sizes; the first is the target's")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine-memory", type=float, default=0.3, help="share of host memory the vLLM engine takes")
     ap.add_argument("--out", default="bench/results/llm_rollout.json")
     args = ap.parse_args()
 
@@ -124,7 +102,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)  # hf gets every core, as the vLLM engine does
     hf = HFBackend(run_config(args.hidden, args.layers, args.heads, "hf"), SPEC, "cpu")
-    vllm = VLLMBackend(run_config(args.hidden, args.layers, args.heads, "vllm"), SPEC, "cpu")
+    vllm = VLLMBackend(run_config(args.hidden, args.layers, args.heads, "vllm", args.engine_memory), SPEC, "cpu")
     base = {k: v.clone() for k, v in hf.policy.state_dict().items()}
     metrics: dict = {"model": {"hidden_size": args.hidden, "layers": args.layers, "heads": args.heads,
                                "parameters": sum(p.numel() for p in hf.policy.parameters())},

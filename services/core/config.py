@@ -269,6 +269,12 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
                                description="LM sampling temperature (log-probs are of the tempered distribution)")
     max_new_tokens: int = Field(16, ge=1, le=1 << 16, description="LM tokens generated per turn at most")
+    finish_fraction: float = Field(
+        1.0, gt=0, le=1, allow_inf_nan=False,
+        description="LM over-sampling: a generation round ends once this fraction of the shard's groups have "
+                    "finished; the long tail still generating is aborted and its groups are dropped from the update "
+                    "(set num_envs to the groups you want trained / this). Engines that stream (vllm) cut; hf "
+                    "generates every row to the end")
     engine_memory_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
                                                  description="share of device memory (host memory on CPU) an "
                                                              "inference engine reserves; default: 0.1 on CPU, the "

@@ -88,6 +88,26 @@ def test_lora_weights_are_served_merged(engines):
     assert got != before
 
 
+def test_a_streamed_round_ends_once_enough_samples_finished_and_aborts_the_tail(engines):
+    from services.core.models.lm import EOS, bias_end_token
+
+    run, v, _ = engines
+    v.load(6, bias_end_token(_perturbed(run, 41).state_dict(), 2.0))  # responses of varied length
+    prompts = _prompts(v) * 8
+    calls: list[int] = []
+
+    def enough(finished: set[int]) -> bool:
+        calls.append(len(finished))
+        return len(finished) >= 8
+
+    out = v.generate(prompts, 24, sample=True, enough=enough)
+    done = [g for g in out if g is not None]
+    assert 8 <= len(done) < len(prompts) and calls[-1] == len(done)  # cut as soon as enough were in
+    assert all(g.tokens[-1] == EOS or len(g.tokens) == 24 for g in done)  # whole samples, never a cut one
+    assert not v.engine.llm_engine.has_unfinished_requests()  # the tail was aborted, not left running
+    assert all(g is not None for g in v.generate(prompts, 24, sample=True, enough=lambda finished: False))
+
+
 @pytest.mark.slow
 def test_grpo_through_every_service_with_the_vllm_engine(tmp_path):
     """Weight epochs reach the engine every iteration (the batch of iteration i was sampled by version i), its
@@ -107,3 +127,37 @@ def test_grpo_through_every_service_with_the_vllm_engine(tmp_path):
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     assert [int(float(r["batch_version"])) for r in rows] == [0, 1, 2]
     assert all(float(r["logprob_mismatch_abs"]) < 1e-3 for r in rows)
+
+
+@pytest.mark.slow
+def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
+    """rollout.finish_fraction 0.5 on 8 groups of 8: a round ends once 4 groups are complete, the rest are cut and
+    the update trains on what finished. Where exactly a round is cut depends on timing (the engine runs ahead of the
+    stream it is read through), so the test asks for a cut in some round, never more than half, and exact counts."""
+    import csv
+    import subprocess
+    import sys
+
+    from services.core.config import load_config
+    from services.core.models import build_policy
+    from services.core.models.lm import bias_end_token
+    from services.learner import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    config = load_config("examples/arith_grpo.yaml")
+    policy = build_policy("causal_lm", {"observation_space": {**SPEC["observation_space"], "max_length": 512},
+                                        "action_space": {**SPEC["action_space"], "max_length": 512}}, config.policy)
+    init = tmp_path / "tail.pt"
+    init.write_bytes(ckpt.pack({"policy": bias_end_token(policy.state_dict(), 0.3)}))  # a long tail of lengths
+    run_dir = tmp_path / "run"
+    sets = [f"policy.init_checkpoint={init}", "rollout.backend=vllm", "rollout.max_new_tokens=48",
+            "rollout.finish_fraction=0.5", "train.total_env_steps=192", "train.eval_every_iterations=0"]
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/arith_grpo.yaml", "--run-dir",
+                           str(run_dir), "--quiet", *[a for s in sets for a in ("--set", s)]], capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    cut = [float(r["cut_fraction"]) for r in rows]
+    assert len(rows) == 3 and all(0 <= c <= 0.5 for c in cut) and sum(cut) > 0, cut
+    assert all(float(r["updated"]) == 1.0 and float(r["samples"]) == 64 * (1 - c)
+               for r, c in zip(rows, cut, strict=True))

@@ -104,6 +104,23 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return copy.deepcopy(model).merge_and_unload().state_dict()
 
 
+def bias_end_token(state: dict[str, torch.Tensor], logit: float) -> dict[str, torch.Tensor]:
+    """A copy of a (random) Llama-style model's weights that end responses early: the end token's logit gets a
+    fixed bias of about ``logit`` x a constant. One residual coordinate is held at 1 (its embedding column set,
+    every layer's writes to it zeroed) and only the end token's output row reads it. Benchmarks and tests use it
+    for responses of varied length (the long tail of RL sampling) without training a model."""
+    state = {k: v.clone() for k, v in state.items()}
+    k = 0
+    next(v for name, v in state.items() if name.endswith("embed_tokens.weight"))[:, k] = 1.0
+    for name, v in state.items():  # what writes the residual stream: o_proj, down_proj (and their LoRA B)
+        if ("o_proj" in name or "down_proj" in name) and "lora_A" not in name and v.dim() == 2:
+            v[k, :] = 0.0
+    head = next(v for name, v in state.items() if name.endswith("lm_head.weight"))
+    head[:, k] = 0.0
+    head[EOS, k] = logit
+    return state
+
+
 class CausalLMPolicy(nn.Module):
     """A causal LM as a policy: its action is a text turn; its trainable state is the model's parameters."""
 
@@ -172,5 +189,5 @@ class CausalLMValuePolicy(CausalLMPolicy):
         return gathered_logprobs(logits, tokens), values
 
 
-__all__ = ["BOS", "CausalLMPolicy", "CausalLMValuePolicy", "EOS", "PAD", "build_lm", "build_tokenizer", "load_tokenizer", "merged_state_dict",
+__all__ = ["BOS", "CausalLMPolicy", "bias_end_token", "CausalLMValuePolicy", "EOS", "PAD", "build_lm", "build_tokenizer", "load_tokenizer", "merged_state_dict",
            "token_logprobs", "with_lora"]

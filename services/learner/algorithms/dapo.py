@@ -21,7 +21,7 @@ from pydantic import Field
 
 from services.core.algorithm import register
 from services.core.batch import Ragged, cat_ragged
-from services.learner.algorithms.grpo import GRPO, GRPOConfig
+from services.learner.algorithms.grpo import GRPO, GRPOConfig, take
 
 
 class DAPOConfig(GRPOConfig):
@@ -38,11 +38,6 @@ class DAPOConfig(GRPOConfig):
 def overlong_penalty(lengths: torch.Tensor, l_max: int, cache: int) -> torch.Tensor:
     soft = (l_max - cache - lengths.float()) / cache
     return torch.where(lengths <= l_max - cache, torch.zeros_like(soft), torch.where(lengths <= l_max, soft, -1.0))
-
-
-def take(batch: dict, rows: torch.Tensor) -> dict:
-    idx = rows.cpu().numpy()
-    return {k: v.take(idx) if isinstance(v, Ragged) else v[rows] for k, v in batch.items()}
 
 
 def join(parts: list[dict]) -> dict:

@@ -24,6 +24,7 @@ from pydantic import Field
 from torch import nn
 
 from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Roles, Trajectory, register
+from services.core.batch import Ragged
 
 
 class GRPOConfig(AlgorithmConfig):
@@ -42,6 +43,12 @@ class GRPOConfig(AlgorithmConfig):
                                               "weight")
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+def take(batch: dict, rows: torch.Tensor) -> dict:
+    """The batch's samples ``rows`` (Ragged fields included)."""
+    idx = rows.cpu().numpy()
+    return {k: v.take(idx) if isinstance(v, Ragged) else v[rows] for k, v in batch.items()}
 
 
 def padded(batch: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -111,7 +118,7 @@ class GRPO(Algorithm):
     @classmethod
     def trajectory(cls, cfg: Any) -> Trajectory:
         return Trajectory(fields=("tokens", "loss_mask", "logp", "rewards", "group", "response_tokens",
-                                  "truncated"))
+                                  "truncated", "kept"))
 
     @classmethod
     def data(cls, cfg: Any) -> DataAccess:
@@ -173,7 +180,14 @@ class GRPO(Algorithm):
     def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
         self.env_steps += int(batch["rewards"].shape[0])
-        stats: dict[str, float] = {"reward_mean": float(batch["rewards"].float().mean())}
+        stats: dict[str, float] = {}
+        if "kept" in batch:  # groups cut from an over-sampled round (rollout.finish_fraction) are not trained on
+            kept = batch["kept"] > 0
+            stats["cut_fraction"] = 1.0 - float(kept.float().mean())
+            batch = take(batch, torch.nonzero(kept).squeeze(1))
+        stats["reward_mean"] = float(batch["rewards"].float().mean()) if len(batch["rewards"]) else 0.0
+        if not len(batch["rewards"]):
+            return stats | {"updated": 0.0}
         batch = self.select(batch)
         if batch is None:
             return stats | {"updated": 0.0}
@@ -232,4 +246,4 @@ class GRPO(Algorithm):
 
 
 __all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages", "k3",
-           "padded"]
+           "padded", "take"]

@@ -63,9 +63,11 @@ class HFBackend(LMBackend):
         super().__init__(config, env_spec, device)
         self.receiver = StateDictReceiver(self.policy)
 
-    def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
+    def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True,
+                 enough: Any = None) -> list[Generation | None]:
         """Continue every context by up to ``max_new_tokens`` tokens (sampled, or greedy when ``sample`` is
-        False)."""
+        False). ``enough`` (a streaming engine's early cut) does not apply: a batched generate returns every row
+        at once."""
         if not contexts:
             return []
         longest = max(len(c) for c in contexts)

@@ -62,7 +62,10 @@ class SGLangBackend(LMBackend):
         atexit.register(self.close)
         self.receiver = DiskReloadReceiver(self.policy, self.engine, model_dir)
 
-    def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True) -> list[Generation]:
+    def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True,
+                 enough: Any = None) -> list[Generation | None]:
+        """Every row to its end (``enough``, the early cut, is vllm's for now: sglang's offline engine streams only
+        one request at a time)."""
         if not contexts:
             return []
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))

@@ -7,7 +7,11 @@ a loss mask (1 on tokens the model generated, 0 on prompt and tool-output tokens
 sampled them with (0 where masked), its reward, and its group (envs i // group_size answer the same prompt).
 
 The shard is an ("env",) batch (one sample per env): tokens, loss_mask, logp (Ragged, one cell per sample), rewards, group, turns,
-response_tokens (tokens the model generated) and truncated (cut by the length limit or the turn limit).
+response_tokens (tokens the model generated), truncated (cut by the length limit or the turn limit) and kept.
+
+Over-sampling (``rollout.finish_fraction`` < 1): a generation round streams samples out of the engine as they
+finish and ends once that fraction of the shard's groups are complete; the long tail is aborted, and every sample
+of its groups is marked ``kept = 0`` (the update drops them, the shard keeps its shape).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from services.core.batch import Ragged, TensorBatch
 from services.core.models.lm import BOS
 from services.rollout.collectors.gym import Collected, Stopped, probe_echo
 
-OFFERS = ("tokens", "loss_mask", "logp", "rewards", "group", "turns", "response_tokens", "truncated")
+OFFERS = ("tokens", "loss_mask", "logp", "rewards", "group", "turns", "response_tokens", "truncated", "kept")
 SEED_STRIDE = 100_003  # iterations draw disjoint seed ranges (a prime: group seeds never line up)
 
 
@@ -40,6 +44,8 @@ class Episodes:
         self.turns = np.zeros(n, dtype=np.int64)
         self.truncated = np.zeros(n, dtype=np.float32)
         self.done = np.zeros(n, dtype=bool)
+        self.kept = np.ones(n, dtype=np.float32)  # 0: its group was cut from an over-sampled round
+        self.groups = np.arange(n)  # which prompt each sample answers (set by the collector)
 
     def add_context(self, i: int, text: str) -> None:
         ids = self.backend.encode(text)
@@ -70,12 +76,26 @@ class LLMCollector:
     def reset(self, seed: int) -> None:
         self.seed = seed
 
+    def _enough(self, ep: Episodes, active: np.ndarray) -> Any:
+        """The early cut of one streamed round: enough once ``finish_fraction`` of the groups are complete (every
+        sample done, none cut)."""
+        _, groups = np.unique(ep.groups, return_inverse=True)
+        need = math.ceil(self.config.rollout.finish_fraction * (int(groups.max()) + 1))
+
+        def enough(finished: set[int]) -> bool:
+            done = ep.done & (ep.kept > 0)
+            done[active[list(finished)]] = True
+            return int((np.bincount(groups, weights=~done) == 0).sum()) >= need
+
+        return enough
+
     def _episodes(self, pool: str, num_envs: int | None, seed: int, sample: bool, chunks: int,
-                  stop: threading.Event | None = None) -> tuple[Episodes, float, float]:
+                  stop: threading.Event | None = None, cut: bool = False) -> tuple[Episodes, float, float]:
         meta = {"pool": pool, "seed": seed} | ({"num_envs": num_envs, "chunks": chunks} if num_envs else {})
         _, reply = self.env.request("reset", TensorBatch(meta=meta))
         ep = Episodes(reply["obs"].texts("obs"), self.backend)
         n = len(ep.tokens)
+        ep.groups = (self.env_offset + np.arange(n)) // self.group_size
         size = n // chunks
         env_s = policy_s = 0.0
         while not ep.done.all():
@@ -88,10 +108,16 @@ class LLMCollector:
             if not len(active):
                 break
             p0 = time.perf_counter()
-            gens = self.backend.generate([ep.tokens[i] for i in active], self.max_new, sample)
+            gens = self.backend.generate([ep.tokens[i] for i in active], self.max_new, sample,
+                                         self._enough(ep, active) if cut else None)
             policy_s += time.perf_counter() - p0
             actions = [""] * n
+            for i in active[[g is None for g in gens]]:  # the aborted tail: its whole group leaves the update
+                group = ep.groups == ep.groups[i]
+                ep.done[group], ep.kept[group] = True, 0.0
             for i, g in zip(active, gens, strict=True):
+                if not ep.kept[i]:
+                    continue
                 ep.tokens[i] += g.tokens.tolist()
                 ep.mask[i] += [1] * len(g.tokens)
                 ep.logp[i] += g.logp.tolist()
@@ -122,20 +148,21 @@ class LLMCollector:
 
     def collect(self, batch_index: int, version: int, stop: threading.Event | None) -> Collected:
         ep, env_s, policy_s = self._episodes(self.pool, self.N, self.seed + SEED_STRIDE * batch_index, True,
-                                             self.C, stop)
-        n = len(ep.tokens)
-        groups = (self.env_offset + np.arange(n)) // self.group_size + batch_index * SEED_STRIDE
+                                             self.C, stop, cut=self.config.rollout.finish_fraction < 1)
+        groups = ep.groups + batch_index * SEED_STRIDE
         fields = {
             "tokens": Ragged.from_rows(ep.tokens, dtype=np.int64),
             "loss_mask": Ragged.from_rows(ep.mask, dtype=np.uint8),
             "logp": Ragged.from_rows(ep.logp, dtype=np.float32),
             "rewards": ep.rewards, "group": groups.astype(np.int64), "turns": ep.turns,
             "response_tokens": np.array([sum(m) for m in ep.mask], dtype=np.int64), "truncated": ep.truncated,
+            "kept": ep.kept,
         }
         want = set(self.trajectory.fields) if self.trajectory is not None else set(fields)
         out = Collected(TensorBatch({k: v for k, v in fields.items() if k in want}, version=version,
                                     dims=("env",)))
-        out.returns, out.lengths = ep.rewards.tolist(), ep.turns.tolist()
+        kept = ep.kept > 0
+        out.returns, out.lengths = ep.rewards[kept].tolist(), ep.turns[kept].tolist()
         out.env_seconds, out.policy_seconds = env_s, policy_s
         return out
 
