@@ -91,6 +91,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str,
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / max(whole.shape[0], 1)
 
 
+def mismatch(learner: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the learner's under the same weights: mean
+    |delta| and the k3 estimate of KL(learner || engine), over the response tokens."""
+    n = mask.sum().clamp(min=1)
+    return {"logprob_mismatch_abs": float(((learner - engine) * mask).abs().sum() / n),
+            "logprob_mismatch_kl": float((k3(engine, learner) * mask).sum() / n)}
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) result as a plain tensor; a plain one as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -196,14 +204,16 @@ class GRPO(Algorithm):
         mask = seq["loss_mask"][:, 1:].float()
         engine = seq["logp"][:, 1:].float()
         B = tokens.shape[0]
-        # the learner's log-probs before the update (the mismatch, the proximal policy) and pi_ref's
-        prox = chunked_logprobs(self.policy, tokens, attn, cfg.minibatch_size, self.temperature)
+        # the learner's log-probs before the update (the mismatch, the proximal policy) and pi_ref's. When the
+        # engine's log-probs are pi_old and the batch is one minibatch, the first training forward pass is taken
+        # before any step: the mismatch comes from it, and no separate pass is spent
+        one_pass = cfg.behaviour == "engine" and B <= cfg.minibatch_size
+        prox = None if one_pass else chunked_logprobs(self.policy, tokens, attn, cfg.minibatch_size,
+                                                      self.temperature)
         ref = chunked_logprobs(self.reference, tokens, attn, cfg.minibatch_size, self.temperature) \
             if cfg.kl_coef > 0 else None
-        n = mask.sum().clamp(min=1)
-        delta = (prox - engine) * mask
-        stats["logprob_mismatch_abs"] = float(delta.abs().sum() / n)
-        stats["logprob_mismatch_kl"] = float((k3(engine, prox) * mask).sum() / n)  # KL(learner || engine)
+        if prox is not None:
+            stats.update(mismatch(prox, engine, mask))
         old = engine if cfg.behaviour == "engine" else prox
         adv = self.advantages(batch, seq, mask, old, ref)
         weight = torch.ones_like(engine)
@@ -217,6 +227,8 @@ class GRPO(Algorithm):
                 whole = order[start:start + cfg.minibatch_size]
                 idx, share = self.shard(whole)  # this rank's rows (all of them on one rank)
                 logp, aux = self.forward(tokens[idx], attn[idx])
+                if prox is None and count == 0:  # pre-update log-probs of this rank's rows
+                    stats.update(mismatch(logp.detach(), engine[idx], mask[idx]))
                 per_token, clipped = clipped_surrogate(logp, old[idx], adv[idx], cfg.clip_low, cfg.clip_high)
                 per_token = per_token * weight[idx]
                 m = mask[idx]
@@ -245,5 +257,5 @@ class GRPO(Algorithm):
         return stats
 
 
-__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages", "k3",
+__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages", "mismatch", "k3",
            "padded", "take"]
