@@ -122,6 +122,7 @@ class GRPO(Algorithm):
     Config = GRPOConfig
     policy = "causal_lm"
     data_parallel = True
+    grouped = True  # advantages relative to a prompt's group (variants with their own baseline set False)
 
     @classmethod
     def trajectory(cls, cfg: Any) -> Trajectory:
@@ -145,7 +146,7 @@ class GRPO(Algorithm):
         if run.env.adapter != "text":
             raise ValueError(f"algorithm {run.algorithm.name} trains language-model policies on text tasks: set "
                              f"env.adapter: text (got {run.env.adapter!r})")
-        if run.env.options.get("group_size", 1) < 2:
+        if cls.grouped and run.env.options.get("group_size", 1) < 2:
             raise ValueError("env.options.group_size must be >= 2: group-relative advantages compare the responses "
                              "to one prompt")
 

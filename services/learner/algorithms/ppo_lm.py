@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from services.core.algorithm import Roles, register
+from services.core.algorithm import register
 from services.learner.algorithms.grpo import GRPO, GRPOConfig, aggregate
 from services.learner.algorithms.reinforce_pp import last_token
 
@@ -57,16 +57,7 @@ class PPOLM(GRPO):
     Config = PPOLMConfig
     policy = "causal_lm_value"
     kl_in_loss = False
-
-    @classmethod
-    def needs(cls, cfg: Any) -> Roles:
-        return Roles(reference=cfg.kl_coef > 0)
-
-    @classmethod
-    def check(cls, run: Any) -> None:
-        if run.env.adapter != "text":
-            raise ValueError(f"algorithm ppo_lm trains language-model policies on text tasks: set env.adapter: text "
-                             f"(got {run.env.adapter!r})")
+    grouped = False
 
     def advantages(self, batch: dict, seq: dict[str, torch.Tensor], mask: torch.Tensor, old: torch.Tensor,
                    ref: torch.Tensor | None) -> torch.Tensor:

@@ -9,12 +9,12 @@ into the reward, returns to go, and advantages normalised over the whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from services.core.algorithm import Roles, register
+from services.core.algorithm import register
 from services.learner.algorithms.grpo import GRPO, GRPOConfig
 
 
@@ -41,16 +41,7 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
 class ReinforcePP(GRPO):
     Config = ReinforcePPConfig
     kl_in_loss = False
-
-    @classmethod
-    def needs(cls, cfg: Any) -> Roles:
-        return Roles(reference=cfg.kl_coef > 0)
-
-    @classmethod
-    def check(cls, run: Any) -> None:
-        if run.env.adapter != "text":
-            raise ValueError(f"algorithm reinforce_pp trains language-model policies on text tasks: set env.adapter: "
-                             f"text (got {run.env.adapter!r})")
+    grouped = False
 
     def advantages(self, batch: dict, seq: dict[str, torch.Tensor], mask: torch.Tensor, old: torch.Tensor,
                    ref: torch.Tensor | None) -> torch.Tensor:
