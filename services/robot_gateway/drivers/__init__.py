@@ -1,0 +1,55 @@
+"""Robot drivers behind one interface; a driver is one file here, registered by name (ConnectRequest.driver).
+
+A driver knows its joints, its hard limits and its forward kinematics, reads the measured state and takes a
+joint-position target each tick. It never decides what is safe: the gateway's loop does, for every driver alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from services.robot_gateway.safety import Limits
+
+DRIVERS: dict[str, str] = {"sim": "services.robot_gateway.drivers.sim:SimArm"}
+
+
+class Driver:
+    joint_names: list[str]
+
+    def hard_limits(self) -> Limits:
+        raise NotImplementedError
+
+    def forward_kinematics(self, q: np.ndarray) -> np.ndarray:
+        """End-effector position (x, y, z) at joint positions ``q``."""
+        raise NotImplementedError
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """Measured (joint positions, joint velocities)."""
+        raise NotImplementedError
+
+    def command(self, target: np.ndarray, dt: float) -> None:
+        """Track ``target`` for the next ``dt`` seconds (a simulator advances its physics by ``dt``)."""
+        raise NotImplementedError
+
+    def brake(self) -> None:
+        """Hold still by the driver's own means (a real arm's brakes); default: track the measured position."""
+        self.command(self.read()[0], 0.0)
+
+    def close(self) -> None:
+        pass
+
+
+def build_driver(name: str, options: dict[str, str]) -> Driver:
+    if name not in DRIVERS:
+        raise ValueError(f"driver {name!r} is not registered; available: {sorted(DRIVERS)}")
+    module, cls = DRIVERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**options)
+
+
+def register_driver(name: str, target: str) -> None:
+    DRIVERS[name] = target
+
+
+__all__ = ["DRIVERS", "Driver", "build_driver", "register_driver"]

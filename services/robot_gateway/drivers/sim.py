@@ -1,0 +1,78 @@
+"""``sim``: a MuJoCo arm (3 revolute joints: base yaw, shoulder and elbow pitch; position servos) whose physics
+advances in real time behind the gateway's loop: each tick steps it by the tick's period. Its model is written
+here, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.robot_gateway.drivers import Driver
+from services.robot_gateway.safety import Limits
+
+MJCF = """
+<mujoco model="rlfabric-arm">
+  <compiler angle="radian"/>
+  <option timestep="0.002" gravity="0 0 -9.81" integrator="implicitfast"/>
+  <default><joint armature="0.01"/></default>
+  <worldbody>
+    <body name="base" pos="0 0 0.1">
+      <joint name="yaw" type="hinge" axis="0 0 1" range="-2.6 2.6" damping="0.5"/>
+      <geom type="cylinder" size="0.05 0.05" mass="1"/>
+      <body name="upper" pos="0 0 0.05">
+        <joint name="shoulder" type="hinge" axis="0 1 0" range="-1.6 1.6" damping="0.5"/>
+        <geom type="capsule" fromto="0 0 0 0.3 0 0" size="0.03" mass="0.5"/>
+        <body name="fore" pos="0.3 0 0">
+          <joint name="elbow" type="hinge" axis="0 1 0" range="-2.3 2.3" damping="0.5"/>
+          <geom type="capsule" fromto="0 0 0 0.25 0 0" size="0.025" mass="0.3"/>
+          <site name="ee" pos="0.25 0 0"/>
+        </body>
+      </body>
+    </body>
+  </worldbody>
+  <actuator>
+    <position joint="yaw" kp="60" kv="4"/>
+    <position joint="shoulder" kp="80" kv="5"/>
+    <position joint="elbow" kp="60" kv="4"/>
+  </actuator>
+</mujoco>
+"""
+
+
+class SimArm(Driver):
+    joint_names = ["yaw", "shoulder", "elbow"]
+
+    def __init__(self, **options: str):
+        import mujoco
+
+        unknown = sorted(set(options) - {"start"})
+        if unknown:
+            raise ValueError(f"driver sim takes the option start (comma-separated joint positions), not {unknown}")
+        self.mujoco = mujoco
+        self.model = mujoco.MjModel.from_xml_string(MJCF)
+        self.data = mujoco.MjData(self.model)
+        self._fk_data = mujoco.MjData(self.model)
+        self.site = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_SITE, "ee")
+        if "start" in options:
+            start = np.array([float(v) for v in options["start"].split(",")])
+            self.data.qpos[:] = start
+            self.data.ctrl[:] = start
+        mujoco.mj_forward(self.model, self.data)
+
+    def hard_limits(self) -> Limits:
+        lo, hi = self.model.jnt_range[:, 0].copy(), self.model.jnt_range[:, 1].copy()
+        return Limits(position_min=lo, position_max=hi, velocity_max=np.full(3, 2.0), slew_max=np.full(3, 0.05),
+                      jump_max=0.5, workspace_min=np.array([-0.6, -0.6, -0.2]),
+                      workspace_max=np.array([0.6, 0.6, 0.8]))
+
+    def forward_kinematics(self, q: np.ndarray) -> np.ndarray:
+        self._fk_data.qpos[:] = q
+        self.mujoco.mj_kinematics(self.model, self._fk_data)
+        return self._fk_data.site_xpos[self.site].copy()
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.data.qpos.copy(), self.data.qvel.copy()
+
+    def command(self, target: np.ndarray, dt: float) -> None:
+        self.data.ctrl[:] = target
+        for _ in range(max(1, round(dt / self.model.opt.timestep)) if dt > 0 else 0):
+            self.mujoco.mj_step(self.model, self.data)

@@ -1,0 +1,225 @@
+"""The control loop: one tick per period against absolute deadlines (tick k is due at start + k * period), never
+"work, then sleep what is left", so a slow tick does not push every later one.
+
+Each tick measures how late it woke (lateness) and how far its period strayed from nominal (jitter), exports both
+as Prometheus histograms and in every state, and counts overruns (a tick later than a whole period, after which
+the loop skips to the next deadline ahead instead of bursting). The thread asks for real-time priority and a
+pinned core and says what it got.
+
+What the arm does each tick, in order of precedence:
+    e-stop latched     hold, until ClearEStop
+    fault latched      hold, until ClearEStop (a jump, a workspace exit, a malformed command)
+    no valid command   hold, once the newest command is older than the watchdog window (or none came yet)
+    otherwise          the newest command through the safety filter
+A hold tracks the position measured when the hold began.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.robot_gateway.drivers import Driver
+from services.robot_gateway.safety import Limits, SafetyFilter
+
+log = logging.getLogger(__name__)
+BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 1.0)
+LATENESS = Histogram("rlfabric_robot_loop_lateness_seconds", "how late each control tick woke after its deadline",
+                     ["robot"], buckets=BUCKETS)
+JITTER = Histogram("rlfabric_robot_loop_jitter_seconds", "|tick-to-tick period - nominal period|", ["robot"],
+                   buckets=BUCKETS)
+OVERRUNS = Counter("rlfabric_robot_loop_overruns_total", "ticks later than a whole period", ["robot"])
+HOLDING = Gauge("rlfabric_robot_holding", "1 while the arm is in safe hold", ["robot"])
+SPIN_S = 0.001  # the last millisecond before a deadline is spun, not slept: sleep wakes up to ~1 ms late
+
+
+@dataclass
+class Tick:
+    """The state the loop publishes every tick."""
+
+    tick: int
+    time: float
+    position: np.ndarray
+    velocity: np.ndarray
+    target: np.ndarray
+    estopped: bool
+    fault: str
+    holding: bool
+    hold_reason: str
+    lateness_s: float
+    jitter_s: float
+    overruns: int
+    command_seq: int
+    clipped: bool = False
+    slowed: bool = False
+
+
+@dataclass
+class _Command:
+    position: np.ndarray
+    seq: int
+    received: float = field(default_factory=time.monotonic)
+
+
+class ControlLoop:
+    def __init__(self, robot_id: str, driver: Driver, hz: float, watchdog_s: float):
+        self.robot_id, self.driver = robot_id, driver
+        self.period, self.watchdog_s = 1.0 / hz, watchdog_s
+        self.hard = driver.hard_limits()
+        self.safety = SafetyFilter(self.hard, driver.forward_kinematics)
+        self.lock = threading.Lock()
+        self.command: _Command | None = None
+        self.estopped, self.fault = False, ""
+        position, velocity = driver.read()
+        self.target = position.copy()
+        self.hold_position: np.ndarray | None = None
+        self.overruns = 0
+        self.last = Tick(0, time.monotonic(), position, velocity, position, False, "", True, "no command yet", 0.0,
+                         0.0, 0, -1)
+        self.listeners: list[Callable[[Tick], None]] = []
+        self.realtime = "not started"
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"control-{robot_id}", daemon=True)
+
+    # -- what clients do (any thread) -------------------------------------------------------------------------
+    def submit(self, position: np.ndarray, seq: int) -> None:
+        with self.lock:
+            self.command = _Command(np.asarray(position, dtype=float), seq)
+
+    def estop(self, reason: str) -> None:
+        with self.lock:
+            self.estopped = True
+        log.warning("e-stop", extra={"robot": self.robot_id, "reason": reason})
+
+    def clear(self) -> None:
+        """Clear the e-stop and any fault; the arm stays in hold until a fresh command arrives."""
+        with self.lock:
+            self.estopped, self.fault, self.command = False, "", None
+
+    def set_limits(self, limits: Limits) -> Limits:
+        limits.within(self.hard)
+        with self.lock:
+            self.safety.limits = limits
+        return limits
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=2)
+
+    def health(self) -> str | None:
+        if self.error is not None:
+            return f"the control loop of {self.robot_id} died: {self.error!r}"
+        if self.thread.ident is not None and not self.thread.is_alive() and not self._stop.is_set():
+            return f"the control loop of {self.robot_id} stopped"
+        return None
+
+    # -- the loop thread --------------------------------------------------------------------------------------
+    def _claim_realtime(self) -> str:
+        got = []
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+            got.append("SCHED_FIFO priority 10")
+        except (PermissionError, OSError, AttributeError) as exc:
+            got.append(f"no real-time priority ({exc.__class__.__name__}: run with CAP_SYS_NICE for SCHED_FIFO)")
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) > 1:
+                os.sched_setaffinity(0, {cpus[-1]})
+                got.append(f"pinned to CPU {cpus[-1]}")
+            else:
+                got.append("not pinned (one CPU allowed)")
+        except (OSError, AttributeError) as exc:
+            got.append(f"not pinned ({exc.__class__.__name__})")
+        return "; ".join(got)
+
+    def _run(self) -> None:
+        self.realtime = self._claim_realtime()
+        log.info("control loop started", extra={"robot": self.robot_id, "hz": 1 / self.period,
+                                                "realtime": self.realtime})
+        start = time.monotonic()
+        k, woke_last = 0, start
+        try:
+            while not self._stop.is_set():
+                k += 1
+                deadline = start + k * self.period
+                remaining = deadline - time.monotonic()
+                if remaining > SPIN_S:
+                    time.sleep(remaining - SPIN_S)
+                while time.monotonic() < deadline:
+                    pass
+                now = time.monotonic()
+                lateness, jitter = now - deadline, abs((now - woke_last) - self.period)
+                woke_last = now
+                LATENESS.labels(self.robot_id).observe(lateness)
+                JITTER.labels(self.robot_id).observe(jitter)
+                if lateness > self.period:
+                    self.overruns += 1
+                    OVERRUNS.labels(self.robot_id).inc()
+                    log.warning("control tick overran", extra={"robot": self.robot_id, "late_s": round(lateness, 6),
+                                                               "overruns": self.overruns})
+                    k = math.floor((now - start) / self.period)  # skip to the next deadline ahead
+                self._tick(k, now, lateness, jitter)
+        except BaseException as exc:  # noqa: BLE001 — a dead loop fails the health check, loudly
+            self.error = exc
+            log.exception("control loop died", extra={"robot": self.robot_id})
+            try:
+                self.driver.brake()
+            finally:
+                HOLDING.labels(self.robot_id).set(1)
+
+    def _tick(self, k: int, now: float, lateness: float, jitter: float) -> None:
+        position, velocity = self.driver.read()
+        with self.lock:
+            command, estopped, fault, safety = self.command, self.estopped, self.fault, self.safety
+        verdict = None
+        if estopped:
+            reason = "e-stop"
+        elif fault:
+            reason = f"fault: {fault}"
+        elif command is None:
+            reason = "no command yet"
+        elif now - command.received > self.watchdog_s:
+            reason = f"watchdog: no command for {now - command.received:.3f} s (window {self.watchdog_s} s)"
+        else:
+            reason = ""
+            if self.hold_position is not None:  # leaving a hold: limits count from where the arm is
+                self.target = position.copy()
+            verdict = safety.apply(command.position, position, self.target, self.period)
+            if verdict.fault:
+                with self.lock:
+                    self.fault = verdict.fault
+                log.error("safety fault", extra={"robot": self.robot_id, "fault": verdict.fault})
+                reason = f"fault: {verdict.fault}"
+        if reason:
+            if self.hold_position is None:
+                self.hold_position = position.copy()
+            self.target = self.hold_position
+        else:
+            self.hold_position = None
+            self.target = verdict.target
+        self.driver.command(self.target, self.period)
+        HOLDING.labels(self.robot_id).set(1 if reason else 0)
+        with self.lock:
+            fault = self.fault
+        tick = Tick(k, now, position, velocity, self.target.copy(), estopped, fault, bool(reason), reason,
+                    lateness, jitter, self.overruns, command.seq if command is not None else -1,
+                    bool(verdict and verdict.clipped), bool(verdict and verdict.slowed))
+        self.last = tick
+        for listener in list(self.listeners):
+            listener(tick)
+
+
+__all__ = ["ControlLoop", "Tick"]
