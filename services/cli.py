@@ -257,7 +257,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
-    if args.service != "coordinator" and "--coordinator" not in rest and not os.environ.get("RLFABRIC_COORDINATOR"):
+    standalone = ("coordinator", "robot_gateway")  # a robot gateway serves its robots with or without a coordinator
+    if args.service not in standalone and "--coordinator" not in rest and not os.environ.get("RLFABRIC_COORDINATOR"):
         return _fail(f"serve {args.service} needs --coordinator HOST:PORT (or RLFABRIC_COORDINATOR)", 2)
     importlib.import_module(f"services.{args.service}.server").main(rest)
     return 0
@@ -425,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-root", default="runs")
     p.add_argument("--host", default="127.0.0.1")
     p = sub.add_parser("serve", help="run one service (its own flags follow)", add_help=False)
-    p.add_argument("service", choices=SERVICES)
+    p.add_argument("service", choices=(*SERVICES, "robot_gateway"))
     p = sub.add_parser("status", help="workers and runs of a coordinator")
     p.add_argument("--coordinator", required=True)
     p = sub.add_parser("stop", help="stop a run")

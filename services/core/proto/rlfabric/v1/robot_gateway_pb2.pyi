@@ -34,20 +34,22 @@ class RobotRef(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ...) -> None: ...
 
 class RobotInfo(_message.Message):
-    __slots__ = ("robot_id", "driver", "joint_names", "control_hz", "watchdog_s", "limits")
+    __slots__ = ("robot_id", "driver", "joint_names", "control_hz", "watchdog_s", "limits", "realtime")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     DRIVER_FIELD_NUMBER: _ClassVar[int]
     JOINT_NAMES_FIELD_NUMBER: _ClassVar[int]
     CONTROL_HZ_FIELD_NUMBER: _ClassVar[int]
     WATCHDOG_S_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    REALTIME_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     driver: str
     joint_names: _containers.RepeatedScalarFieldContainer[str]
     control_hz: float
     watchdog_s: float
     limits: SafetyLimits
-    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., joint_names: _Optional[_Iterable[str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., limits: _Optional[_Union[SafetyLimits, _Mapping]] = ...) -> None: ...
+    realtime: str
+    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., joint_names: _Optional[_Iterable[str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., limits: _Optional[_Union[SafetyLimits, _Mapping]] = ..., realtime: _Optional[str] = ...) -> None: ...
 
 class JointCommand(_message.Message):
     __slots__ = ("robot_id", "seq", "position", "velocity", "gripper")
@@ -64,7 +66,7 @@ class JointCommand(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ...) -> None: ...
 
 class RobotState(_message.Message):
-    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening")
+    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,14 @@ class RobotState(_message.Message):
     FAULT_FIELD_NUMBER: _ClassVar[int]
     LOOP_JITTER_S_FIELD_NUMBER: _ClassVar[int]
     INTERVENING_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LATENESS_S_FIELD_NUMBER: _ClassVar[int]
+    OVERRUNS_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
+    HOLD_REASON_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    SLOWED_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     seq: int
     time: float
@@ -85,23 +95,35 @@ class RobotState(_message.Message):
     fault: str
     loop_jitter_s: float
     intervening: bool
-    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ...) -> None: ...
+    loop_lateness_s: float
+    overruns: int
+    holding: bool
+    hold_reason: str
+    target: _containers.RepeatedScalarFieldContainer[float]
+    command_seq: int
+    clipped: bool
+    slowed: bool
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ...) -> None: ...
 
 class SafetyLimits(_message.Message):
-    __slots__ = ("robot_id", "position_min", "position_max", "velocity_max", "workspace_min", "workspace_max")
+    __slots__ = ("robot_id", "position_min", "position_max", "velocity_max", "workspace_min", "workspace_max", "slew_max", "jump_max")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_MIN_FIELD_NUMBER: _ClassVar[int]
     POSITION_MAX_FIELD_NUMBER: _ClassVar[int]
     VELOCITY_MAX_FIELD_NUMBER: _ClassVar[int]
     WORKSPACE_MIN_FIELD_NUMBER: _ClassVar[int]
     WORKSPACE_MAX_FIELD_NUMBER: _ClassVar[int]
+    SLEW_MAX_FIELD_NUMBER: _ClassVar[int]
+    JUMP_MAX_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     position_min: _containers.RepeatedScalarFieldContainer[float]
     position_max: _containers.RepeatedScalarFieldContainer[float]
     velocity_max: _containers.RepeatedScalarFieldContainer[float]
     workspace_min: _containers.RepeatedScalarFieldContainer[float]
     workspace_max: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, robot_id: _Optional[str] = ..., position_min: _Optional[_Iterable[float]] = ..., position_max: _Optional[_Iterable[float]] = ..., velocity_max: _Optional[_Iterable[float]] = ..., workspace_min: _Optional[_Iterable[float]] = ..., workspace_max: _Optional[_Iterable[float]] = ...) -> None: ...
+    slew_max: _containers.RepeatedScalarFieldContainer[float]
+    jump_max: float
+    def __init__(self, robot_id: _Optional[str] = ..., position_min: _Optional[_Iterable[float]] = ..., position_max: _Optional[_Iterable[float]] = ..., velocity_max: _Optional[_Iterable[float]] = ..., workspace_min: _Optional[_Iterable[float]] = ..., workspace_max: _Optional[_Iterable[float]] = ..., slew_max: _Optional[_Iterable[float]] = ..., jump_max: _Optional[float] = ...) -> None: ...
 
 class EStopRequest(_message.Message):
     __slots__ = ("robot_id", "reason")

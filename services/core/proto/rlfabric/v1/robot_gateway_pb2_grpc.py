@@ -87,8 +87,8 @@ class RobotGatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Control(self, request_iterator, context):
-        """Fixed-rate control: one command in, one state out per control tick. No command within the
-        watchdog window stops the robot.
+        """Fixed-rate control: commands in (the newest is used), one state out per control tick. No command within
+        the watchdog window puts the arm in safe hold; so does the stream ending.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

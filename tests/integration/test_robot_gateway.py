@@ -1,0 +1,139 @@
+"""The robot gateway as a service (sim driver): only authenticated clients connect or command; a Control stream
+gets one state per tick with its timing; a dead commanding process (SIGKILL) leaves the arm in safe hold within
+the watchdog window plus one tick; e-stop latches; limits cannot be widened through the API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+pytest.importorskip("mujoco")
+
+from services.core import auth  # noqa: E402
+from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
+from services.core.runtime import GRPC_OPTIONS  # noqa: E402
+
+TOKEN = "robot-gateway-test-token"
+START = [0.0, -0.3, 0.6]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    port_file = tmp_path_factory.mktemp("gw") / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+                             str(port_file)], env={**os.environ, "RLFABRIC_TOKEN": TOKEN},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(300):
+        if port_file.exists() or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert port_file.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no port file"
+    address = port_file.read_text().strip()
+    channel = auth.sync_channel(address, GRPC_OPTIONS, auth.Security(TOKEN))
+    stub = robot_gateway_pb2_grpc.RobotGatewayStub(channel)
+    info = stub.Connect(pb.ConnectRequest(robot_id="arm", driver="sim", options={"start": "0,-0.3,0.6"},
+                                          control_hz=100, watchdog_s=0.05), timeout=30)
+    yield address, stub, info
+    channel.close()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+
+
+def test_a_client_without_the_token_is_refused(gateway):
+    address, _, _ = gateway
+    with grpc.insecure_channel(address) as ch:
+        stub = robot_gateway_pb2_grpc.RobotGatewayStub(ch)
+        for call in (lambda: stub.Connect(pb.ConnectRequest(robot_id="x", driver="sim"), timeout=5),
+                     lambda: stub.EStop(pb.EStopRequest(robot_id="arm"), timeout=5),
+                     lambda: next(stub.Control(iter([pb.JointCommand(robot_id="arm", position=START)]),
+                                               timeout=5))):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_control_stream_gets_a_state_per_tick_with_its_timing(gateway):
+    _, stub, info = gateway
+    assert list(info.joint_names) == ["yaw", "shoulder", "elbow"] and info.realtime
+
+    def commands():
+        for seq in range(40):
+            yield pb.JointCommand(robot_id="arm", seq=seq, position=[0.1, -0.3, 0.6])
+            time.sleep(0.01)
+
+    states = []
+    for state in stub.Control(commands(), timeout=10):
+        states.append(state)
+        if len(states) == 30:
+            break
+    ticks = [s.seq for s in states]
+    assert ticks == list(range(ticks[0], ticks[0] + 30))  # every tick, in order
+    assert any(not s.holding and s.command_seq >= 0 for s in states)
+    assert all(s.loop_lateness_s >= 0 and s.loop_jitter_s >= 0 for s in states)
+    assert max(s.target[0] for s in states) > 0.05  # it followed the command, at the slew limit
+
+
+def test_a_killed_commanding_process_leaves_the_arm_in_safe_hold(gateway, tmp_path):
+    """A learner/rollout that dies mid-episode: its stream breaks, no command arrives, the watchdog holds."""
+    address, stub, info = gateway
+    client = tmp_path / "client.py"
+    client.write_text(textwrap.dedent(f"""
+        import sys, time
+        from services.core import auth
+        from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb, robot_gateway_pb2_grpc
+        from services.core.runtime import GRPC_OPTIONS
+        ch = auth.sync_channel({address!r}, GRPC_OPTIONS, auth.Security({TOKEN!r}))
+        stub = robot_gateway_pb2_grpc.RobotGatewayStub(ch)
+        def commands():
+            seq = 0
+            while True:
+                seq += 1
+                yield pb.JointCommand(robot_id="arm", seq=seq, position=[0.1, -0.3, 0.6])
+                time.sleep(0.01)
+        for state in stub.Control(commands()):
+            if not state.holding:
+                print("FOLLOWING", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(client)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+    assert proc.stdout.readline().strip() == b"FOLLOWING", proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    proc.wait()
+    deadline = killed + 3
+    while time.monotonic() < deadline:
+        state = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)
+        if state.holding:
+            break
+        time.sleep(0.005)
+    assert state.holding and state.hold_reason.startswith("watchdog"), state
+    # the last command arrived before the kill: the hold began within the window plus one tick of it
+    assert time.monotonic() - killed < info.watchdog_s + 1 / info.control_hz + 0.5
+
+
+def test_estop_latches_and_limits_cannot_be_widened_through_the_api(gateway):
+    _, stub, info = gateway
+    stopped = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
+    assert stopped.estopped and stopped.holding and stopped.hold_reason == "e-stop"
+    states = stub.Control(iter([pb.JointCommand(robot_id="arm", seq=1, position=START)]), timeout=5)
+    assert all(s.estopped and s.holding for s, _ in zip(states, range(10), strict=False))
+    cleared = stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5)
+    assert not cleared.estopped and cleared.holding  # no fresh command yet
+
+    hard = info.limits
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SetLimits(pb.SafetyLimits(robot_id="arm", velocity_max=[v * 2 for v in hard.velocity_max]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "velocity_max[0]" in err.value.details()
+    narrowed = stub.SetLimits(pb.SafetyLimits(robot_id="arm", jump_max=0.2), timeout=5)
+    assert narrowed.jump_max == pytest.approx(0.2) and list(narrowed.velocity_max) == list(hard.velocity_max)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Control(iter([pb.JointCommand(robot_id="arm", position=[0.0, 0.1])]), timeout=5).next()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3 finite values" in err.value.details()
