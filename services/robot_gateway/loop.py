@@ -11,7 +11,10 @@ What the arm does each tick, in order of precedence:
     fault latched      hold, until ClearEStop (a jump, a workspace exit, a malformed command)
     no valid command   hold, once the newest command is older than the watchdog window (or none came yet)
     otherwise          the newest command through the safety filter
-A hold tracks the position measured when the hold began.
+A hold tracks the position measured when the hold began. The commanding source is the policy, or the human while
+one intervenes (teleop): the human's commands replace the policy's per tick, through the same filter and watchdog.
+Episodes end with a teleop verdict (success, failure, terminate, or re-record); intervened ticks, episodes with any
+intervention and successes without one are counted.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ JITTER = Histogram("rlfabric_robot_loop_jitter_seconds", "|tick-to-tick period -
                    buckets=BUCKETS)
 OVERRUNS = Counter("rlfabric_robot_loop_overruns_total", "ticks later than a whole period", ["robot"])
 HOLDING = Gauge("rlfabric_robot_holding", "1 while the arm is in safe hold", ["robot"])
+INTERVENED = Counter("rlfabric_robot_intervened_ticks_total", "ticks commanded by a human (teleop)", ["robot"])
+EPISODES = Counter("rlfabric_robot_episodes_total", "episodes ended by a teleop verdict", ["robot", "outcome",
+                                                                                           "intervened"])
+OUTCOMES = ("success", "failure", "rerecord", "terminate")
 SPIN_S = 0.001  # the last millisecond before a deadline is spun, not slept: sleep wakes up to ~1 ms late
 
 
@@ -60,6 +67,20 @@ class Tick:
     command_seq: int
     clipped: bool = False
     slowed: bool = False
+    intervening: bool = False
+    episode: int = 0
+    episode_intervened_ticks: int = 0
+    end_effector: np.ndarray = field(default_factory=lambda: np.zeros(3))
+
+
+@dataclass
+class EpisodeCounts:
+    """What interventions amounted to (HG-DAgger's measures): per outcome, and how many had any intervention."""
+
+    episodes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    with_intervention: int = 0
+    success_without_intervention: int = 0
+    intervened_ticks: int = 0
 
 
 @dataclass
@@ -77,6 +98,11 @@ class ControlLoop:
         self.safety = SafetyFilter(self.hard, driver.forward_kinematics)
         self.lock = threading.Lock()
         self.command: _Command | None = None
+        self.human: _Command | None = None
+        self.intervening = False
+        self.episode, self.episode_intervened = 0, 0
+        self.counts = EpisodeCounts()
+        self.intervention_listeners: list[Callable[[bool, int], None]] = []  # (intervening, episode)
         self.estopped, self.fault = False, ""
         position, velocity = driver.read()
         self.target = position.copy()
@@ -94,6 +120,43 @@ class ControlLoop:
     def submit(self, position: np.ndarray, seq: int) -> None:
         with self.lock:
             self.command = _Command(np.asarray(position, dtype=float), seq)
+
+    def intervene(self, active: bool, position: np.ndarray | None = None, seq: int = 0) -> None:
+        """A human takes over (``active``, with their first command) or hands the arm back to the policy."""
+        with self.lock:
+            changed = active != self.intervening
+            self.intervening = active
+            self.human = _Command(np.asarray(position, dtype=float), seq) if active and position is not None \
+                else (self.human if active else None)
+        if changed:
+            log.info("intervention " + ("start" if active else "stop"), extra={"robot": self.robot_id,
+                                                                               "episode": self.episode})
+            for listener in list(self.intervention_listeners):
+                listener(active, self.episode)
+
+    def teleop_command(self, position: np.ndarray, seq: int) -> bool:
+        """The human's command; used only while they intervene (returns whether it was)."""
+        with self.lock:
+            if self.intervening:
+                self.human = _Command(np.asarray(position, dtype=float), seq)
+            return self.intervening
+
+    def end_episode(self, outcome: str) -> EpisodeCounts:
+        """A teleop verdict ends the episode: count it (a re-recorded one counts only as re-recorded)."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"episode outcome {outcome!r}: one of {OUTCOMES}")
+        self.intervene(False)
+        with self.lock:
+            intervened = self.episode_intervened > 0
+            self.counts.episodes[outcome] += 1
+            if outcome != "rerecord":
+                self.counts.with_intervention += int(intervened)
+                self.counts.success_without_intervention += int(outcome == "success" and not intervened)
+            self.episode += 1
+            self.episode_intervened = 0
+        EPISODES.labels(self.robot_id, outcome, str(intervened).lower()).inc()
+        log.info("episode ended", extra={"robot": self.robot_id, "outcome": outcome, "intervened": intervened})
+        return self.counts
 
     def estop(self, reason: str) -> None:
         with self.lock:
@@ -183,16 +246,19 @@ class ControlLoop:
     def _tick(self, k: int, now: float, lateness: float, jitter: float) -> None:
         position, velocity = self.driver.read()
         with self.lock:
-            command, estopped, fault, safety = self.command, self.estopped, self.fault, self.safety
+            intervening = self.intervening
+            command = self.human if intervening else self.command
+            estopped, fault, safety = self.estopped, self.fault, self.safety
         verdict = None
         if estopped:
             reason = "e-stop"
         elif fault:
             reason = f"fault: {fault}"
         elif command is None:
-            reason = "no command yet"
+            reason = "no teleop command yet" if intervening else "no command yet"
         elif now - command.received > self.watchdog_s:
-            reason = f"watchdog: no command for {now - command.received:.3f} s (window {self.watchdog_s} s)"
+            who = "teleop command" if intervening else "command"
+            reason = f"watchdog: no {who} for {now - command.received:.3f} s (window {self.watchdog_s} s)"
         else:
             reason = ""
             if self.hold_position is not None:  # leaving a hold: limits count from where the arm is
@@ -214,12 +280,19 @@ class ControlLoop:
         HOLDING.labels(self.robot_id).set(1 if reason else 0)
         with self.lock:
             fault = self.fault
+            if intervening:
+                self.episode_intervened += 1
+                self.counts.intervened_ticks += 1
+            episode, episode_intervened = self.episode, self.episode_intervened
+        if intervening:
+            INTERVENED.labels(self.robot_id).inc()
         tick = Tick(k, now, position, velocity, self.target.copy(), estopped, fault, bool(reason), reason,
                     lateness, jitter, self.overruns, command.seq if command is not None else -1,
-                    bool(verdict and verdict.clipped), bool(verdict and verdict.slowed))
+                    bool(verdict and verdict.clipped), bool(verdict and verdict.slowed), intervening, episode,
+                    episode_intervened, self.driver.forward_kinematics(position))
         self.last = tick
         for listener in list(self.listeners):
             listener(tick)
 
 
-__all__ = ["ControlLoop", "Tick"]
+__all__ = ["OUTCOMES", "ControlLoop", "EpisodeCounts", "Tick"]

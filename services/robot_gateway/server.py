@@ -29,7 +29,8 @@ def state_message(robot_id: str, t: Tick) -> pb.RobotState:
                          velocity=t.velocity.tolist(), estopped=t.estopped, fault=t.fault, loop_jitter_s=t.jitter_s,
                          loop_lateness_s=t.lateness_s, overruns=t.overruns, holding=t.holding,
                          hold_reason=t.hold_reason, target=t.target.tolist(), command_seq=t.command_seq,
-                         clipped=t.clipped, slowed=t.slowed)
+                         clipped=t.clipped, slowed=t.slowed, intervening=t.intervening, episode=t.episode,
+                         episode_intervened_ticks=t.episode_intervened_ticks, end_effector=t.end_effector.tolist())
 
 
 def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
@@ -98,14 +99,11 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         loop = await self._loop(request.robot_id, context)
         return state_message(request.robot_id, loop.last)
 
-    async def Control(self, request_iterator, context):
-        try:
-            first = await anext(aiter(request_iterator))
-        except StopAsyncIteration:
-            return
+    async def _streamed(self, first, request_iterator, context, accept):
+        """States of ``first``'s robot, one per tick, while ``accept`` takes each incoming message (returning why
+        it refuses one: the stream then ends with INVALID_ARGUMENT and the watchdog holds the arm)."""
         rid = first.robot_id
         loop = await self._loop(rid, context)
-        joints = len(loop.driver.joint_names)
         states: asyncio.Queue[Tick] = asyncio.Queue(maxsize=STATES_BUFFERED)
         aloop = asyncio.get_running_loop()
 
@@ -117,35 +115,79 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         def listener(tick: Tick) -> None:
             aloop.call_soon_threadsafe(offer, tick)
 
-        def accept(cmd) -> str | None:
-            if cmd.robot_id != rid:
-                return f"a command for robot {cmd.robot_id!r} on the stream of {rid!r}"
-            position = np.asarray(cmd.position, dtype=float)
-            if position.shape != (joints,) or not np.isfinite(position).all():
-                return (f"position needs {joints} finite values ({', '.join(loop.driver.joint_names)}), got "
-                        f"{len(cmd.position)}")
-            loop.submit(position, cmd.seq)
-            return None
-
         async def read() -> str | None:
-            async for cmd in request_iterator:
-                if (why := accept(cmd)) is not None:
+            async for message in request_iterator:
+                if message.robot_id != rid:
+                    return f"a message for robot {message.robot_id!r} on the stream of {rid!r}"
+                if (why := accept(loop, message)) is not None:
                     return why
             return None
 
-        if (why := accept(first)) is not None:
+        if (why := accept(loop, first)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         loop.listeners.append(listener)
         reader = asyncio.create_task(read())
         try:
             while True:
                 tick = await states.get()
-                if reader.done() and (why := reader.result()) is not None:  # the arm holds once the watchdog fires
+                if reader.done() and (why := reader.result()) is not None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
                 yield state_message(rid, tick)
         finally:
             reader.cancel()
             loop.listeners.remove(listener)
+
+    @staticmethod
+    def _position(loop: ControlLoop, command) -> np.ndarray | str:
+        joints = loop.driver.joint_names
+        position = np.asarray(command.position, dtype=float)
+        if position.shape != (len(joints),) or not np.isfinite(position).all():
+            return f"position needs {len(joints)} finite values ({', '.join(joints)}), got {len(command.position)}"
+        return position
+
+    async def Control(self, request_iterator, context):
+        def accept(loop: ControlLoop, cmd) -> str | None:
+            position = self._position(loop, cmd)
+            if isinstance(position, str):
+                return position
+            loop.submit(position, cmd.seq)
+            return None
+
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        async for state in self._streamed(first, request_iterator, context, accept):
+            yield state
+
+    async def Teleop(self, request_iterator, context):
+        kinds = pb.TeleopEvent.Kind
+        ends = {kinds.SUCCESS: "success", kinds.FAILURE: "failure", kinds.RERECORD: "rerecord",
+                kinds.TERMINATE: "terminate"}
+
+        def accept(loop: ControlLoop, event) -> str | None:
+            if event.kind in (kinds.COMMAND, kinds.INTERVENE_START):
+                position = self._position(loop, event.command)
+                if isinstance(position, str):
+                    return position
+                if event.kind == kinds.INTERVENE_START:
+                    loop.intervene(True, position, event.command.seq)
+                else:
+                    loop.teleop_command(position, event.command.seq)
+            elif event.kind == kinds.INTERVENE_STOP:
+                loop.intervene(False)
+            elif event.kind in ends:
+                loop.end_episode(ends[event.kind])
+            else:
+                return f"unknown teleop event kind {event.kind}"
+            return None
+
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        async for state in self._streamed(first, request_iterator, context, accept):
+            yield state
 
     async def SetLimits(self, request, context):
         loop = await self._loop(request.robot_id, context)
@@ -183,9 +225,20 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         return loop.last
 
     async def StreamInterventions(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "teleop interventions are not served yet: the gateway "
-                                                           "takes policy commands only")
-        yield pb.Intervention()  # unreachable: makes this a stream handler
+        loop = await self._loop(request.robot_id, context)
+        events: asyncio.Queue[tuple[bool, int]] = asyncio.Queue(maxsize=STATES_BUFFERED)
+        aloop = asyncio.get_running_loop()
+
+        def listener(active: bool, episode: int) -> None:
+            aloop.call_soon_threadsafe(lambda: None if events.full() else events.put_nowait((active, episode)))
+
+        loop.intervention_listeners.append(listener)
+        try:
+            while True:
+                active, episode = await events.get()
+                yield pb.Intervention(robot_id=request.robot_id, seq=episode, active=active)
+        finally:
+            loop.intervention_listeners.remove(listener)
 
     def close(self) -> None:
         for loop in self.loops.values():

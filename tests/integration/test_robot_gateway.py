@@ -137,3 +137,76 @@ def test_estop_latches_and_limits_cannot_be_widened_through_the_api(gateway):
     with pytest.raises(grpc.RpcError) as err:
         stub.Control(iter([pb.JointCommand(robot_id="arm", position=[0.0, 0.1])]), timeout=5).next()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3 finite values" in err.value.details()
+
+
+def test_a_scripted_expert_takes_over_when_the_policy_drifts_and_hands_back(gateway):
+    """HG-DAgger's takeover at the gateway: the policy drifts the base joint away; a scripted expert watching the
+    states intervenes past 0.25 rad, its commands replace the policy's (through the same limits) and bring the arm
+    back, then it hands back and calls the episode a success; the counts say the episode had an intervention."""
+    import queue
+    import threading
+
+    address, stub, info = gateway
+    stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5)
+    stub.SetLimits(pb.SafetyLimits(robot_id="arm", jump_max=info.limits.jump_max), timeout=5)
+    expert_events: queue.Queue = queue.Queue()
+    watch = stub.StreamInterventions(pb.RobotRef(robot_id="arm"), timeout=20)
+    interventions: list = []
+
+    def watcher() -> None:
+        try:
+            interventions.extend(watch)
+        except grpc.RpcError as exc:  # cancelled at the end of the test
+            assert exc.code() == grpc.StatusCode.CANCELLED
+
+    threading.Thread(target=watcher, daemon=True).start()
+    stop = threading.Event()
+
+    def policy():  # drifts: the base joint's command creeps up every tick
+        seq, yaw = 0, 0.0
+        while not stop.is_set():
+            seq += 1
+            yaw = min(yaw + 0.01, 0.6)
+            yield pb.JointCommand(robot_id="arm", seq=seq, position=[yaw, -0.3, 0.6])
+            time.sleep(0.01)
+
+    def expert():
+        while True:
+            event = expert_events.get()
+            if event is None:
+                return
+            yield event
+
+    policy_states = stub.Control(policy(), timeout=20)
+    teleop_states = stub.Teleop(expert(), timeout=20)
+    kinds = pb.TeleopEvent.Kind
+    took_over = handed_back = False
+    seen = []
+    for state in policy_states:
+        seen.append(state)
+        if not took_over and state.position[0] > 0.25:
+            took_over = True
+            expert_events.put(pb.TeleopEvent(robot_id="arm", kind=kinds.INTERVENE_START,
+                                              command=pb.JointCommand(robot_id="arm", seq=1000,
+                                                                      position=[0.2, -0.3, 0.6])))
+        elif took_over and not handed_back:
+            goal = max(0.0, state.target[0] - 0.04)  # the expert walks the arm back, within the slew limit
+            expert_events.put(pb.TeleopEvent(robot_id="arm", kind=kinds.COMMAND, command=pb.JointCommand(
+                robot_id="arm", seq=1000 + len(seen), position=[goal, -0.3, 0.6])))
+            if abs(state.position[0]) < 0.05:
+                handed_back = True
+                expert_events.put(pb.TeleopEvent(robot_id="arm", kind=kinds.INTERVENE_STOP))
+                expert_events.put(pb.TeleopEvent(robot_id="arm", kind=kinds.SUCCESS))
+        elif handed_back and state.episode >= 1 and not state.intervening:
+            break
+        assert len(seen) < 1500, "the expert never brought the arm back"
+    stop.set()
+    expert_events.put(None)
+    teleop_states.cancel()
+    watch.cancel()
+    intervened = [s for s in seen if s.intervening]
+    assert intervened and all(s.command_seq >= 1000 for s in intervened[1:])  # the human's commands drove it
+    assert min(s.target[0] for s in intervened) < 0.05  # ... back to the start, against the policy's drift
+    assert all(s.episode_intervened_ticks > 0 for s in intervened[1:])
+    assert seen[-1].episode == 1 and not seen[-1].intervening and seen[-1].command_seq < 1000  # the policy again
+    assert [i.active for i in interventions][:2] == [True, False]

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -66,7 +67,7 @@ class JointCommand(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ...) -> None: ...
 
 class RobotState(_message.Message):
-    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed")
+    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +86,9 @@ class RobotState(_message.Message):
     COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_FIELD_NUMBER: _ClassVar[int]
     SLOWED_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_INTERVENED_TICKS_FIELD_NUMBER: _ClassVar[int]
+    END_EFFECTOR_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     seq: int
     time: float
@@ -103,7 +107,36 @@ class RobotState(_message.Message):
     command_seq: int
     clipped: bool
     slowed: bool
-    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ...) -> None: ...
+    episode: int
+    episode_intervened_ticks: int
+    end_effector: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TeleopEvent(_message.Message):
+    __slots__ = ("robot_id", "kind", "command")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        COMMAND: _ClassVar[TeleopEvent.Kind]
+        INTERVENE_START: _ClassVar[TeleopEvent.Kind]
+        INTERVENE_STOP: _ClassVar[TeleopEvent.Kind]
+        SUCCESS: _ClassVar[TeleopEvent.Kind]
+        FAILURE: _ClassVar[TeleopEvent.Kind]
+        RERECORD: _ClassVar[TeleopEvent.Kind]
+        TERMINATE: _ClassVar[TeleopEvent.Kind]
+    COMMAND: TeleopEvent.Kind
+    INTERVENE_START: TeleopEvent.Kind
+    INTERVENE_STOP: TeleopEvent.Kind
+    SUCCESS: TeleopEvent.Kind
+    FAILURE: TeleopEvent.Kind
+    RERECORD: TeleopEvent.Kind
+    TERMINATE: TeleopEvent.Kind
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    kind: TeleopEvent.Kind
+    command: JointCommand
+    def __init__(self, robot_id: _Optional[str] = ..., kind: _Optional[_Union[TeleopEvent.Kind, str]] = ..., command: _Optional[_Union[JointCommand, _Mapping]] = ...) -> None: ...
 
 class SafetyLimits(_message.Message):
     __slots__ = ("robot_id", "position_min", "position_max", "velocity_max", "workspace_min", "workspace_max", "slew_max", "jump_max")

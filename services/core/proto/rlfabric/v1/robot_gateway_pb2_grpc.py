@@ -64,6 +64,11 @@ class RobotGatewayStub:
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
                 _registered_method=True)
+        self.Teleop = channel.stream_stream(
+                '/rlfabric.v1.RobotGateway/Teleop',
+                request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.TeleopEvent.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
+                _registered_method=True)
         self.StreamInterventions = channel.unary_stream(
                 '/rlfabric.v1.RobotGateway/StreamInterventions',
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
@@ -112,8 +117,16 @@ class RobotGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Teleop(self, request_iterator, context):
+        """Human interventions (teleop takeovers) for HG-DAgger style learning: typed events in, one state per tick out.
+        While a human intervenes, their commands replace the policy's, through the same safety filter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamInterventions(self, request, context):
-        """Human interventions (teleop takeovers) for HG-DAgger style learning.
+        """Every intervention start and stop, as it happens (for recorders and learners).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +163,11 @@ def add_RobotGatewayServicer_to_server(servicer, server):
             'ClearEStop': grpc.unary_unary_rpc_method_handler(
                     servicer.ClearEStop,
                     request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.SerializeToString,
+            ),
+            'Teleop': grpc.stream_stream_rpc_method_handler(
+                    servicer.Teleop,
+                    request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.TeleopEvent.FromString,
                     response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.SerializeToString,
             ),
             'StreamInterventions': grpc.unary_stream_rpc_method_handler(
@@ -319,6 +337,33 @@ class RobotGateway:
             target,
             '/rlfabric.v1.RobotGateway/ClearEStop',
             rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Teleop(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rlfabric.v1.RobotGateway/Teleop',
+            rlfabric_dot_v1_dot_robot__gateway__pb2.TeleopEvent.SerializeToString,
             rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
             options,
             channel_credentials,
