@@ -45,7 +45,7 @@ INTERVENED = Counter("rlfabric_robot_intervened_ticks_total", "ticks commanded b
 EPISODES = Counter("rlfabric_robot_episodes_total", "episodes ended by a teleop verdict", ["robot", "outcome",
                                                                                            "intervened"])
 OUTCOMES = ("success", "failure", "rerecord", "terminate")
-SPIN_S = 0.001  # the last millisecond before a deadline is spun, not slept: sleep wakes up to ~1 ms late
+SPIN_S = 0.001  # default: the last millisecond before a deadline is spun, not slept (sleep wakes up to ~1 ms late)
 
 
 @dataclass
@@ -91,9 +91,10 @@ class _Command:
 
 
 class ControlLoop:
-    def __init__(self, robot_id: str, driver: Driver, hz: float, watchdog_s: float):
+    def __init__(self, robot_id: str, driver: Driver, hz: float, watchdog_s: float, spin_s: float = SPIN_S):
         self.robot_id, self.driver = robot_id, driver
         self.period, self.watchdog_s = 1.0 / hz, watchdog_s
+        self.spin_s = spin_s  # precision for CPU: many arms on one host may spin less (or not at all)
         self.hard = driver.hard_limits()
         self.safety = SafetyFilter(self.hard, driver.forward_kinematics)
         self.lock = threading.Lock()
@@ -178,9 +179,12 @@ class ControlLoop:
         self.thread.start()
 
     def stop(self) -> None:
+        """Stop ticking and leave the arm braked (a stopping gateway never leaves it tracking a stale target)."""
         self._stop.set()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout=2)
+        HOLDING.labels(self.robot_id).set(1)
+        self.driver.brake()
 
     def health(self) -> str | None:
         if self.error is not None:
@@ -219,8 +223,8 @@ class ControlLoop:
                 k += 1
                 deadline = start + k * self.period
                 remaining = deadline - time.monotonic()
-                if remaining > SPIN_S:
-                    time.sleep(remaining - SPIN_S)
+                if remaining > self.spin_s:
+                    time.sleep(remaining - self.spin_s)
                 while time.monotonic() < deadline:
                     pass
                 now = time.monotonic()

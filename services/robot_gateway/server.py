@@ -75,6 +75,10 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         if not 1 / hz <= watchdog <= 10:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"watchdog_s={watchdog}: give one tick "
                                                                   f"({1 / hz:.4f} s) to 10 s (0: 0.1 s)")
+        spin = 0.001 if request.spin_s == 0 else max(request.spin_s, 0.0)
+        if not (np.isfinite(spin) and spin <= 0.5 / hz):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"spin_s={request.spin_s}: at most half a period "
+                                                                  f"({0.5 / hz:.4f} s); 0: 1 ms, -1: never spin")
         if rid in self.loops:
             if self.drivers[rid] != request.driver:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"robot {rid!r} is connected with driver "
@@ -86,10 +90,12 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             driver = build_driver(request.driver, dict(request.options))
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
-        loop = ControlLoop(rid, driver, hz, watchdog)
+        loop = ControlLoop(rid, driver, hz, watchdog, spin)
         loop.start()
         self.loops[rid], self.drivers[rid] = loop, request.driver
-        while loop.realtime == "not started":  # its first moments: what priority it got goes in the reply
+        for _ in range(400):  # its first moments: what priority it got goes in the reply
+            if loop.realtime != "not started":
+                break
             await asyncio.sleep(0.005)
         log.info("robot connected", extra={"robot": rid, "driver": request.driver, "hz": hz, "watchdog_s": watchdog,
                                            "realtime": loop.realtime})

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlfabric/v1/robot_gateway.proto\x12\x0brlfabric.v1\"\xc5\x01\n\x0e\x43onnectRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x39\n\x07options\x18\x03 \x03(\x0b\x32(.rlfabric.v1.ConnectRequest.OptionsEntry\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x08RobotRef\x12\x10\n\x08robot_id\x18\x01 \x01(\t\"\xa7\x01\n\tRobotInfo\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x13\n\x0bjoint_names\x18\x03 \x03(\t\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12)\n\x06limits\x18\x06 \x01(\x0b\x32\x19.rlfabric.v1.SafetyLimits\x12\x10\n\x08realtime\x18\x07 \x01(\t\"b\n\x0cJointCommand\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x03(\x01\x12\x10\n\x08velocity\x18\x04 \x03(\x01\x12\x0f\n\x07gripper\x18\x05 \x01(\x01\"\x9b\x03\n\nRobotState\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x03(\x01\x12\x10\n\x08velocity\x18\x05 \x03(\x01\x12\x0f\n\x07gripper\x18\x06 \x01(\x01\x12\x10\n\x08\x65stopped\x18\x07 \x01(\x08\x12\r\n\x05\x66\x61ult\x18\x08 \x01(\t\x12\x15\n\rloop_jitter_s\x18\t \x01(\x01\x12\x13\n\x0bintervening\x18\n \x01(\x08\x12\x17\n\x0floop_lateness_s\x18\x0b \x01(\x01\x12\x10\n\x08overruns\x18\x0c \x01(\x04\x12\x0f\n\x07holding\x18\r \x01(\x08\x12\x13\n\x0bhold_reason\x18\x0e \x01(\t\x12\x0e\n\x06target\x18\x0f \x03(\x01\x12\x13\n\x0b\x63ommand_seq\x18\x10 \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x11 \x01(\x08\x12\x0e\n\x06slowed\x18\x12 \x01(\x08\x12\x0f\n\x07\x65pisode\x18\x13 \x01(\x04\x12 \n\x18\x65pisode_intervened_ticks\x18\x14 \x01(\x04\x12\x14\n\x0c\x65nd_effector\x18\x15 \x03(\x01\"\xed\x01\n\x0bTeleopEvent\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.rlfabric.v1.TeleopEvent.Kind\x12*\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand\"s\n\x04Kind\x12\x0b\n\x07\x43OMMAND\x10\x00\x12\x13\n\x0fINTERVENE_START\x10\x01\x12\x12\n\x0eINTERVENE_STOP\x10\x02\x12\x0b\n\x07SUCCESS\x10\x03\x12\x0b\n\x07\x46\x41ILURE\x10\x04\x12\x0c\n\x08RERECORD\x10\x05\x12\r\n\tTERMINATE\x10\x06\"\xb4\x01\n\x0cSafetyLimits\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x14\n\x0cposition_min\x18\x02 \x03(\x01\x12\x14\n\x0cposition_max\x18\x03 \x03(\x01\x12\x14\n\x0cvelocity_max\x18\x04 \x03(\x01\x12\x15\n\rworkspace_min\x18\x05 \x03(\x01\x12\x15\n\rworkspace_max\x18\x06 \x03(\x01\x12\x10\n\x08slew_max\x18\x07 \x03(\x01\x12\x10\n\x08jump_max\x18\x08 \x01(\x01\"0\n\x0c\x45StopRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"i\n\x0cIntervention\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\x12*\n\x07\x63ommand\x18\x04 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand2\x97\x04\n\x0cRobotGateway\x12>\n\x07\x43onnect\x12\x1b.rlfabric.v1.ConnectRequest\x1a\x16.rlfabric.v1.RobotInfo\x12:\n\x08GetState\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12\x41\n\x07\x43ontrol\x12\x19.rlfabric.v1.JointCommand\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12\x41\n\tSetLimits\x12\x19.rlfabric.v1.SafetyLimits\x1a\x19.rlfabric.v1.SafetyLimits\x12;\n\x05\x45Stop\x12\x19.rlfabric.v1.EStopRequest\x1a\x17.rlfabric.v1.RobotState\x12<\n\nClearEStop\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12?\n\x06Teleop\x12\x18.rlfabric.v1.TeleopEvent\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12I\n\x13StreamInterventions\x12\x15.rlfabric.v1.RobotRef\x1a\x19.rlfabric.v1.Intervention0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlfabric/v1/robot_gateway.proto\x12\x0brlfabric.v1\"\xd5\x01\n\x0e\x43onnectRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x39\n\x07options\x18\x03 \x03(\x0b\x32(.rlfabric.v1.ConnectRequest.OptionsEntry\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12\x0e\n\x06spin_s\x18\x06 \x01(\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x08RobotRef\x12\x10\n\x08robot_id\x18\x01 \x01(\t\"\xa7\x01\n\tRobotInfo\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x13\n\x0bjoint_names\x18\x03 \x03(\t\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12)\n\x06limits\x18\x06 \x01(\x0b\x32\x19.rlfabric.v1.SafetyLimits\x12\x10\n\x08realtime\x18\x07 \x01(\t\"b\n\x0cJointCommand\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x03(\x01\x12\x10\n\x08velocity\x18\x04 \x03(\x01\x12\x0f\n\x07gripper\x18\x05 \x01(\x01\"\x9b\x03\n\nRobotState\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x03(\x01\x12\x10\n\x08velocity\x18\x05 \x03(\x01\x12\x0f\n\x07gripper\x18\x06 \x01(\x01\x12\x10\n\x08\x65stopped\x18\x07 \x01(\x08\x12\r\n\x05\x66\x61ult\x18\x08 \x01(\t\x12\x15\n\rloop_jitter_s\x18\t \x01(\x01\x12\x13\n\x0bintervening\x18\n \x01(\x08\x12\x17\n\x0floop_lateness_s\x18\x0b \x01(\x01\x12\x10\n\x08overruns\x18\x0c \x01(\x04\x12\x0f\n\x07holding\x18\r \x01(\x08\x12\x13\n\x0bhold_reason\x18\x0e \x01(\t\x12\x0e\n\x06target\x18\x0f \x03(\x01\x12\x13\n\x0b\x63ommand_seq\x18\x10 \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x11 \x01(\x08\x12\x0e\n\x06slowed\x18\x12 \x01(\x08\x12\x0f\n\x07\x65pisode\x18\x13 \x01(\x04\x12 \n\x18\x65pisode_intervened_ticks\x18\x14 \x01(\x04\x12\x14\n\x0c\x65nd_effector\x18\x15 \x03(\x01\"\xed\x01\n\x0bTeleopEvent\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.rlfabric.v1.TeleopEvent.Kind\x12*\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand\"s\n\x04Kind\x12\x0b\n\x07\x43OMMAND\x10\x00\x12\x13\n\x0fINTERVENE_START\x10\x01\x12\x12\n\x0eINTERVENE_STOP\x10\x02\x12\x0b\n\x07SUCCESS\x10\x03\x12\x0b\n\x07\x46\x41ILURE\x10\x04\x12\x0c\n\x08RERECORD\x10\x05\x12\r\n\tTERMINATE\x10\x06\"\xb4\x01\n\x0cSafetyLimits\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x14\n\x0cposition_min\x18\x02 \x03(\x01\x12\x14\n\x0cposition_max\x18\x03 \x03(\x01\x12\x14\n\x0cvelocity_max\x18\x04 \x03(\x01\x12\x15\n\rworkspace_min\x18\x05 \x03(\x01\x12\x15\n\rworkspace_max\x18\x06 \x03(\x01\x12\x10\n\x08slew_max\x18\x07 \x03(\x01\x12\x10\n\x08jump_max\x18\x08 \x01(\x01\"0\n\x0c\x45StopRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"i\n\x0cIntervention\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\x12*\n\x07\x63ommand\x18\x04 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand2\x97\x04\n\x0cRobotGateway\x12>\n\x07\x43onnect\x12\x1b.rlfabric.v1.ConnectRequest\x1a\x16.rlfabric.v1.RobotInfo\x12:\n\x08GetState\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12\x41\n\x07\x43ontrol\x12\x19.rlfabric.v1.JointCommand\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12\x41\n\tSetLimits\x12\x19.rlfabric.v1.SafetyLimits\x1a\x19.rlfabric.v1.SafetyLimits\x12;\n\x05\x45Stop\x12\x19.rlfabric.v1.EStopRequest\x1a\x17.rlfabric.v1.RobotState\x12<\n\nClearEStop\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12?\n\x06Teleop\x12\x18.rlfabric.v1.TeleopEvent\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12I\n\x13StreamInterventions\x12\x15.rlfabric.v1.RobotRef\x1a\x19.rlfabric.v1.Intervention0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTREQUEST_OPTIONSENTRY']._loaded_options = None
   _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_options = b'8\001'
   _globals['_CONNECTREQUEST']._serialized_start=49
-  _globals['_CONNECTREQUEST']._serialized_end=246
-  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_start=200
-  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_end=246
-  _globals['_ROBOTREF']._serialized_start=248
-  _globals['_ROBOTREF']._serialized_end=276
-  _globals['_ROBOTINFO']._serialized_start=279
-  _globals['_ROBOTINFO']._serialized_end=446
-  _globals['_JOINTCOMMAND']._serialized_start=448
-  _globals['_JOINTCOMMAND']._serialized_end=546
-  _globals['_ROBOTSTATE']._serialized_start=549
-  _globals['_ROBOTSTATE']._serialized_end=960
-  _globals['_TELEOPEVENT']._serialized_start=963
-  _globals['_TELEOPEVENT']._serialized_end=1200
-  _globals['_TELEOPEVENT_KIND']._serialized_start=1085
-  _globals['_TELEOPEVENT_KIND']._serialized_end=1200
-  _globals['_SAFETYLIMITS']._serialized_start=1203
-  _globals['_SAFETYLIMITS']._serialized_end=1383
-  _globals['_ESTOPREQUEST']._serialized_start=1385
-  _globals['_ESTOPREQUEST']._serialized_end=1433
-  _globals['_INTERVENTION']._serialized_start=1435
-  _globals['_INTERVENTION']._serialized_end=1540
-  _globals['_ROBOTGATEWAY']._serialized_start=1543
-  _globals['_ROBOTGATEWAY']._serialized_end=2078
+  _globals['_CONNECTREQUEST']._serialized_end=262
+  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_start=216
+  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_end=262
+  _globals['_ROBOTREF']._serialized_start=264
+  _globals['_ROBOTREF']._serialized_end=292
+  _globals['_ROBOTINFO']._serialized_start=295
+  _globals['_ROBOTINFO']._serialized_end=462
+  _globals['_JOINTCOMMAND']._serialized_start=464
+  _globals['_JOINTCOMMAND']._serialized_end=562
+  _globals['_ROBOTSTATE']._serialized_start=565
+  _globals['_ROBOTSTATE']._serialized_end=976
+  _globals['_TELEOPEVENT']._serialized_start=979
+  _globals['_TELEOPEVENT']._serialized_end=1216
+  _globals['_TELEOPEVENT_KIND']._serialized_start=1101
+  _globals['_TELEOPEVENT_KIND']._serialized_end=1216
+  _globals['_SAFETYLIMITS']._serialized_start=1219
+  _globals['_SAFETYLIMITS']._serialized_end=1399
+  _globals['_ESTOPREQUEST']._serialized_start=1401
+  _globals['_ESTOPREQUEST']._serialized_end=1449
+  _globals['_INTERVENTION']._serialized_start=1451
+  _globals['_INTERVENTION']._serialized_end=1556
+  _globals['_ROBOTGATEWAY']._serialized_start=1559
+  _globals['_ROBOTGATEWAY']._serialized_end=2094
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("robot_id", "driver", "options", "control_hz", "watchdog_s")
+    __slots__ = ("robot_id", "driver", "options", "control_hz", "watchdog_s", "spin_s")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -21,12 +21,14 @@ class ConnectRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_HZ_FIELD_NUMBER: _ClassVar[int]
     WATCHDOG_S_FIELD_NUMBER: _ClassVar[int]
+    SPIN_S_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     driver: str
     options: _containers.ScalarMap[str, str]
     control_hz: float
     watchdog_s: float
-    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ...) -> None: ...
+    spin_s: float
+    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., spin_s: _Optional[float] = ...) -> None: ...
 
 class RobotRef(_message.Message):
     __slots__ = ("robot_id",)
