@@ -15,6 +15,7 @@ ADAPTERS: dict[str, str] = {
     "gymnasium": "services.env.adapters.gymnasium",  # any registered gymnasium id (state observations)
     "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
     "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
+    "robot": "services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
 }
 
 

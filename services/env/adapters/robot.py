@@ -1,0 +1,181 @@
+"""Robot adapter: arms behind a robot gateway as a gymnasium vector env, so real-world RL runs through the env
+service, the plans and the algorithms like any simulator. Every env is one robot connected on the gateway (the
+gateway keeps its own deadlines, limits and holds; this adapter is an ordinary, authenticated client).
+
+    env: {adapter: robot, id: reach, num_envs: 2,
+          options: {gateway: 127.0.0.1:PORT, driver: sim, hz: 50, episode_steps: 100, action_scale: 0.05}}
+
+``gateway`` may come from RLFABRIC_ROBOT_GATEWAY instead. Task ``reach``: the observation is joint positions and
+velocities, the target and the end effector (x, y, z each); an action in [-1, 1] per joint moves the joint target by
+up to ``action_scale`` rad; the reward is minus the distance to the target, plus 1 and the end of the episode
+within ``success_distance``; ``episode_steps`` truncates. One vector step commands every robot, then waits for the
+first state of each that used its command (one control tick). A hold the gateway imposes (fault, e-stop, watchdog)
+ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
+to its start pose within the gateway's limits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space
+
+OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
+           "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float)}
+TASKS = ("reach",)
+_pools = itertools.count()
+
+
+def _options(env_cfg: Any) -> dict[str, Any]:
+    unknown = sorted(set(env_cfg.options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"env.options {unknown} are not robot options; use {sorted(OPTIONS)}")
+    opts = {"gateway": os.environ.get("RLFABRIC_ROBOT_GATEWAY", ""), "driver": "sim", "hz": 50, "watchdog_s": 0.2,
+            "episode_steps": 100, "action_scale": 0.05, "success_distance": 0.05, "start": "0,-0.3,0.6",
+            "spin_s": -1} | dict(env_cfg.options)
+    for key, kind in OPTIONS.items():
+        if not isinstance(opts[key], kind) or isinstance(opts[key], bool):
+            raise ValueError(f"env.options.{key}={opts[key]!r}: expected {kind}")
+    if not opts["gateway"]:
+        raise ValueError("env.options.gateway is not set: give the robot gateway's HOST:PORT (or set "
+                         "RLFABRIC_ROBOT_GATEWAY)")
+    if env_cfg.id not in TASKS:
+        raise ValueError(f"env.id={env_cfg.id!r}: robot tasks are {list(TASKS)}")
+    if not 1 <= opts["episode_steps"] <= 100_000 or not 0 < opts["action_scale"] <= 0.5:
+        raise ValueError("env.options: episode_steps in [1, 100000], action_scale in (0, 0.5] rad")
+    return opts
+
+
+def check(env_cfg: Any) -> None:
+    _options(env_cfg)
+
+
+class RobotVectorEnv(gym.vector.VectorEnv):
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, env_cfg: Any, num_envs: int):
+        from services.core import auth
+        from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+        from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+        from services.core.runtime import GRPC_OPTIONS
+
+        self.pb, self.opts = pb, _options(env_cfg)
+        self.channel = auth.sync_channel(self.opts["gateway"], GRPC_OPTIONS)
+        self.stub = robot_gateway_pb2_grpc.RobotGatewayStub(self.channel)
+        pool = next(_pools)
+        self.ids = [f"env{os.getpid()}-{pool}-{i}" for i in range(num_envs)]
+        infos = [self.stub.Connect(pb.ConnectRequest(robot_id=rid, driver=self.opts["driver"],
+                                                     options={"start": self.opts["start"]},
+                                                     control_hz=self.opts["hz"], watchdog_s=self.opts["watchdog_s"],
+                                                     spin_s=self.opts["spin_s"]), timeout=30) for rid in self.ids]
+        self.joints = len(infos[0].joint_names)
+        self.start = np.array([float(v) for v in self.opts["start"].split(",")])
+        self.max_step = float(min(infos[0].limits.jump_max, 0.3))
+        self.num_envs = num_envs
+        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2 * self.joints + 6,), np.float32)
+        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (self.joints,), np.float32)
+        self.observation_space = batch_space(self.single_observation_space, num_envs)
+        self.action_space = batch_space(self.single_action_space, num_envs)
+        self.outbox = [queue.Queue() for _ in self.ids]
+        self.streams = [self.stub.Control(self._commands(i)) for i in range(num_envs)]
+        self.seq = 0
+        self.targets = np.zeros((num_envs, 3))
+        self.commanded = np.tile(self.start, (num_envs, 1))
+        self.steps = np.zeros(num_envs, dtype=np.int64)
+        self.rng = np.random.default_rng()
+
+    def _commands(self, i: int):
+        while True:
+            cmd = self.outbox[i].get()
+            if cmd is None:
+                return
+            yield cmd
+
+    def _send(self, i: int, position: np.ndarray) -> int:
+        self.seq += 1
+        self.outbox[i].put(self.pb.JointCommand(robot_id=self.ids[i], seq=self.seq, position=position.tolist()))
+        return self.seq
+
+    def _state_after(self, i: int, seq: int):
+        """The first state of robot i whose tick considered command ``seq``: it moved the arm, or a latched hold
+        (fault, e-stop) kept it still. A watchdog hold from before (the learner was updating) is not that state:
+        the command ends it."""
+        for state in self.streams[i]:
+            if state.command_seq >= seq:
+                return state
+        raise RuntimeError(f"the gateway closed the control stream of {self.ids[i]}")
+
+    def _obs(self, i: int, state) -> np.ndarray:
+        return np.concatenate([state.position, state.velocity, self.targets[i], state.end_effector]).astype(
+            np.float32)
+
+    def _reset_one(self, i: int) -> np.ndarray:
+        """Clear any hold, walk back to the start pose (steps the gateway accepts), draw a reachable target."""
+        self.stub.ClearEStop(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
+        state = self.stub.GetState(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
+        position = np.asarray(state.position)
+        for _ in range(500):
+            step = np.clip(self.start - position, -self.max_step, self.max_step)
+            state = self._state_after(i, self._send(i, position + step))
+            position = np.asarray(state.position)
+            if np.abs(self.start - position).max() < 0.02:
+                break
+        self.commanded[i] = np.asarray(state.target)
+        yaw, reach, height = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5), self.rng.uniform(0.05, 0.3)
+        self.targets[i] = [reach * np.cos(yaw), reach * np.sin(yaw), height]
+        self.steps[i] = 0
+        return self._obs(i, state)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        return np.stack([self._reset_one(i) for i in range(self.num_envs)]), {}
+
+    def step(self, actions):
+        actions = np.clip(np.asarray(actions, dtype=float), -1, 1) * self.opts["action_scale"]
+        seqs = []
+        for i in range(self.num_envs):
+            self.commanded[i] = self.commanded[i] + actions[i]
+            seqs.append(self._send(i, self.commanded[i]))
+        obs = np.zeros((self.num_envs, *self.single_observation_space.shape), np.float32)
+        rewards, terminated, truncated = np.zeros(self.num_envs), np.zeros(self.num_envs, bool), \
+            np.zeros(self.num_envs, bool)
+        finals: list[Any] = [None] * self.num_envs
+        holds = [""] * self.num_envs
+        for i, seq in enumerate(seqs):
+            state = self._state_after(i, seq)
+            self.commanded[i] = np.asarray(state.target)  # what the gateway let through
+            self.steps[i] += 1
+            distance = float(np.linalg.norm(np.asarray(state.end_effector) - self.targets[i]))
+            rewards[i] = -distance
+            terminated[i] = distance < self.opts["success_distance"]
+            rewards[i] += float(terminated[i])
+            holds[i] = state.hold_reason if state.holding else ""
+            truncated[i] = not terminated[i] and (bool(holds[i]) or self.steps[i] >= self.opts["episode_steps"])
+            obs[i] = self._obs(i, state)
+            if terminated[i] or truncated[i]:
+                finals[i] = obs[i].copy()
+                obs[i] = self._reset_one(i)
+        done = terminated | truncated
+        info: dict[str, Any] = {"hold_reason": np.array(holds, dtype=object), "_hold_reason": np.array(
+            [bool(h) for h in holds])}
+        if done.any():
+            info["final_obs"], info["_final_obs"] = np.array(finals, dtype=object), done
+        return obs, rewards, terminated, truncated, info
+
+    def close_extras(self, **kwargs: Any) -> None:
+        for box in self.outbox:
+            box.put(None)
+        for stream in self.streams:
+            stream.cancel()
+        self.channel.close()
+
+
+def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
+    return RobotVectorEnv(env_cfg, num_envs)
