@@ -224,8 +224,9 @@ class LocalStack:
     def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
                  heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
                  token: str | None = None):
-        """``token``: the stack's secret (every port checks it; default: a new one per stack, which this process
-        then uses as its own so its clients get in; "" runs in the clear, loopback only)."""
+        """``token``: the stack's secret (every port checks it; default: the deployment's RLFABRIC_TOKEN when set,
+        so the stack's services reach other services of the deployment such as a robot gateway, else a new one per
+        stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only)."""
         self.log_dir = Path(log_dir)
         self.runs_root = Path(runs_root)
         self.roles = roles
@@ -237,7 +238,9 @@ class LocalStack:
         self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
         from services.core import auth  # (imported here: prestart, above, runs before grpc and zmq load)
 
-        self.token = auth.generate_token() if token is None else token
+        if token is None:
+            token = os.environ.get(auth.TOKEN_ENV) or auth.generate_token()
+        self.token = token
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)

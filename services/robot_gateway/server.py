@@ -101,6 +101,14 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                                            "realtime": loop.realtime})
         return self._info(rid)
 
+    async def Disconnect(self, request, context):
+        loop = await self._loop(request.robot_id, context)
+        del self.loops[request.robot_id], self.drivers[request.robot_id]
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)  # joins the loop thread, then brakes
+        loop.driver.close()
+        log.info("robot disconnected", extra={"robot": request.robot_id})
+        return state_message(request.robot_id, loop.last)
+
     async def GetState(self, request, context):
         loop = await self._loop(request.robot_id, context)
         return state_message(request.robot_id, loop.last)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -96,3 +97,10 @@ def test_a_gateway_hold_ends_the_episode_with_its_reason(gateway_address):
         assert not state.estopped  # the auto-reset cleared it and walked the arm back
     finally:
         env.close()
+    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from services.core.runtime import GRPC_OPTIONS
+
+    with auth.sync_channel(gateway_address, GRPC_OPTIONS) as channel:  # closing the env freed its robots
+        with pytest.raises(grpc.RpcError) as err:
+            robot_gateway_pb2_grpc.RobotGatewayStub(channel).GetState(pb.RobotRef(robot_id=env.ids[0]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

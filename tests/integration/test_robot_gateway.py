@@ -210,3 +210,15 @@ def test_a_scripted_expert_takes_over_when_the_policy_drifts_and_hands_back(gate
     assert all(s.episode_intervened_ticks > 0 for s in intervened[1:])
     assert seen[-1].episode == 1 and not seen[-1].intervening and seen[-1].command_seq < 1000  # the policy again
     assert [i.active for i in interventions][:2] == [True, False]
+
+
+def test_disconnect_stops_and_frees_a_robot(gateway):
+    _, stub, _ = gateway
+    stub.Connect(pb.ConnectRequest(robot_id="spare", driver="sim"), timeout=30)
+    last = stub.Disconnect(pb.RobotRef(robot_id="spare"), timeout=10)
+    assert last.robot_id == "spare"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetState(pb.RobotRef(robot_id="spare"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.Connect(pb.ConnectRequest(robot_id="spare", driver="sim"), timeout=30)  # the id is free again
+    stub.Disconnect(pb.RobotRef(robot_id="spare"), timeout=10)

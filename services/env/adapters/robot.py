@@ -5,7 +5,7 @@ gateway keeps its own deadlines, limits and holds; this adapter is an ordinary, 
     env: {adapter: robot, id: reach, num_envs: 2,
           options: {gateway: 127.0.0.1:PORT, driver: sim, hz: 50, episode_steps: 100, action_scale: 0.05}}
 
-``gateway`` may come from RLFABRIC_ROBOT_GATEWAY instead. Task ``reach``: the observation is joint positions and
+Task ``reach``: the observation is joint positions and
 velocities, the target and the end effector (x, y, z each); an action in [-1, 1] per joint moves the joint target by
 up to ``action_scale`` rad; the reward is minus the distance to the target, plus 1 and the end of the episode
 within ``success_distance``; ``episode_steps`` truncates. One vector step commands every robot, then waits for the
@@ -17,10 +17,12 @@ to its start pose within the gateway's limits.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 from typing import Any
 
+import grpc
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
@@ -29,6 +31,7 @@ from gymnasium.vector.utils import batch_space
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
            "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float)}
 TASKS = ("reach",)
+log = logging.getLogger(__name__)
 _pools = itertools.count()
 
 
@@ -36,15 +39,15 @@ def _options(env_cfg: Any) -> dict[str, Any]:
     unknown = sorted(set(env_cfg.options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"env.options {unknown} are not robot options; use {sorted(OPTIONS)}")
-    opts = {"gateway": os.environ.get("RLFABRIC_ROBOT_GATEWAY", ""), "driver": "sim", "hz": 50, "watchdog_s": 0.2,
+    opts = {"gateway": "", "driver": "sim", "hz": 50, "watchdog_s": 0.2,
             "episode_steps": 100, "action_scale": 0.05, "success_distance": 0.05, "start": "0,-0.3,0.6",
             "spin_s": -1} | dict(env_cfg.options)
     for key, kind in OPTIONS.items():
         if not isinstance(opts[key], kind) or isinstance(opts[key], bool):
             raise ValueError(f"env.options.{key}={opts[key]!r}: expected {kind}")
     if not opts["gateway"]:
-        raise ValueError("env.options.gateway is not set: give the robot gateway's HOST:PORT (or set "
-                         "RLFABRIC_ROBOT_GATEWAY)")
+        raise ValueError("env.options.gateway is not set. Fix: give the robot gateway's HOST:PORT (rlfabric serve "
+                         "robot_gateway --port-file FILE writes it)")
     if env_cfg.id not in TASKS:
         raise ValueError(f"env.id={env_cfg.id!r}: robot tasks are {list(TASKS)}")
     if not 1 <= opts["episode_steps"] <= 100_000 or not 0 < opts["action_scale"] <= 0.5:
@@ -70,10 +73,18 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.stub = robot_gateway_pb2_grpc.RobotGatewayStub(self.channel)
         pool = next(_pools)
         self.ids = [f"env{os.getpid()}-{pool}-{i}" for i in range(num_envs)]
-        infos = [self.stub.Connect(pb.ConnectRequest(robot_id=rid, driver=self.opts["driver"],
-                                                     options={"start": self.opts["start"]},
-                                                     control_hz=self.opts["hz"], watchdog_s=self.opts["watchdog_s"],
-                                                     spin_s=self.opts["spin_s"]), timeout=30) for rid in self.ids]
+        infos = []
+        try:
+            for rid in self.ids:
+                infos.append(self.stub.Connect(pb.ConnectRequest(
+                    robot_id=rid, driver=self.opts["driver"], options={"start": self.opts["start"]},
+                    control_hz=self.opts["hz"], watchdog_s=self.opts["watchdog_s"], spin_s=self.opts["spin_s"]),
+                    timeout=30))
+        except grpc.RpcError as exc:
+            self._disconnect(self.ids[:len(infos)])
+            raise ValueError(f"the robot gateway at {self.opts['gateway']} refused Connect ({exc.code().name}: "
+                             f"{exc.details()}). Fix: start it (rlfabric serve robot_gateway), give the deployment's "
+                             f"RLFABRIC_TOKEN to both, or free robots there") from None
         self.joints = len(infos[0].joint_names)
         self.start = np.array([float(v) for v in self.opts["start"].split(",")])
         self.max_step = float(min(infos[0].limits.jump_max, 0.3))
@@ -119,12 +130,12 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         """Clear any hold, walk back to the start pose (steps the gateway accepts), draw a reachable target."""
         self.stub.ClearEStop(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
         state = self.stub.GetState(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
-        position = np.asarray(state.position)
-        for _ in range(500):
-            step = np.clip(self.start - position, -self.max_step, self.max_step)
-            state = self._state_after(i, self._send(i, position + step))
-            position = np.asarray(state.position)
-            if np.abs(self.start - position).max() < 0.02:
+        target = np.asarray(state.position)
+        for _ in range(300):  # the gateway's slew limit paces the walk; done once the target is the start, settled
+            target = target + np.clip(self.start - target, -self.max_step, self.max_step)
+            state = self._state_after(i, self._send(i, target))
+            target = np.asarray(state.target)
+            if np.abs(target - self.start).max() < 1e-9 and np.abs(state.velocity).max() < 0.05:
                 break
         self.commanded[i] = np.asarray(state.target)
         yaw, reach, height = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5), self.rng.uniform(0.05, 0.3)
@@ -169,11 +180,19 @@ class RobotVectorEnv(gym.vector.VectorEnv):
             info["final_obs"], info["_final_obs"] = np.array(finals, dtype=object), done
         return obs, rewards, terminated, truncated, info
 
+    def _disconnect(self, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                self.stub.Disconnect(self.pb.RobotRef(robot_id=rid), timeout=10)
+            except grpc.RpcError as exc:  # closing: say so, never raise
+                log.warning("could not disconnect robot %s: %s", rid, exc.details())
+
     def close_extras(self, **kwargs: Any) -> None:
         for box in self.outbox:
             box.put(None)
         for stream in self.streams:
             stream.cancel()
+        self._disconnect(self.ids)  # the arms brake and the gateway frees them
         self.channel.close()
 
 

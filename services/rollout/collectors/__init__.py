@@ -10,7 +10,7 @@ from typing import Any
 
 COLLECTORS: dict[str, str] = {"gym": "services.rollout.collectors.gym:GymCollector",
                               "llm": "services.rollout.collectors.llm:LLMCollector"}
-BY_ADAPTER: dict[str, str] = {"gymnasium": "gym", "minigrid": "gym", "text": "llm"}
+BY_ADAPTER: dict[str, str] = {"gymnasium": "gym", "minigrid": "gym", "robot": "gym", "text": "llm"}
 
 
 def register_collector(name: str, target: str, adapters: tuple[str, ...] = ()) -> None:

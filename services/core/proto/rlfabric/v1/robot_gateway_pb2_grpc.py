@@ -39,6 +39,11 @@ class RobotGatewayStub:
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotInfo.FromString,
                 _registered_method=True)
+        self.Disconnect = channel.unary_unary(
+                '/rlfabric.v1.RobotGateway/Disconnect',
+                request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/rlfabric.v1.RobotGateway/GetState',
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
@@ -81,6 +86,13 @@ class RobotGatewayServicer:
 
     def Connect(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Disconnect(self, request, context):
+        """Stop the robot's loop (the driver brakes) and free it; its last state is returned.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -139,6 +151,11 @@ def add_RobotGatewayServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.ConnectRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotInfo.SerializeToString,
+            ),
+            'Disconnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Disconnect,
+                    request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -203,6 +220,33 @@ class RobotGateway:
             '/rlfabric.v1.RobotGateway/Connect',
             rlfabric_dot_v1_dot_robot__gateway__pb2.ConnectRequest.SerializeToString,
             rlfabric_dot_v1_dot_robot__gateway__pb2.RobotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Disconnect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RobotGateway/Disconnect',
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
             options,
             channel_credentials,
             insecure,
