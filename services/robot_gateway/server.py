@@ -113,9 +113,13 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         loop = await self._loop(request.robot_id, context)
         return state_message(request.robot_id, loop.last)
 
-    async def _streamed(self, first, request_iterator, context, accept):
-        """States of ``first``'s robot, one per tick, while ``accept`` takes each incoming message (returning why
-        it refuses one: the stream then ends with INVALID_ARGUMENT and the watchdog holds the arm)."""
+    async def _streamed(self, request_iterator, context, accept):
+        """States of the first message's robot, one per tick, while ``accept`` takes each incoming message
+        (returning why it refuses one: the stream then ends with INVALID_ARGUMENT and the watchdog holds the arm)."""
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
         rid = first.robot_id
         loop = await self._loop(rid, context)
         states: asyncio.Queue[Tick] = asyncio.Queue(maxsize=STATES_BUFFERED)
@@ -167,11 +171,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             loop.submit(position, cmd.seq)
             return None
 
-        try:
-            first = await anext(aiter(request_iterator))
-        except StopAsyncIteration:
-            return
-        async for state in self._streamed(first, request_iterator, context, accept):
+        async for state in self._streamed(request_iterator, context, accept):
             yield state
 
     async def Teleop(self, request_iterator, context):
@@ -196,11 +196,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 return f"unknown teleop event kind {event.kind}"
             return None
 
-        try:
-            first = await anext(aiter(request_iterator))
-        except StopAsyncIteration:
-            return
-        async for state in self._streamed(first, request_iterator, context, accept):
+        async for state in self._streamed(request_iterator, context, accept):
             yield state
 
     async def SetLimits(self, request, context):

@@ -4,12 +4,6 @@ and a gateway hold (an e-stop mid-episode) ends the episode with its reason."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import grpc
 import numpy as np
 import pytest
@@ -21,23 +15,15 @@ from services.core.config import EnvConfig  # noqa: E402
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
 from services.env.pool import EnvPool  # noqa: E402
 from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
+from tests.robot_support import gateway_process  # noqa: E402
 
 TOKEN = "robot-env-test-token"
 
 
 @pytest.fixture(scope="module")
 def gateway_address(tmp_path_factory):
-    port_file = tmp_path_factory.mktemp("gw") / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
-                             str(port_file)], env={**os.environ, "RLFABRIC_TOKEN": TOKEN},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        if port_file.exists():
-            break
-        time.sleep(0.05)
-    yield port_file.read_text().strip()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=10)
+    with gateway_process(tmp_path_factory.mktemp("gw"), TOKEN) as address:
+        yield address
 
 
 def greedy(arm: SimArm, obs: np.ndarray) -> np.ndarray:

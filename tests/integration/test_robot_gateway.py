@@ -20,6 +20,7 @@ from services.core import auth  # noqa: E402
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
 from services.core.runtime import GRPC_OPTIONS  # noqa: E402
+from tests.robot_support import gateway_process  # noqa: E402
 
 TOKEN = "robot-gateway-test-token"
 START = [0.0, -0.3, 0.6]
@@ -27,24 +28,13 @@ START = [0.0, -0.3, 0.6]
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port_file = tmp_path_factory.mktemp("gw") / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
-                             str(port_file)], env={**os.environ, "RLFABRIC_TOKEN": TOKEN},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    for _ in range(300):
-        if port_file.exists() or proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    assert port_file.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no port file"
-    address = port_file.read_text().strip()
-    channel = auth.sync_channel(address, GRPC_OPTIONS, auth.Security(TOKEN))
-    stub = robot_gateway_pb2_grpc.RobotGatewayStub(channel)
-    info = stub.Connect(pb.ConnectRequest(robot_id="arm", driver="sim", options={"start": "0,-0.3,0.6"},
-                                          control_hz=100, watchdog_s=0.05), timeout=30)
-    yield address, stub, info
-    channel.close()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=10)
+    with gateway_process(tmp_path_factory.mktemp("gw"), TOKEN) as address:
+        channel = auth.sync_channel(address, GRPC_OPTIONS, auth.Security(TOKEN))
+        stub = robot_gateway_pb2_grpc.RobotGatewayStub(channel)
+        info = stub.Connect(pb.ConnectRequest(robot_id="arm", driver="sim", options={"start": "0,-0.3,0.6"},
+                                              control_hz=100, watchdog_s=0.05), timeout=30)
+        yield address, stub, info
+        channel.close()
 
 
 def test_a_client_without_the_token_is_refused(gateway):
