@@ -104,17 +104,29 @@ def shard_policy(policy: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     return policy
 
 
-def build(config: Any, env_spec: dict, device: torch.device, policy_state: dict | None) -> tuple[Any, Any, Any]:
-    """(policy, algorithm, generator) of this rank, built collectively: same seed, rank 0's weights broadcast
-    before sharding (so a frozen reference copy starts from them too)."""
+def initial_policy(config: Any, env_spec: dict, device: torch.device, weights: dict | None) -> torch.nn.Module:
+    """The run's policy on ``device``, built from the run's seed, holding ``weights`` (a warm start's or a
+    checkpoint's) when given: what a learner of any number of ranks starts from."""
     from services.core.models import build_policy
 
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
+    policy = build_policy(config.spec.policy, env_spec, config.policy).to(device)
+    if weights is not None:
+        try:
+            policy.load_state_dict(weights)
+        except RuntimeError as exc:
+            raise ValueError(f"the starting weights (policy.init_checkpoint={config.policy.init_checkpoint!r}, or "
+                             f"the run's checkpoint) hold another policy shape: {str(exc)[:300]}. Fix: give the same "
+                             f"policy section as that run") from None
+    return policy
+
+
+def build(config: Any, env_spec: dict, device: torch.device, policy_state: dict | None) -> tuple[Any, Any, Any]:
+    """(policy, algorithm, generator) of this rank, built collectively: same seed, rank 0's weights broadcast
+    before sharding (so a frozen reference copy starts from them too)."""
     spec = config.spec
-    policy = build_policy(spec.policy, env_spec, config.policy).to(device)
-    if policy_state is not None:
-        policy.load_state_dict(policy_state)
+    policy = initial_policy(config, env_spec, device, policy_state)
     with torch.no_grad():
         for tensor in policy.state_dict().values():
             dist.broadcast(tensor, src=0)

@@ -27,7 +27,7 @@ from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
 from services.learner import checkpoint as ckpt
 from services.learner.feeds import feed_for
-from services.learner.ranks import RankGroup, rank_device
+from services.learner.ranks import RankGroup, initial_policy, rank_device
 
 log = logging.getLogger(__name__)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
@@ -118,8 +118,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if config.runtime.learner_ranks > 1:
             self.device = rank_device(self.device, 0)
             self.ranks = RankGroup(config.runtime.learner_ranks, self.device, config.data_plane.timeout_s)
-            self.policy, self.algo, self.generator = self.ranks.configure(
-                config, env_spec, state["policy"] if state else warm, state)
+            try:
+                self.policy, self.algo, self.generator = self.ranks.configure(
+                    config, env_spec, state["policy"] if state else warm, state)
+            except BaseException:  # a half-configured group is out of step: its ranks go, the error is reported
+                self.ranks.close()
+                self.ranks = None
+                raise
         else:
             self._build(config, env_spec, warm)
         if self.replay is not None:
@@ -152,16 +157,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
     def _build(self, config: RunConfig, env_spec: dict, warm: dict | None) -> None:
         """One rank: the policy (from a warm start's weights), its frozen roles, the algorithm."""
-        torch.manual_seed(config.seed)
-        np.random.seed(config.seed)
         spec = config.spec
-        self.policy = build_policy(spec.policy, env_spec, config.policy).to(self.device)
-        if warm is not None:
-            try:
-                self.policy.load_state_dict(warm)
-            except RuntimeError as exc:
-                raise ValueError(f"policy.init_checkpoint={config.policy.init_checkpoint!r} holds another policy "
-                                 f"shape: {str(exc)[:300]}. Fix: give the same policy section as that run") from None
+        self.policy = initial_policy(config, env_spec, self.device, warm)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 7)
         self.algo = spec(self.policy, config, self.generator, env_spec=env_spec, **self._roles(config, env_spec))
 

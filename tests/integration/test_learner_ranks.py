@@ -153,3 +153,13 @@ def test_more_ranks_are_refused_for_an_algorithm_that_does_not_split_its_update(
     with pytest.raises(ConfigError, match="learner_ranks"):
         parse_config("name: r\nenv: {id: CartPole-v1}\nalgorithm: {name: ppo}\nruntime: {learner_ranks: 2}\n")
     assert parse_config("name: r\nenv: {id: CartPole-v1}\nalgorithm: {name: ppo}\n").runtime.learner_ranks == 1
+
+
+def test_starting_weights_of_another_shape_are_refused_with_the_field_named():
+    from services.learner.ranks import initial_policy
+
+    config = run_config("sequence")
+    with pytest.raises(ValueError, match="policy.init_checkpoint.*another policy shape"):
+        initial_policy(config, SPEC, torch.device("cpu"), {"model.lm_head.weight": torch.zeros(3, 3)})
+    a, b = (initial_policy(config, SPEC, torch.device("cpu"), None).state_dict() for _ in range(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # every rank builds the same policy from the run's seed

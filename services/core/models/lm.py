@@ -189,5 +189,5 @@ class CausalLMValuePolicy(CausalLMPolicy):
         return gathered_logprobs(logits, tokens), values
 
 
-__all__ = ["BOS", "CausalLMPolicy", "bias_end_token", "CausalLMValuePolicy", "EOS", "PAD", "build_lm", "build_tokenizer", "load_tokenizer", "merged_state_dict",
-           "token_logprobs", "with_lora"]
+__all__ = ["BOS", "EOS", "PAD", "CausalLMPolicy", "CausalLMValuePolicy", "bias_end_token", "build_lm",
+           "build_tokenizer", "gathered_logprobs", "load_tokenizer", "merged_state_dict", "token_logprobs", "with_lora"]

@@ -5,17 +5,17 @@ gateway keeps its own deadlines, limits and holds; this adapter is an ordinary, 
     env: {adapter: robot, id: reach, num_envs: 2,
           options: {gateway: 127.0.0.1:PORT, driver: sim, hz: 50, episode_steps: 100, action_scale: 0.05}}
 
-Task ``reach``: the observation is joint positions and
-velocities, the target and the end effector (x, y, z each); an action in [-1, 1] per joint moves the joint target by
-up to ``action_scale`` rad; the reward is minus the distance to the target, plus 1 and the end of the episode
-within ``success_distance``; ``episode_steps`` truncates. One vector step commands every robot, then waits for the
-first state of each that used its command (one control tick). A hold the gateway imposes (fault, e-stop, watchdog)
-ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
+Task ``reach``: the observation is joint positions and velocities, the target and the end effector (x, y, z each);
+an action in [-1, 1] per joint moves the joint target by up to ``action_scale`` rad; the reward is minus the distance
+to the target, plus 1 and the end of the episode within ``success_distance``; ``episode_steps`` truncates. One
+vector step commands every robot, then waits for the first state of each that used its command (one control tick).
+A latched hold the gateway imposes (fault, e-stop) ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
 to its start pose within the gateway's limits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -93,7 +93,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.single_action_space = gym.spaces.Box(-1.0, 1.0, (self.joints,), np.float32)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self.action_space = batch_space(self.single_action_space, num_envs)
-        self.outbox = [queue.Queue() for _ in self.ids]
+        # each step waits for the state its command produced, so at most one command is ever waiting per robot
+        self.outbox: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in self.ids]
         self.streams = [self.stub.Control(self._commands(i)) for i in range(num_envs)]
         self.seq = 0
         self.targets = np.zeros((num_envs, 3))
@@ -110,7 +111,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
 
     def _send(self, i: int, position: np.ndarray) -> int:
         self.seq += 1
-        self.outbox[i].put(self.pb.JointCommand(robot_id=self.ids[i], seq=self.seq, position=position.tolist()))
+        self.outbox[i].put_nowait(self.pb.JointCommand(robot_id=self.ids[i], seq=self.seq,
+                                                       position=position.tolist()))
         return self.seq
 
     def _state_after(self, i: int, seq: int):
@@ -189,7 +191,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
 
     def close_extras(self, **kwargs: Any) -> None:
         for box in self.outbox:
-            box.put(None)
+            with contextlib.suppress(queue.Full):  # a full box's stream is cancelled just below anyway
+                box.put_nowait(None)
         for stream in self.streams:
             stream.cancel()
         self._disconnect(self.ids)  # the arms brake and the gateway frees them

@@ -194,9 +194,9 @@ class GRPO(Algorithm):
             kept = batch["kept"] > 0
             stats["cut_fraction"] = 1.0 - float(kept.float().mean())
             batch = take(batch, torch.nonzero(kept).squeeze(1))
-        stats["reward_mean"] = float(batch["rewards"].float().mean()) if len(batch["rewards"]) else 0.0
         if not len(batch["rewards"]):
-            return stats | {"updated": 0.0}
+            return stats | {"reward_mean": 0.0, "updated": 0.0}
+        stats["reward_mean"] = float(batch["rewards"].float().mean())
         batch = self.select(batch)
         if batch is None:
             return stats | {"updated": 0.0}
@@ -258,5 +258,5 @@ class GRPO(Algorithm):
         return stats
 
 
-__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages", "mismatch", "k3",
-           "padded", "take"]
+__all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages",
+           "k3", "mismatch", "padded", "take"]

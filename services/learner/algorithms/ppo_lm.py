@@ -84,8 +84,9 @@ class PPOLM(GRPO):
         clipped = old + (values - old).clamp(-self.cfg.value_clip, self.cfg.value_clip)
         per_token = 0.5 * torch.max((values - ret).pow(2), (clipped - ret).pow(2))
         loss = aggregate(per_token, mask, self.cfg.loss_agg, whole)
-        explained = 1 - float(((ret - values) * mask).pow(2).sum() / (((ret - (ret * mask).sum() / mask.sum()
-                                                                        .clamp(min=1)) * mask).pow(2).sum() + 1e-8))
+        live = mask > 0  # explained variance of the returns over this minibatch's response tokens
+        residual, spread = (ret - values.detach())[live].var(), ret[live].var()
+        explained = float(1 - residual / (spread + 1e-8)) if live.sum() > 1 else 0.0
         return self.cfg.vf_coef * loss, {"value_loss": float(loss.detach()), "explained_variance": explained}
 
 
