@@ -15,6 +15,7 @@ from services.core.batch import Ragged, cat_ragged
 from services.core.dataplane import meta_int
 from services.env.adapters import adapter
 from services.env.adapters.gymnasium import describe_space, final_observations
+from services.env.chunking import step_fields
 
 MAX_SHARDS = 1024  # (scheduling.rollout_workers' bound): pools are named by worker index, so they are bounded too
 
@@ -41,6 +42,10 @@ class EnvPool:
         self.single_action_space = self.envs[0].single_action_space
         self.obs_spec = describe_space(self.single_observation_space)
         self.act_spec = describe_space(self.single_action_space)
+        self.action_chunk = env_cfg.action_chunk
+        if self.action_chunk > 1 and tuple(self.single_action_space.shape[:1]) != (self.action_chunk,):
+            raise ValueError(f"env.adapter {env_cfg.adapter!r} does not step action chunks (its action space is "
+                             f"{self.single_action_space}). Fix: env.action_chunk: 1, or use the gymnasium adapter")
         self.text_obs = self.obs_spec["kind"] == "text"
         self._returns = [np.zeros(self.chunk_size) for _ in self.envs]
         self._lengths = [np.zeros(self.chunk_size, dtype=np.int64) for _ in self.envs]
@@ -102,9 +107,10 @@ class EnvPool:
         obs, reward, terminated, truncated, info = self.envs[chunk].step(actions)
         self.step_seconds += time.perf_counter() - t0
         done = np.logical_or(terminated, truncated)
+        steps = step_fields(info, done, self.action_chunk) if self.action_chunk > 1 else None
         ret, length = self._returns[chunk], self._lengths[chunk]
         ret += reward
-        length += 1
+        length += 1 if steps is None else steps["executed"]
         ep_return = np.where(done, ret, 0.0)
         ep_length = np.where(done, length, 0)
         for i in np.flatnonzero(done) if done.any() else ():
@@ -112,9 +118,11 @@ class EnvPool:
             self.finished_lengths.append(int(length[i]))
         ret[done] = 0.0
         length[done] = 0
-        self.env_steps += self.chunk_size
+        self.env_steps += self.chunk_size if steps is None else int(steps["executed"].sum())
         out = {"obs": Ragged.from_texts(obs) if self.text_obs else obs, "reward": np.asarray(reward, dtype=np.float32),
                "terminated": terminated, "truncated": truncated}
+        if steps is not None:  # per primitive step of each action chunk: rewards, episode ends, what ran
+            out.update(steps)
         if done.any():  # most steps end no episode: keep those messages small
             if not self.text_obs:  # a text episode's last observation is what the model already read
                 out["final_obs"] = final_observations(obs, info, done)

@@ -16,7 +16,7 @@ from services.env.tasks.tools import FACTS, ToolError, calc, run_turn, search
 
 
 def _env(task="arith", num_envs=4, **options):
-    return SimpleNamespace(id=task, adapter="text", num_envs=num_envs, eval_envs=num_envs, kwargs={},
+    return SimpleNamespace(id=task, adapter="text", num_envs=num_envs, action_chunk=1, eval_envs=num_envs, kwargs={},
                            options=options, eval_options={})
 
 

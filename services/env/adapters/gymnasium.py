@@ -8,12 +8,16 @@ Observations keep their dtype (uint8 images stay uint8); Dict observation spaces
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
+
+import services.env.sims  # noqa: F401  (registers rlfabric's own simulated tasks as gymnasium ids)
+from services.env.chunking import ActionChunk
 
 
 class UnknownEnvError(ValueError):
@@ -39,8 +43,16 @@ def check(env_cfg: Any) -> None:
                          f"Fix: remove it (or use rgb_array)")
 
 
-def vectorize(make: Callable[[], gym.Env], num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
+def vectorize(make: Callable[[], gym.Env], num_envs: int, vectorization: str = "sync",
+              action_chunk: int = 1) -> gym.vector.VectorEnv:
+    """``num_envs`` copies of ``make``'s env; with ``action_chunk`` > 1 each steps a chunk of actions per call."""
+    if action_chunk > 1:
+        make = functools.partial(_chunked, make, action_chunk)
     return vectorize_fns([make] * num_envs, vectorization)
+
+
+def _chunked(make: Callable[[], gym.Env], horizon: int) -> gym.Env:
+    return ActionChunk(make(), horizon)
 
 
 def vectorize_fns(fns: list[Callable[[], gym.Env]], vectorization: str = "sync") -> gym.vector.VectorEnv:
@@ -58,7 +70,7 @@ def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") ->
     def make() -> gym.Env:
         return gym.make(env_id, **kwargs)
 
-    return vectorize(make, num_envs, vectorization)
+    return vectorize(make, num_envs, vectorization, env_cfg.action_chunk)
 
 
 def final_observations(obs: Any, info: dict[str, Any], done: np.ndarray) -> Any:

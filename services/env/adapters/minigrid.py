@@ -51,4 +51,4 @@ def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") ->
     def make() -> gym.Env:
         return wrappers.ImgObsWrapper(pixels(gym.make(env_id, **kwargs), tile_size=tile))
 
-    return vectorize(make, num_envs, vectorization)
+    return vectorize(make, num_envs, vectorization, env_cfg.action_chunk)

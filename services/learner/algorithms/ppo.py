@@ -8,6 +8,12 @@
 
 Batches are time-major [T, N] as the rollout records them (``trajectory``); a truncated episode arrives with its
 bootstrap value gamma * V(final obs) already folded into its last reward.
+
+Action chunks (env.action_chunk = H): a step is one decision that executed n <= H primitive actions.
+    reward_level chunk:   r_t = sum_h r_{t,h}, discounted by gamma per decision
+    reward_level action:  r_t = sum_h gamma^h r_{t,h}, discounted by gamma^n (exact per primitive step)
+Log-probs may come per decision, per action or per token (the policy's level): the ratio is taken per element and
+each element gets its decision's advantage.
 """
 
 from __future__ import annotations
@@ -40,19 +46,23 @@ class PPOConfig(AlgorithmConfig):
     max_grad_norm: float = Field(0.5, gt=0, allow_inf_nan=False)
     normalize_advantage: bool = True
     target_kl: float | None = Field(None, gt=0, allow_inf_nan=False)
+    reward_level: Literal["chunk", "action"] = Field(
+        "chunk", description="with action chunks: sum a chunk's rewards (chunk) or discount them per step (action)")
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor,
-                gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns for [T, N] rewards/values/dones, bootstrapping from the values after step T."""
+                gamma: float | torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns for [T, N] rewards/values/dones, bootstrapping from the values after step T.
+    ``gamma`` may be a [T, N] tensor: the discount from each step to the next (gamma^n for a chunk of n steps)."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(last_values)
     for t in reversed(range(T)):
         next_values = last_values if t == T - 1 else values[t + 1]
         not_done = 1.0 - dones[t]
-        delta = rewards[t] + gamma * next_values * not_done - values[t]
-        last_gae = delta + gamma * lam * not_done * last_gae
+        g = gamma[t] if isinstance(gamma, torch.Tensor) else gamma
+        delta = rewards[t] + g * next_values * not_done - values[t]
+        last_gae = delta + g * lam * not_done * last_gae
         advantages[t] = last_gae
     return advantages, advantages + values
 
@@ -81,6 +91,18 @@ def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
     return loss, stats
 
 
+def per_step_discounting(rewards: torch.Tensor, step_rewards: torch.Tensor, step_valid: torch.Tensor,
+                         gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Action-level rewards of [T, N] chunk decisions: sum_h gamma^h r_h, and gamma^n to the next decision. A
+    truncation bootstrap the collector folded into ``rewards`` (as gamma * V) is moved to gamma^n * V."""
+    H = step_rewards.shape[-1]
+    powers = gamma ** torch.arange(H, dtype=rewards.dtype, device=rewards.device)
+    executed = step_valid.sum(-1)
+    bootstrap = rewards - (step_rewards * step_valid).sum(-1)
+    discounted = (step_rewards * step_valid * powers).sum(-1) + bootstrap * gamma ** (executed - 1).clamp(min=0)
+    return discounted, gamma ** executed
+
+
 def linear(start: float, progress_remaining: float, schedule: str) -> float:
     return start * progress_remaining if schedule == "linear" else start
 
@@ -93,7 +115,8 @@ class PPO(Algorithm):
 
     @classmethod
     def trajectory(cls, cfg: PPOConfig) -> Trajectory:
-        return Trajectory(fields=("obs", "actions", "logp", "values", "rewards", "dones", "last_values"),
+        steps = ("step_rewards", "step_valid") if cfg.reward_level == "action" else ()
+        return Trajectory(fields=("obs", "actions", "logp", "values", "rewards", "dones", "last_values", *steps),
                           bootstrap_truncated=cfg.gamma)
 
     @classmethod
@@ -119,12 +142,15 @@ class PPO(Algorithm):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        advantages, returns = compute_gae(rewards, values, dones, batch["last_values"], cfg.gamma, cfg.gae_lambda)
+        gamma: float | torch.Tensor = cfg.gamma
+        if cfg.reward_level == "action" and "step_rewards" in batch:
+            rewards, gamma = per_step_discounting(rewards, batch["step_rewards"], batch["step_valid"], cfg.gamma)
+        advantages, returns = compute_gae(rewards, values, dones, batch["last_values"], gamma, cfg.gae_lambda)
         size = T * N
         flat = {
             "obs": tree_map(lambda x: x.reshape(size, *x.shape[2:]), batch["obs"]),
             "actions": batch["actions"].reshape(size, *batch["actions"].shape[2:]),
-            "logp": batch["logp"].reshape(-1), "values": values.reshape(-1),
+            "logp": batch["logp"].reshape(size, *batch["logp"].shape[2:]), "values": values.reshape(-1),
             "advantages": advantages.reshape(-1), "returns": returns.reshape(-1),
         }
         mb = min(cfg.batch_size, size)
@@ -141,6 +167,7 @@ class PPO(Algorithm):
                     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
                 obs = tree_map(lambda x, i=idx: x[i], flat["obs"])
                 new_logp, entropy, new_values = self.policy.evaluate(obs, flat["actions"][idx])
+                adv = adv.reshape(-1, *(1,) * (new_logp.dim() - 1))  # each action/token of a decision gets its
                 loss, stats = ppo_loss(new_logp, flat["logp"][idx], adv, new_values, flat["values"][idx],
                                        flat["returns"][idx], entropy, clip, cfg.clip_range_vf, cfg.vf_coef,
                                        cfg.ent_coef)
@@ -165,4 +192,4 @@ class PPO(Algorithm):
         return out
 
 
-__all__ = ["PPO", "PPOConfig", "compute_gae", "ppo_loss"]
+__all__ = ["PPO", "PPOConfig", "compute_gae", "per_step_discounting", "ppo_loss"]

@@ -22,7 +22,8 @@ from services.core.batch import TensorBatch, tree_map
 
 log = logging.getLogger(__name__)
 OFFERS = ("obs", "actions", "logp", "values", "rewards", "dones", "terminated", "truncated", "next_obs",
-          "last_values")
+          "last_values", "step_rewards", "step_dones", "step_valid")
+STEP_FIELDS = ("step_rewards", "step_dones", "step_valid")  # per primitive step of an action chunk [T, N, H]
 NEEDS_VALUE = ("values", "last_values")
 
 
@@ -78,7 +79,7 @@ class GymCollector:
                              f"collector does not record; it offers {list(OFFERS)}")
         if (wanted & set(NEEDS_VALUE) or self.trajectory.bootstrap_truncated is not None) and not backend.has_value:
             raise ValueError(f"algorithm {config.algorithm.name!r} needs state values, but its policy "
-                             f"{config.spec.policy!r} has no value head")
+                             f"{config.policy_name!r} has no value head")
         self.N, self.C = shard_envs, chunks
         self.S = shard_envs // chunks
         self.pool = pool
@@ -100,15 +101,15 @@ class GymCollector:
         T, N, C, S = cfg.algorithm.n_steps, self.N, self.C, self.S
         want = set(traj.fields)
         obs_buf = _buffer(self.obs, T, N)
-        act_shape = tuple(cfg_action_shape(self.backend))
-        act_buf = np.zeros((T, N, *act_shape), dtype=np.int64 if self.backend.policy.discrete else np.float32)
-        logp_buf = np.zeros((T, N), dtype=np.float32)
+        act_buf: np.ndarray | None = None  # shaped by the policy's first raw actions and log-probs (an action
+        logp_buf: np.ndarray | None = None  # chunk, a denoising chain, per-token log-probs ...)
         val_buf = np.zeros((T, N), dtype=np.float32)
         rew_buf = np.zeros((T, N), dtype=np.float32)
         done_buf = np.zeros((T, N), dtype=np.float32)
         term_buf = np.zeros((T, N), dtype=np.float32)
         trunc_buf = np.zeros((T, N), dtype=np.float32)
         next_buf = _buffer(self.obs, T, N) if "next_obs" in want else None
+        step_bufs: dict[str, np.ndarray] = {}
         out = Collected(TensorBatch())
         explore = batch_index * cfg.batch_env_steps() < traj.random_until_env_steps
         gamma = traj.bootstrap_truncated
@@ -123,6 +124,10 @@ class GymCollector:
             else:
                 raw, env_actions, logp, values = self.backend.act(obs)
             out.policy_seconds += time.perf_counter() - p0
+            nonlocal act_buf, logp_buf
+            if act_buf is None:
+                act_buf = np.zeros((T, N, *raw.shape[1:]), dtype=np.int64 if raw.dtype.kind in "iu" else np.float32)
+                logp_buf = np.zeros((T, N, *np.shape(logp)[1:]), dtype=np.float32)
             _write(obs_buf, t, sl, obs)
             act_buf[t, sl], logp_buf[t, sl], val_buf[t, sl] = raw, logp, values
             return self.env.send("step", TensorBatch({"actions": env_actions}, meta={"pool": self.pool, "chunk": c}))
@@ -151,6 +156,13 @@ class GymCollector:
                         idx = np.flatnonzero(bootstrap)
                         reward[idx] += gamma * self.backend.value(_rows(step["final_obs"], idx))
                 rew_buf[t, sl], done_buf[t, sl] = reward, done
+                for key in want.intersection(STEP_FIELDS):
+                    if key not in step:
+                        raise ValueError(f"algorithm {cfg.algorithm.name!r} asks for {key!r}, which only envs that "
+                                         f"step action chunks report. Fix: set env.action_chunk > 1")
+                    if key not in step_bufs:
+                        step_bufs[key] = np.zeros((T, N, *np.shape(step[key])[1:]), np.float32)
+                    step_bufs[key][t, sl] = step[key]
                 term_buf[t, sl], trunc_buf[t, sl] = terminated, truncated
                 for i in np.flatnonzero(done):
                     out.returns.append(float(step["episode_return"][i]))
@@ -160,7 +172,7 @@ class GymCollector:
                     pending[c] = act(c, t + 1)
         fields = {"obs": obs_buf, "actions": act_buf, "logp": logp_buf, "values": val_buf, "rewards": rew_buf,
                   "dones": done_buf, "terminated": term_buf, "truncated": trunc_buf, "next_obs": next_buf}
-        tensors = {k: v for k, v in fields.items() if k in want}
+        tensors = {k: v for k, v in (fields | step_bufs).items() if k in want}
         field_dims = {}
         if "last_values" in want:
             tensors["last_values"] = self.backend.value(self.obs).astype(np.float32)
@@ -187,10 +199,6 @@ def probe_echo(env: Any, payload: TensorBatch, round_trips: int) -> tuple[float,
         env.request("echo", payload)
         times.append(time.perf_counter() - t0)
     return float(np.median(times)), int(payload.nbytes)
-
-
-def cfg_action_shape(backend: Any) -> tuple[int, ...]:
-    return () if backend.policy.discrete else tuple(backend.policy.action_shape)
 
 
 def _assign(obs: Any, sl: slice, value: Any) -> None:
