@@ -29,6 +29,8 @@ class EnvConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="the adapter's own options (e.g. minigrid: "
                                                                        "tile_size, view); the adapter checks them")
     eval_envs: int = Field(10, ge=1, le=1024, description="envs (one episode each) used for evaluation")
+    action_chunk: int = Field(1, ge=1, le=256, description="primitive actions per policy decision: >1 makes each "
+                                                           "step execute a chunk of actions (VLA policies)")
     eval_options: dict[str, Any] = Field(default_factory=dict, description="options that differ for evaluation, "
                                                                            "over options (e.g. split: held_out)")
 
@@ -84,13 +86,43 @@ class LMConfig(_Strict):
         return self
 
 
+class VLAConfig(_Strict):
+    """A VLA-shaped policy (``policy.name: vla``): image patches, instruction tokens and proprioception as tokens
+    of one transformer trunk, and an action-chunk head."""
+
+    width: int = Field(64, ge=8, le=8192, description="token width of the trunk")
+    heads: int = Field(4, ge=1, le=128)
+    layers: int = Field(2, ge=1, le=64)
+    patch: int = Field(8, ge=2, le=64, description="image patch size (pixels): one token per patch")
+    encoder: Literal["cnn", "vit"] = Field("cnn", description="image tokens from a conv stem (three stride-2 "
+                                                              "convolutions: patch 8) or a ViT's linear patch embedding")
+    head: Literal["tokens", "flow"] = Field("tokens", description="tokens: discrete action tokens decoded in "
+                                                                  "parallel; flow: a flow-matching action expert")
+    bins: int = Field(21, ge=2, le=1024, description="tokens head: bins per action dimension over [low, high]")
+    flow_steps: int = Field(4, ge=1, le=64, description="flow head: denoising steps per chunk")
+    flow_noise: float = Field(0.5, gt=0, le=5, allow_inf_nan=False,
+                              description="flow head: the Flow-SDE noise level sigma of each denoising step")
+    logprob_level: Literal["chunk", "action", "token"] = Field(
+        "chunk", description="what one log-prob covers in the update: the whole chunk, one action of it, or one "
+                             "action dimension (token)")
+
+    @model_validator(mode="after")
+    def _heads(self) -> VLAConfig:
+        if self.width % self.heads:
+            raise ValueError(f"width={self.width} is not divisible by heads={self.heads}")
+        return self
+
+
 class PolicyConfig(_Strict):
+    name: str = Field("", max_length=64, description="the policy to train (a registered name, e.g. vla); empty: "
+                                                     "the one the algorithm names")
     hidden_sizes: list[int] = Field(default_factory=lambda: [64, 64])
     activation: Literal["tanh", "relu"] = "tanh"
     log_std_init: float = 0.0
     ortho_init: bool = True
     cnn: CNNConfig = Field(default_factory=CNNConfig, description="encoder of image observations")
     lm: LMConfig = Field(default_factory=LMConfig, description="the language model of LM policies")
+    vla: VLAConfig = Field(default_factory=VLAConfig, description="the VLA-shaped policy (policy.name: vla)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")
 
@@ -343,6 +375,11 @@ class RunConfig(_Strict):
         return ALGORITHMS[self.algorithm.name]
 
     @property
+    def policy_name(self) -> str:
+        """The policy this run trains: ``policy.name``, or the one its algorithm names."""
+        return self.policy.name or self.spec.policy
+
+    @property
     def collects(self) -> bool:
         """Whether rollout workers collect data for this run's algorithm (offline algorithms do not)."""
         return self.spec.roles.rollout == "policy"
@@ -358,6 +395,10 @@ class RunConfig(_Strict):
     def _consistent(self) -> RunConfig:
         sched = self.scheduling
         self.spec.check(self)
+        if self.policy.name and self.policy.name != self.spec.policy:
+            from services.core.models import check_policy  # imports torch: only for runs that pick a policy
+
+            check_policy(self.policy.name, self.spec.policy, f"algorithm {self.algorithm.name!r}")
         if self.runtime.learner_ranks > 1:
             if not self.spec.data_parallel:
                 raise ValueError(f"runtime.learner_ranks={self.runtime.learner_ranks}, but algorithm "

@@ -111,7 +111,7 @@ def initial_policy(config: Any, env_spec: dict, device: torch.device, weights: d
 
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
-    policy = build_policy(config.spec.policy, env_spec, config.policy).to(device)
+    policy = build_policy(config.policy_name, env_spec, config.policy).to(device)
     if weights is not None:
         try:
             policy.load_state_dict(weights)

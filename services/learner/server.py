@@ -91,8 +91,9 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                 raise ValueError(f"algorithm {spec.name!r} needs an expert: set algorithm.expert_checkpoint to a "
                                  f"checkpoint file of a run with the same env")
             state = _read_checkpoint(path, "algorithm.expert_checkpoint")
-            expert = build_policy(spec.policy, json.loads(state["env_spec_json"]), RunConfig.from_json(
-                state["config_json"]).policy).to(self.device)
+            expert_config = RunConfig.from_json(state["config_json"])
+            expert = build_policy(expert_config.policy_name, json.loads(state["env_spec_json"]),
+                                  expert_config.policy).to(self.device)
             expert.load_state_dict(state["policy"])
             roles["expert"] = _frozen(expert)
         return roles

@@ -92,3 +92,17 @@ def test_the_cheap_spec_reader_agrees_with_the_schema_on_overrides(tmp_path):
     assert (config.name, config.runtime.torch_threads, config.train.total_env_steps) == ("b", 3, 4096)
     with pytest.raises(ConfigError, match="'name' is a value, not a section"):
         read_spec_file(spec, ["name.x=1"])
+
+
+def test_a_policy_chosen_by_name_must_serve_the_algorithm():
+    """policy.name picks another registered policy for an algorithm, if it serves the same interface: the VLA
+    policy serves PPO as an actor-critic, not SAC's squashed-Gaussian actor; unknown names list the known ones."""
+    cfg = parse_config("policy: {name: vla}\nenv: {id: rlfabric/ArmReach-v0, action_chunk: 4}")
+    assert cfg.policy_name == "vla" and RunConfig().policy_name == "actor_critic"
+    with pytest.raises(ConfigError, match="policy.name='vla' serves as 'actor_critic', but algorithm 'sac' trains a "
+                                          "'squashed_gaussian' policy"):
+        parse_config("policy: {name: vla}\nalgorithm: {name: sac}")
+    with pytest.raises(ConfigError, match="policy 'vlaa' is not registered; available"):
+        parse_config("policy: {name: vlaa}")
+    with pytest.raises(ConfigError, match="policy.vla: .*width=60 is not divisible by heads=8"):
+        parse_config("policy: {name: vla, vla: {width: 60, heads: 8}}")

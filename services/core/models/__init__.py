@@ -18,6 +18,7 @@ POLICIES: dict[str, Any] = {
     "actor_critic": ActorCritic, "squashed_gaussian": SquashedGaussianActor,
     "causal_lm": "services.core.models.lm:CausalLMPolicy",  # imported when used: it needs transformers
     "causal_lm_value": "services.core.models.lm:CausalLMValuePolicy",
+    "vla": "services.core.models.vla:VLAPolicy",
 }
 
 
@@ -29,15 +30,33 @@ def register_policy(name: str):
     return wrap
 
 
-def build_policy(name: str, env_spec: dict[str, Any], policy_config: Any):
+def policy_class(name: str) -> type:
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not registered; available: {sorted(POLICIES)}")
     cls = POLICIES[name]
     if isinstance(cls, str):
         module, _, attr = cls.partition(":")
         cls = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def check_policy(name: str, needed: str, who: str) -> None:
+    """A policy chosen by name (``policy.name``) must serve the interface ``who`` trains (``serves``: e.g. the
+    VLA policy serves as an actor_critic: act, evaluate, value)."""
+    try:
+        cls = policy_class(name)
+    except ValueError as exc:
+        raise ValueError(f"policy.name: {exc}") from None
+    serves = getattr(cls, "serves", name)
+    if serves != needed:
+        raise ValueError(f"policy.name={name!r} serves as {serves!r}, but {who} trains a {needed!r} policy. Fix: "
+                         f"choose a policy that serves {needed!r}, or leave policy.name empty")
+
+
+def build_policy(name: str, env_spec: dict[str, Any], policy_config: Any):
+    cls = policy_class(name)
     return cls(env_spec["observation_space"], env_spec["action_space"], policy_config)
 
 
-__all__ = ["ActorCritic", "POLICIES", "SquashedGaussianActor", "build_encoder", "build_policy", "mlp",
-           "register_policy"]
+__all__ = ["ActorCritic", "POLICIES", "SquashedGaussianActor", "build_encoder", "build_policy", "check_policy", "mlp",
+           "policy_class", "register_policy"]

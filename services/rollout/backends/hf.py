@@ -39,7 +39,7 @@ class LMBackend:
         """The run's policy (on ``policy_device``, default the backend's device), its tokenizer, the sampling
         temperature and this worker's seeded generator."""
         self.device = torch.device(device)
-        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(policy_device or self.device)
+        self.policy = build_policy(config.policy_name, env_spec, config.policy).to(policy_device or self.device)
         self.policy.eval()
         self.tokenizer = self.policy.tokenizer
         self.has_value = False

@@ -21,7 +21,7 @@ def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
 class TorchBackend:
     def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.policy = build_policy(config.spec.policy, env_spec, config.policy).to(self.device)
+        self.policy = build_policy(config.policy_name, env_spec, config.policy).to(self.device)
         self.policy.eval()
         self.has_value = bool(getattr(self.policy, "has_value", False))
         self.receiver = StateDictReceiver(self.policy)

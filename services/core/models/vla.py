@@ -1,0 +1,233 @@
+"""VLAPolicy: a small vision-language-action policy built from config with random init, shaped like OpenVLA-OFT
+and pi0: image patches (a ViT patch embedding), instruction tokens (the task's BPE ids) and proprioception become
+tokens of one transformer trunk, and an action-chunk head reads it. It serves policy-gradient algorithms as an
+actor-critic (``act``, ``evaluate``, ``value``), with a value head on the trunk's pooled context.
+
+Image tokens come from a conv stem (``encoder: cnn``, three stride-2 convolutions) or a ViT's linear patch
+embedding (``encoder: vit``); the conv stem learns to localise a few-pixel object from RL rewards far sooner.
+
+    tokens  each action dimension of each step of the chunk is a discrete token over ``bins`` bins; H*A learned
+            query tokens join the sequence and are decoded in parallel (one forward pass, no autoregression)
+    flow    a flow-matching action expert v(x, tau | context), integrated over K = ``flow_steps`` steps from noise
+            to the chunk as a Flow-SDE, so every step is a Gaussian with a log-prob (the piRL method)
+
+Flow-SDE. With x_tau = (1 - tau) x0 + tau x1 (x0 ~ N(0, I) noise, x1 the chunk) and v = E[x1 - x0 | x_tau], the
+score is -(x - tau v) / (1 - tau), and the SDE with the flow's marginals and noise level sigma is
+
+    dx = [v - sigma^2 / (2 (1 - tau)) * (x - tau v)] dtau + sigma dW
+
+Euler-Maruyama with d = 1/K: x_{k+1} ~ N(mu_k, sigma^2 d), mu_k = x_k + d * drift(x_k, tau_k). The chain x_0..x_K
+is the raw action the update re-scores: log pi(chain) = sum_k log N(x_{k+1}; mu_k, sigma^2 d) (x_0's density does
+not depend on the policy). The env gets x_K clipped to the action bounds. Deterministic acting integrates the ODE
+from x_0 = 0.
+
+Log-prob levels (``logprob_level``): chunk -> one per decision [B]; action -> one per step of the chunk [B, H];
+token -> one per action dimension [B, H, A]. An update broadcasts a decision's advantage over them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.core.models.encoders import box_bound, is_image
+
+
+class VLAPolicy(nn.Module):
+    has_value = True
+    serves = "actor_critic"
+
+    def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
+        super().__init__()
+        v = cfg.vla
+        if action_space["kind"] != "box" or len(action_space["shape"]) not in (1, 2):
+            raise ValueError(f"the vla policy acts in Box action spaces of shape [A] or [H, A] (a chunk of H "
+                             f"actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
+        self.discrete = False
+        self.action_shape = tuple(action_space["shape"])
+        self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
+        self.act_dim = self.H * self.A
+        self.head, self.level, self.width = v.head, v.logprob_level, v.width
+        self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
+        self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
+        self._inputs(obs_space, v)
+        layer = nn.TransformerEncoderLayer(v.width, v.heads, 4 * v.width, dropout=0.0, batch_first=True,
+                                           norm_first=True, activation="gelu")
+        self.trunk = nn.TransformerEncoder(layer, v.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(v.width)
+        self.cls = nn.Parameter(torch.zeros(1, 1, v.width))
+        self.value_head = nn.Sequential(nn.Linear(v.width, v.width), nn.Tanh(), nn.Linear(v.width, 1))
+        if self.head == "tokens":
+            self.bins = v.bins
+            self.queries = nn.Parameter(0.02 * torch.randn(1, self.act_dim, v.width))
+            self.bin_head = nn.Linear(v.width, v.bins)
+            nn.init.zeros_(self.bin_head.weight)  # uniform over bins at init: maximal exploration
+            nn.init.zeros_(self.bin_head.bias)
+            self.register_buffer("centers", torch.linspace(-1.0, 1.0, v.bins))
+        else:
+            self.steps, self.sigma = v.flow_steps, v.flow_noise
+            hidden = 4 * v.width
+            self.expert = nn.Sequential(nn.Linear(self.act_dim + v.width + 32, hidden), nn.GELU(),
+                                        nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, self.act_dim))
+            nn.init.zeros_(self.expert[-1].weight)
+            nn.init.zeros_(self.expert[-1].bias)
+
+    def _inputs(self, space: dict[str, Any], v: Any) -> None:
+        """Token embeddings of each observation entry: an image's patches, an instruction's ids (an int64 Box
+        named ``instruction``; 0 pads), the rest flattened into one proprioception token."""
+        spaces = space["spaces"] if space["kind"] == "dict" else {"image" if is_image(space) else "state": space}
+        self.image_key = next((k for k, s in sorted(spaces.items()) if is_image(s)), None)
+        self.text_key = "instruction" if "instruction" in spaces else None
+        self.state_keys = sorted(k for k in spaces if k not in (self.image_key, self.text_key))
+        self.dict_obs = space["kind"] == "dict"
+        if self.image_key is not None:
+            shape = list(spaces[self.image_key]["shape"])
+            self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
+            c, h, w = (shape[2], shape[0], shape[1]) if self.channels_last else shape
+            if h % v.patch or w % v.patch:
+                raise ValueError(f"policy.vla.patch={v.patch} does not divide the {h}x{w} image; pick a divisor")
+            if v.encoder == "vit":
+                self.patchify = nn.Conv2d(c, v.width, v.patch, v.patch)
+            else:  # a conv stem: localises small objects with far fewer samples than a linear patch embedding
+                if v.patch != 8:
+                    raise ValueError(f"policy.vla.encoder=cnn makes 8x8-pixel tokens; set policy.vla.patch: 8 (got "
+                                     f"{v.patch}) or encoder: vit")
+                self.patchify = nn.Sequential(nn.Conv2d(c, 16, 3, 2, 1), nn.GELU(), nn.Conv2d(16, 32, 3, 2, 1),
+                                              nn.GELU(), nn.Conv2d(32, v.width, 3, 2, 1))
+            self.image_pos = nn.Parameter(0.02 * torch.randn(1, (h // v.patch) * (w // v.patch), v.width))
+        if self.text_key is not None:
+            s = spaces[self.text_key]
+            self.vocab = int(np.max(s["high"])) + 1
+            self.embed = nn.Embedding(self.vocab, v.width, padding_idx=0)
+            self.text_pos = nn.Parameter(0.02 * torch.randn(1, s["shape"][0], v.width))
+        n = sum(int(np.prod(spaces[k]["shape"])) if spaces[k]["shape"] else 1 for k in self.state_keys)
+        self.state_proj = nn.Linear(n, v.width) if n else None
+
+    # -- trunk ---------------------------------------------------------------------------------------------
+    def _tokens(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        parts: dict[str, torch.Tensor] = obs if self.dict_obs else {self.image_key or "state": obs}
+        B = next(iter(parts.values())).shape[0]
+        tokens, masks = [self.cls.expand(B, -1, -1)], []
+        if self.image_key is not None:
+            x = parts[self.image_key].float() / 255.0 - 0.5
+            if self.channels_last:
+                x = x.permute(0, 3, 1, 2)
+            tokens.append(self.patchify(x).flatten(2).transpose(1, 2) + self.image_pos)
+        if self.text_key is not None:
+            ids = parts[self.text_key].long().clamp(0, self.vocab - 1)
+            tokens.append(self.embed(ids) + self.text_pos)
+            masks.append(ids == 0)
+        if self.state_proj is not None:
+            state = torch.cat([parts[k].reshape(B, -1).float() for k in self.state_keys], -1)
+            tokens.append(self.state_proj(state).unsqueeze(1))
+        x = torch.cat(tokens, 1)
+        pad = torch.zeros(B, x.shape[1], dtype=torch.bool, device=x.device)
+        if masks:
+            start = 1 + (self.image_pos.shape[1] if self.image_key is not None else 0)
+            pad[:, start:start + masks[0].shape[1]] = masks[0]
+        return x, pad
+
+    def _run(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(pooled context [B, W], the action queries' outputs [B, H*A, W] for the tokens head)."""
+        x, pad = self._tokens(obs)
+        if self.head == "tokens":
+            B = x.shape[0]
+            x = torch.cat([x, self.queries.expand(B, -1, -1)], 1)
+            pad = torch.cat([pad, torch.zeros(B, self.act_dim, dtype=torch.bool, device=x.device)], 1)
+        y = self.norm(self.trunk(x, src_key_padding_mask=pad))
+        return y[:, 0], (y[:, -self.act_dim:] if self.head == "tokens" else None)
+
+    def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[B, H, A] -> the configured log-prob level."""
+        if self.level == "token":
+            return per_token
+        if self.level == "action":
+            return per_token.sum(-1)
+        return per_token.sum((-1, -2))
+
+    # -- the flow expert -----------------------------------------------------------------------------------
+    def velocity(self, x: torch.Tensor, tau: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """v(x, tau | context) for flat chunks x [N, H*A] at times tau [N]."""
+        freqs = torch.exp(torch.linspace(0.0, math.log(1000.0), 16, device=x.device))
+        angles = tau[:, None] * freqs[None]
+        return self.expert(torch.cat([x, context, angles.sin(), angles.cos()], -1))
+
+    def step_mean(self, x: torch.Tensor, k: int | torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """mu_k: the mean of the Flow-SDE step from x_k (the noise-free Euler step of the ODE when sigma is 0)."""
+        d = 1.0 / self.steps
+        tau = (torch.as_tensor(k, device=x.device, dtype=x.dtype) * d).expand(x.shape[0])
+        v = self.velocity(x, tau, context)
+        drift = v - self.sigma ** 2 / (2 * (1 - tau[:, None])) * (x - tau[:, None] * v)
+        return x + d * drift
+
+    def _chain_logp(self, chain: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Per-token log-prob [B, H, A] of a denoising chain [B, K+1, H, A]: all K steps in one expert call."""
+        B, K = chain.shape[0], self.steps
+        x = chain[:, :K].reshape(B * K, self.act_dim)
+        k = torch.arange(K, device=chain.device).repeat(B)
+        mu = self.step_mean(x, k, context.repeat_interleave(K, 0)).reshape(B, K, self.H, self.A)
+        std = self.sigma * math.sqrt(1.0 / K)
+        z = (chain[:, 1:] - mu) / std
+        return (-0.5 * z.pow(2) - math.log(std) - 0.5 * math.log(2 * math.pi)).sum(1)
+
+    # -- actor-critic interface ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: Any, deterministic: bool = False, generator: torch.Generator | None = None):
+        context, queries = self._run(obs)
+        value = self.value_head(context).squeeze(-1)
+        B = context.shape[0]
+        if self.head == "tokens":
+            log_probs = torch.log_softmax(self.bin_head(queries), -1)  # [B, H*A, bins]
+            if deterministic:
+                idx = log_probs.argmax(-1)
+            else:
+                idx = torch.multinomial(log_probs.exp().reshape(-1, self.bins), 1, generator=generator)
+                idx = idx.reshape(B, self.act_dim)
+            logp = log_probs.gather(-1, idx.unsqueeze(-1)).reshape(B, self.H, self.A)
+            return idx.reshape(B, self.H, self.A), self._reduce(logp), value
+        std = 0.0 if deterministic else self.sigma * math.sqrt(1.0 / self.steps)
+        x = torch.zeros(B, self.act_dim, device=context.device) if deterministic else \
+            torch.randn(B, self.act_dim, generator=generator, device=context.device)
+        chain = [x]
+        for k in range(self.steps):
+            mu = self.step_mean(x, k, context) if std else self._ode_step(x, k, context)
+            x = mu + std * torch.randn(mu.shape, generator=generator, device=mu.device) if std else mu
+            chain.append(x)
+        chain_t = torch.stack(chain, 1).reshape(B, self.steps + 1, self.H, self.A)
+        return chain_t, self._reduce(self._chain_logp(chain_t, context)), value
+
+    def _ode_step(self, x: torch.Tensor, k: int, context: torch.Tensor) -> torch.Tensor:
+        d = 1.0 / self.steps
+        return x + d * self.velocity(x, torch.full((x.shape[0],), k * d, device=x.device), context)
+
+    def evaluate(self, obs: Any, actions: torch.Tensor):
+        """Log-probs (at the configured level), entropies (same shape) and values of recorded raw actions: bin
+        ids [B, H, A] for the tokens head, denoising chains [B, K+1, H, A] for the flow head."""
+        context, queries = self._run(obs)
+        value = self.value_head(context).squeeze(-1)
+        B = context.shape[0]
+        if self.head == "tokens":
+            log_probs = torch.log_softmax(self.bin_head(queries), -1)
+            logp = log_probs.gather(-1, actions.reshape(B, self.act_dim, 1).long()).reshape(B, self.H, self.A)
+            entropy = -(log_probs.exp() * log_probs).sum(-1).reshape(B, self.H, self.A)
+            return self._reduce(logp), self._reduce(entropy), value
+        logp = self._chain_logp(actions.reshape(B, self.steps + 1, self.H, self.A), context)
+        per_step = 0.5 * math.log(2 * math.pi * math.e * self.sigma ** 2 / self.steps)
+        entropy = torch.full_like(logp, self.steps * per_step)  # fixed noise: entropy is a constant
+        return self._reduce(logp), self._reduce(entropy), value
+
+    def value(self, obs: Any) -> torch.Tensor:
+        return self.value_head(self._run(obs)[0]).squeeze(-1)
+
+    def env_actions(self, actions: torch.Tensor) -> np.ndarray:
+        """The chunk the env executes: bin centres, or the chain's last point, mapped from [-1, 1] onto bounds."""
+        if self.head == "tokens":
+            unit = self.centers[actions.long()]
+        else:
+            unit = actions[:, -1].clamp(-1.0, 1.0)
+        chunk = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
+        return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()

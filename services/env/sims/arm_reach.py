@@ -1,0 +1,197 @@
+"""ArmReach: a planar two-joint MuJoCo arm on a table reaches a coloured ball, seen by a top-down camera.
+
+An action is a Cartesian move of the end effector in the table plane, ``action * max_move`` metres, turned into
+joint-servo targets by damped least squares on the site Jacobian (as an arm's Cartesian controller does); each step
+simulates ``frame_skip`` physics steps. The balls are placed at random in the arm's reach at reset; with several colours an instruction names the
+goal ball and the others are distractors.
+
+Reward: progress toward the goal ball, normalised by the starting distance (so it sums to at most 1 over an
+episode), plus 1 on success (the end effector within ``success_radius``), which ends the episode. An episode's
+return is above 1 exactly when it succeeds: the success rate is the fraction of returns > 1.
+
+Pixels are rendered headless on the CPU (``MUJOCO_GL=osmesa``, Debian's libosmesa6, set here unless the process
+says otherwise; ``egl`` works too) with shadows and multisampling off: ~0.4 ms a 64x64 frame instead of ~30 ms with the defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from services.env.sims import instructions
+
+RGBA = {"red": "0.9 0.1 0.1 1", "blue": "0.1 0.2 0.9 1", "green": "0.1 0.8 0.2 1", "yellow": "0.9 0.8 0.1 1"}
+LINKS = (0.2, 0.15)
+
+
+def mjcf(colors: tuple[str, ...]) -> str:
+    balls = "\n".join(
+        f'<body name="{c}" mocap="true" pos="0.2 0 0.02"><geom type="sphere" size="0.035" rgba="{RGBA[c]}" '
+        f'contype="0" conaffinity="0"/></body>' for c in colors)
+    return f"""
+<mujoco model="rlfabric-arm-reach">
+  <compiler angle="radian"/>
+  <option timestep="0.01" integrator="implicitfast"/>
+  <visual><quality shadowsize="0" offsamples="0"/><global offwidth="256" offheight="256"/></visual>
+  <worldbody>
+    <light pos="0 0 2" dir="0 0 -1" castshadow="false"/>
+    <camera name="top" pos="0 0 0.95" xyaxes="1 0 0 0 1 0"/>
+    <geom type="plane" size="0.5 0.5 0.05" rgba="0.75 0.75 0.72 1" contype="0" conaffinity="0"/>
+    <body name="upper" pos="0 0 0.03">
+      <joint name="shoulder" type="hinge" axis="0 0 1" damping="0.2"/>
+      <geom type="capsule" fromto="0 0 0 {LINKS[0]} 0 0" size="0.018" rgba="0.25 0.25 0.25 1" mass="0.3"/>
+      <body name="fore" pos="{LINKS[0]} 0 0">
+        <joint name="elbow" type="hinge" axis="0 0 1" range="-2.6 2.6" damping="0.2"/>
+        <geom type="capsule" fromto="0 0 0 {LINKS[1]} 0 0" size="0.014" rgba="0.4 0.4 0.4 1" mass="0.2"/>
+        <site name="ee" pos="{LINKS[1]} 0 0" size="0.02" rgba="1 1 1 1"/>
+        <geom type="sphere" pos="{LINKS[1]} 0 0" size="0.02" rgba="1 1 1 1" contype="0" conaffinity="0" mass="0.01"/>
+      </body>
+    </body>
+    {balls}
+  </worldbody>
+  <actuator>
+    <position joint="shoulder" kp="60" kv="4"/>
+    <position joint="elbow" kp="40" kv="3"/>
+  </actuator>
+</mujoco>
+"""
+
+
+class ArmReach(gym.Env):
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 20}
+
+    def __init__(self, colors: tuple[str, ...] = ("red",), instruction: bool = False, observation: str = "pixels",
+                 image_size: int = 64, frame_skip: int = 5, max_move: float = 0.03, success_radius: float = 0.04,
+                 render_mode: str | None = None):
+        if observation == "pixels" and "mujoco" not in sys.modules and ctypes.util.find_library("OSMesa"):
+            # MuJoCo picks its OpenGL backend once, on import. Only processes that render pick OSMesa: its LLVM
+            # crashes transformers code that runs later in the same process.
+            os.environ.setdefault("MUJOCO_GL", "osmesa")
+        import mujoco
+
+        unknown = sorted(set(colors) - set(RGBA))
+        if unknown or not colors:
+            raise ValueError(f"colors {list(colors)}: each must be one of {sorted(RGBA)}")
+        if observation not in ("pixels", "state"):
+            raise ValueError(f"observation={observation!r}: use 'pixels' or 'state'")
+        if not 16 <= image_size <= 256:
+            raise ValueError(f"image_size={image_size} must lie in [16, 256]")
+        self.mujoco, self.colors, self.use_instruction = mujoco, tuple(colors), instruction
+        self.observation, self.image_size, self.render_mode = observation, image_size, render_mode
+        self.frame_skip, self.max_move, self.success_radius = frame_skip, max_move, success_radius
+        self.model = mujoco.MjModel.from_xml_string(mjcf(self.colors))
+        self.data = mujoco.MjData(self.model)
+        self.site = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_SITE, "ee")
+        self.mocap = [self.model.body_mocapid[mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_BODY, c)]
+                      for c in self.colors]
+        self.renderer = None
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        proprio = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
+        if observation == "state":
+            n = 8 + 2 * len(self.colors) + (len(self.colors) if instruction else 0)
+            self.observation_space = gym.spaces.Box(-np.inf, np.inf, (n,), np.float32)
+        else:
+            spaces: dict[str, gym.Space] = {
+                "image": gym.spaces.Box(0, 255, (image_size, image_size, 3), np.uint8), "proprio": proprio}
+            if instruction:
+                spaces["instruction"] = gym.spaces.Box(0, instructions.vocab_size() - 1, (instructions.MAX_TOKENS,),
+                                                       np.int64)
+            self.observation_space = gym.spaces.Dict(spaces)
+        self.goal = 0
+        self.text = ""
+        self.start_distance = 1.0
+        self.last_distance = 1.0
+
+    # -- episode -------------------------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        rng = self.np_random
+        self.mujoco.mj_resetData(self.model, self.data)
+        q = rng.uniform([-np.pi, -2.0], [np.pi, 2.0])
+        self.data.qpos[:], self.data.ctrl[:] = q, q
+        positions = self._place_balls(rng)
+        for mocap, pos in zip(self.mocap, positions, strict=True):
+            self.data.mocap_pos[mocap] = [pos[0], pos[1], 0.03]
+        self.mujoco.mj_forward(self.model, self.data)
+        self.goal = int(rng.integers(len(self.colors)))
+        template = instructions.TEMPLATES[int(rng.integers(len(instructions.TEMPLATES)))]
+        self.text = template.format(self.colors[self.goal])
+        self.start_distance = self.last_distance = max(self._distance(), 1e-3)
+        return self._observe(), {"instruction": self.text}
+
+    def _place_balls(self, rng: np.random.Generator) -> list[np.ndarray]:
+        """Balls in the arm's reach (radius 0.1..0.32), at least 0.12 apart and away from the end effector."""
+        out: list[np.ndarray] = []
+        ee = self._ee()
+        while len(out) < len(self.colors):
+            r, a = rng.uniform(0.1, 0.32), rng.uniform(-np.pi, np.pi)
+            p = np.array([r * np.cos(a), r * np.sin(a)])
+            if np.linalg.norm(p - ee) > 0.1 and all(np.linalg.norm(p - o) > 0.12 for o in out):
+                out.append(p)
+        return out
+
+    def step(self, action: np.ndarray):
+        move = self.max_move * np.clip(np.asarray(action, np.float64).reshape(2), -1.0, 1.0)
+        jacp = np.zeros((3, self.model.nv))
+        self.mujoco.mj_jacSite(self.model, self.data, jacp, None, self.site)
+        J = jacp[:2]
+        dq = J.T @ np.linalg.solve(J @ J.T + 1e-4 * np.eye(2), move)
+        target = np.clip(self.data.ctrl + dq, self.data.qpos - 0.3, self.data.qpos + 0.3)  # servo lag, no windup
+        target[1] = np.clip(target[1], *self.model.jnt_range[1])
+        self.data.ctrl[:] = target
+        self.mujoco.mj_step(self.model, self.data, nstep=self.frame_skip)
+        distance = self._distance()
+        success = distance < self.success_radius
+        reward = (self.last_distance - distance) / self.start_distance + (1.0 if success else 0.0)
+        self.last_distance = distance
+        return self._observe(), float(reward), bool(success), False, {"is_success": bool(success)}
+
+    # -- observation ---------------------------------------------------------------------------------------
+    def _ee(self) -> np.ndarray:
+        return self.data.site_xpos[self.site][:2].copy()
+
+    def _distance(self) -> float:
+        return float(np.linalg.norm(self._ee() - self.data.mocap_pos[self.mocap[self.goal]][:2]))
+
+    def _proprio(self) -> np.ndarray:
+        """Joint angles and velocities, and the end effector's position (an arm's controller reports its pose)."""
+        return np.concatenate([np.cos(self.data.qpos), np.sin(self.data.qpos), 0.2 * self.data.qvel,
+                               5 * self._ee()]).astype(np.float32)
+
+    def _observe(self) -> Any:
+        if self.observation == "state":
+            parts = [self._proprio(), *(5 * self.data.mocap_pos[m][:2] for m in self.mocap)]
+            if self.use_instruction:
+                parts.append(np.eye(len(self.colors))[self.goal])
+            return np.concatenate(parts).astype(np.float32)
+        obs = {"image": self.render_frame(), "proprio": self._proprio()}
+        if self.use_instruction:
+            obs["instruction"] = instructions.encode(self.text)
+        return obs
+
+    def render_frame(self) -> np.ndarray:
+        if self.renderer is None:
+            try:
+                self.renderer = self.mujoco.Renderer(self.model, self.image_size, self.image_size)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"MuJoCo found no off-screen OpenGL context (MUJOCO_GL={os.environ.get('MUJOCO_GL', '')!r}): "
+                    f"{exc}. Fix: apt-get install libosmesa6 (or set MUJOCO_GL=egl on a GPU host) before the process "
+                    f"imports mujoco") from exc
+            for flag in ("SKYBOX", "HAZE", "REFLECTION", "SHADOW", "FOG"):
+                self.renderer.scene.flags[getattr(self.mujoco.mjtRndFlag, f"mjRND_{flag}")] = 0
+        self.renderer.update_scene(self.data, camera="top")
+        return self.renderer.render()
+
+    def render(self) -> np.ndarray:
+        return self.render_frame()
+
+    def close(self) -> None:
+        if self.renderer is not None:
+            self.renderer.close()
+            self.renderer = None
