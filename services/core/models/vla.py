@@ -51,7 +51,7 @@ class VLAPolicy(nn.Module):
         self.action_shape = tuple(action_space["shape"])
         self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
         self.act_dim = self.H * self.A
-        self.head, self.level, self.width = v.head, v.logprob_level, v.width
+        self.head, self.level = v.head, v.logprob_level
         self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
         self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
         self._inputs(obs_space, v)
@@ -111,25 +111,23 @@ class VLAPolicy(nn.Module):
     def _tokens(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         parts: dict[str, torch.Tensor] = obs if self.dict_obs else {self.image_key or "state": obs}
         B = next(iter(parts.values())).shape[0]
-        tokens, masks = [self.cls.expand(B, -1, -1)], []
+        tokens = [self.cls.expand(B, -1, -1)]
+        pads = [torch.zeros(B, 1, dtype=torch.bool, device=self.cls.device)]  # True where a token is padding
         if self.image_key is not None:
             x = parts[self.image_key].float() / 255.0 - 0.5
             if self.channels_last:
                 x = x.permute(0, 3, 1, 2)
             tokens.append(self.patchify(x).flatten(2).transpose(1, 2) + self.image_pos)
+            pads.append(torch.zeros(B, tokens[-1].shape[1], dtype=torch.bool, device=x.device))
         if self.text_key is not None:
             ids = parts[self.text_key].long().clamp(0, self.vocab - 1)
             tokens.append(self.embed(ids) + self.text_pos)
-            masks.append(ids == 0)
+            pads.append(ids == 0)
         if self.state_proj is not None:
             state = torch.cat([parts[k].reshape(B, -1).float() for k in self.state_keys], -1)
             tokens.append(self.state_proj(state).unsqueeze(1))
-        x = torch.cat(tokens, 1)
-        pad = torch.zeros(B, x.shape[1], dtype=torch.bool, device=x.device)
-        if masks:
-            start = 1 + (self.image_pos.shape[1] if self.image_key is not None else 0)
-            pad[:, start:start + masks[0].shape[1]] = masks[0]
-        return x, pad
+            pads.append(pads[0])
+        return torch.cat(tokens, 1), torch.cat(pads, 1)
 
     def _run(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(pooled context [B, W], the action queries' outputs [B, H*A, W] for the tokens head)."""
@@ -156,12 +154,14 @@ class VLAPolicy(nn.Module):
         angles = tau[:, None] * freqs[None]
         return self.expert(torch.cat([x, context, angles.sin(), angles.cos()], -1))
 
-    def step_mean(self, x: torch.Tensor, k: int | torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """mu_k: the mean of the Flow-SDE step from x_k (the noise-free Euler step of the ODE when sigma is 0)."""
+    def step_mean(self, x: torch.Tensor, k: int | torch.Tensor, context: torch.Tensor,
+                  sigma: float | None = None) -> torch.Tensor:
+        """mu_k: the mean of the Flow-SDE step from x_k (with sigma 0: the ODE's Euler step)."""
+        sigma = self.sigma if sigma is None else sigma
         d = 1.0 / self.steps
         tau = (torch.as_tensor(k, device=x.device, dtype=x.dtype) * d).expand(x.shape[0])
         v = self.velocity(x, tau, context)
-        drift = v - self.sigma ** 2 / (2 * (1 - tau[:, None])) * (x - tau[:, None] * v)
+        drift = v - sigma ** 2 / (2 * (1 - tau[:, None])) * (x - tau[:, None] * v)
         return x + d * drift
 
     def _chain_logp(self, chain: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -189,20 +189,20 @@ class VLAPolicy(nn.Module):
                 idx = idx.reshape(B, self.act_dim)
             logp = log_probs.gather(-1, idx.unsqueeze(-1)).reshape(B, self.H, self.A)
             return idx.reshape(B, self.H, self.A), self._reduce(logp), value
-        std = 0.0 if deterministic else self.sigma * math.sqrt(1.0 / self.steps)
-        x = torch.zeros(B, self.act_dim, device=context.device) if deterministic else \
-            torch.randn(B, self.act_dim, generator=generator, device=context.device)
-        chain = [x]
-        for k in range(self.steps):
-            mu = self.step_mean(x, k, context) if std else self._ode_step(x, k, context)
-            x = mu + std * torch.randn(mu.shape, generator=generator, device=mu.device) if std else mu
-            chain.append(x)
+        if deterministic:  # the ODE from x_0 = 0
+            x = torch.zeros(B, self.act_dim, device=context.device)
+            chain = [x]
+            for k in range(self.steps):
+                chain.append(x := self.step_mean(x, k, context, sigma=0.0))
+        else:
+            std = self.sigma * math.sqrt(1.0 / self.steps)
+            x = torch.randn(B, self.act_dim, generator=generator, device=context.device)
+            chain = [x]
+            for k in range(self.steps):
+                mu = self.step_mean(x, k, context)
+                chain.append(x := mu + std * torch.randn(mu.shape, generator=generator, device=mu.device))
         chain_t = torch.stack(chain, 1).reshape(B, self.steps + 1, self.H, self.A)
         return chain_t, self._reduce(self._chain_logp(chain_t, context)), value
-
-    def _ode_step(self, x: torch.Tensor, k: int, context: torch.Tensor) -> torch.Tensor:
-        d = 1.0 / self.steps
-        return x + d * self.velocity(x, torch.full((x.shape[0],), k * d, device=x.device), context)
 
     def evaluate(self, obs: Any, actions: torch.Tensor):
         """Log-probs (at the configured level), entropies (same shape) and values of recorded raw actions: bin

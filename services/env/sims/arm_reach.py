@@ -1,16 +1,17 @@
 """ArmReach: a planar two-joint MuJoCo arm on a table reaches a coloured ball, seen by a top-down camera.
 
 An action is a Cartesian move of the end effector in the table plane, ``action * max_move`` metres, turned into
-joint-servo targets by damped least squares on the site Jacobian (as an arm's Cartesian controller does); each step
-simulates ``frame_skip`` physics steps. The balls are placed at random in the arm's reach at reset; with several colours an instruction names the
-goal ball and the others are distractors.
+joint-servo targets by damped least squares on the site Jacobian (as an arm's Cartesian controller does); each
+step simulates ``frame_skip`` physics steps. The balls are placed at random in the arm's reach at reset; with
+several colours an instruction names the goal ball and the others are distractors.
 
 Reward: progress toward the goal ball, normalised by the starting distance (so it sums to at most 1 over an
 episode), plus 1 on success (the end effector within ``success_radius``), which ends the episode. An episode's
 return is above 1 exactly when it succeeds: the success rate is the fraction of returns > 1.
 
 Pixels are rendered headless on the CPU (``MUJOCO_GL=osmesa``, Debian's libosmesa6, set here unless the process
-says otherwise; ``egl`` works too) with shadows and multisampling off: ~0.4 ms a 64x64 frame instead of ~30 ms with the defaults.
+says otherwise; ``egl`` works too) with shadows and multisampling off: ~0.4 ms a 64x64 frame instead of ~30 ms
+with the defaults.
 """
 
 from __future__ import annotations
