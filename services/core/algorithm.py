@@ -55,11 +55,14 @@ class Trajectory:
     terminated, truncated, next_obs, and last_values (the value of the observation after the last step, per env).
     ``bootstrap_truncated``: gamma, to fold ``gamma * V(final obs)`` into the reward of a step whose episode was
     truncated (a time limit is not a failure), or None. ``random_until_env_steps``: act uniformly at random until
-    the run has collected this many env steps (off-policy warm-up)."""
+    the run has collected this many env steps (off-policy warm-up). ``episode_groups``: G > 0 makes every batch
+    start fresh episodes, envs in consecutive groups of G from one initial state (one reset seed per group), for
+    group-relative advantages over whole episodes; 0 keeps episodes running across batches."""
 
     fields: tuple[str, ...]
     bootstrap_truncated: float | None = None
     random_until_env_steps: int = 0
+    episode_groups: int = 0
 
 
 @dataclass(frozen=True)

@@ -58,10 +58,14 @@ class EnvPool:
     def num_chunks(self) -> int:
         return len(self.envs)
 
-    def reset(self, seed: int) -> list[Any]:
+    def reset(self, seed: int, group: int = 1) -> list[Any]:
+        """Env j of the pool starts from seed + j // group: with group G, consecutive groups of G envs share an
+        initial state (group-relative algorithms compare episodes from the same start)."""
         out = []
         for c, env in enumerate(self.envs):
-            obs, _ = env.reset(seed=seed + c * self.chunk_size)
+            first = c * self.chunk_size
+            seeds = seed + first if group == 1 else [seed + (first + i) // group for i in range(self.chunk_size)]
+            obs, _ = env.reset(seed=seeds)
             self._returns[c][:] = 0
             self._lengths[c][:] = 0
             out.append(Ragged.from_texts(obs) if self.text_obs else obs)
@@ -179,7 +183,7 @@ class EnvPools:
         return pool
 
     def handle(self, kind: str, meta: dict, tensors: dict) -> tuple[str, dict]:
-        """reset {pool, seed, num_envs?} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, ... ;
+        """reset {pool, seed, num_envs?, chunks?, group?} -> obs ; step {pool, chunk} actions -> obs, reward, terminated, ... ;
         echo tensors -> the same tensors"""
         if kind == "echo":  # the scheduler's IPC probe: the same bytes back, no simulation
             return "echo", dict(tensors)
@@ -195,7 +199,8 @@ class EnvPools:
         if pool is None:
             raise ValueError(f"no env pool {pool_name!r}: reset it first (pools: {sorted(self.pools)})")
         if kind == "reset":
-            return "obs", {"obs": concat_obs(pool.reset(meta_int(meta, "seed", 0, 0, 2**62)))}
+            group = meta_int(meta, "group", 1, 1, pool.num_envs)
+            return "obs", {"obs": concat_obs(pool.reset(meta_int(meta, "seed", 0, 0, 2**62), group))}
         if kind == "step":
             if "actions" not in tensors:
                 raise ValueError("step needs an 'actions' tensor")

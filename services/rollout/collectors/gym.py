@@ -83,14 +83,21 @@ class GymCollector:
         self.N, self.C = shard_envs, chunks
         self.S = shard_envs // chunks
         self.pool = pool
+        self.env_offset = env_offset
         self.obs: Any = None
+        G = self.trajectory.episode_groups
+        if G and (shard_envs % G or env_offset % G):
+            raise ValueError(f"algorithm {config.algorithm.name!r} compares episodes in groups of {G} envs, but this "
+                             f"worker holds envs {env_offset}..{env_offset + shard_envs - 1}. Fix: make env.num_envs "
+                             f"per rollout worker a multiple of {G}")
 
     # -- env channel ---------------------------------------------------------------------------------------
     def reset(self, seed: int) -> None:
         self.obs = _copy(self._reset(self.pool, seed, self.N))
 
-    def _reset(self, pool: str, seed: int, num_envs: int | None = None) -> Any:
-        meta = {"pool": pool, "seed": seed} | ({"num_envs": num_envs, "chunks": self.C} if num_envs else {})
+    def _reset(self, pool: str, seed: int, num_envs: int | None = None, group: int = 1) -> Any:
+        meta = {"pool": pool, "seed": seed, "group": group} | (
+            {"num_envs": num_envs, "chunks": self.C} if num_envs else {})
         _, reply = self.env.request("reset", TensorBatch(meta=meta))
         return reply["obs"]
 
@@ -99,6 +106,9 @@ class GymCollector:
         """One shard of T steps on this worker's N envs, with the weight version the backend holds."""
         cfg, traj = self.config, self.trajectory
         T, N, C, S = cfg.algorithm.n_steps, self.N, self.C, self.S
+        if G := traj.episode_groups:  # fresh episodes, one start per group of G envs (seeds unique per batch)
+            seed = cfg.seed + 1_000_003 * (batch_index + 1) + self.env_offset // G
+            self.obs = _copy(self._reset(self.pool, seed, N, group=G))
         want = set(traj.fields)
         obs_buf = _buffer(self.obs, T, N)
         act_buf: np.ndarray | None = None  # shaped by the policy's first raw actions and log-probs (an action
