@@ -1,6 +1,9 @@
 """The robot gateway service's gRPC face: connect a robot (a driver and its control loop), stream commands in and
-states out, narrow the safety limits, e-stop and clear. Every call is authenticated by the service runtime like
-every other rlfabric service; the loop keeps its guarantees whatever a client sends or fails to send."""
+states out, narrow the safety limits, e-stop and clear, record episodes. Every call is authenticated by the service
+runtime like every other rlfabric service; the loop keeps its guarantees whatever a client sends or fails to send.
+
+Recorded episodes go to the gateway's object store, set by its ``--storage-*`` flags (or ``RLFABRIC_STORAGE_*``;
+S3 credentials from ``$RLFABRIC_S3_ACCESS_KEY`` / ``$RLFABRIC_S3_SECRET_KEY``), opened at the first StartRecording."""
 
 from __future__ import annotations
 
@@ -11,11 +14,21 @@ import re
 import grpc
 import numpy as np
 
+from services.core.config import ConfigError, StorageConfig
+from services.core.objectstore import ObjectStore, open_store
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.robot_gateway.drivers import build_driver
 from services.robot_gateway.loop import ControlLoop, Tick
+from services.robot_gateway.recording import (
+    ObjectStoreSink,
+    Recorder,
+    RecordingError,
+    ReplaySink,
+    check_name,
+    session_name,
+)
 from services.robot_gateway.safety import LimitError, Limits
 
 log = logging.getLogger(__name__)
@@ -41,9 +54,14 @@ def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
 
 
 class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
-    def __init__(self, runtime: ServiceRuntime):
+    def __init__(self, runtime: ServiceRuntime, storage: StorageConfig | None = None,
+                 storage_default_root: str = "recordings"):
         self.loops: dict[str, ControlLoop] = {}
         self.drivers: dict[str, str] = {}
+        self.recorders: dict[str, Recorder] = {}  # a stopped one stays, so GetRecording reports how it ended
+        self.recording_requests: dict[str, pb.RecordingRequest] = {}
+        self.storage, self.storage_default_root = storage or StorageConfig(), storage_default_root
+        self.store: ObjectStore | None = None
         runtime.on_shutdown(self.close)
         runtime.watch("control-loops", self.health)
 
@@ -106,6 +124,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         del self.loops[request.robot_id], self.drivers[request.robot_id]
         await asyncio.get_running_loop().run_in_executor(None, loop.stop)  # joins the loop thread, then brakes
         loop.driver.close()
+        await self._stop_recorder(request.robot_id, loop)
         log.info("robot disconnected", extra={"robot": request.robot_id})
         return state_message(request.robot_id, loop.last)
 
@@ -191,6 +210,9 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             elif event.kind == kinds.INTERVENE_STOP:
                 loop.intervene(False)
             elif event.kind in ends:
+                recorder = self.recorders.get(loop.robot_id)
+                if recorder is not None and recorder.recording:  # the verdict first: the episode's end is known
+                    recorder.episode_ended(loop.episode, ends[event.kind])  # before a tick of the next one
                 loop.end_episode(ends[event.kind])
             else:
                 return f"unknown teleop event kind {event.kind}"
@@ -250,18 +272,125 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         finally:
             loop.intervention_listeners.remove(listener)
 
+    # -- recording ----------------------------------------------------------------------------------------------
+    def _recording_status(self, robot_id: str) -> pb.RecordingStatus:
+        rec = self.recorders.get(robot_id)
+        if rec is None:
+            return pb.RecordingStatus(robot_id=robot_id)
+        s = rec.stats
+        replay = next((sink for sink in rec.sinks if isinstance(sink, ReplaySink)), None)
+        return pb.RecordingStatus(robot_id=robot_id, recording=rec.recording, dataset=rec.dataset, session=rec.session,
+                                  episodes_kept=s.episodes_kept, episodes_discarded=s.episodes_discarded,
+                                  ticks_recorded=s.ticks_recorded, ticks_dropped=s.ticks_dropped,
+                                  replay_pushes=replay.pushes if replay else 0, write_errors=s.write_errors,
+                                  last_episode_uri=s.last_episode_uri, last_error=s.last_error)
+
+    def _open_store(self) -> ObjectStore:
+        if self.store is None:
+            self.store = open_store(self.storage, self.storage_default_root)
+        return self.store
+
+    async def StartRecording(self, request, context):
+        """Record every tick of the robot from now on; see the RecordingRequest fields."""
+        loop = await self._loop(request.robot_id, context)
+        current = self.recorders.get(request.robot_id)
+        if current is not None and current.recording:
+            if self.recording_requests.get(request.robot_id) == request:  # a retried call: the same recording
+                return self._recording_status(request.robot_id)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"robot {request.robot_id!r} is recording data "
+                                                                     f"set {current.dataset!r} already. Fix: call "
+                                                                     f"StopRecording first")
+        try:
+            check_name("dataset", request.dataset)
+            if request.replay_endpoint and not request.replay_source:
+                raise RecordingError("replay_source is empty but replay_endpoint is set. Fix: name the replay source "
+                                     "the episodes go to (the run's replay must have it)")
+            check_name("replay_source", request.replay_source, required=False)
+            check_name("intervention_source", request.intervention_source, required=False)
+            if (request.replay_source or request.intervention_source) and not request.replay_endpoint.startswith(
+                    "tcp://"):
+                raise RecordingError(f"replay_endpoint={request.replay_endpoint[:80]!r}: give replay's data-plane "
+                                     f"endpoint, tcp://host:port")
+            if len(request.task) > 1000:
+                raise RecordingError(f"task: {len(request.task)} characters; at most 1000")
+            if request.queue_ticks > 1 << 20 or request.max_episode_ticks > 1 << 26:
+                raise RecordingError("queue_ticks is at most 1048576 and max_episode_ticks at most 67108864 "
+                                     "(0: the defaults)")
+        except RecordingError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:  # S3 checks its endpoint, credentials and bucket here: off the event loop
+            store = await asyncio.to_thread(self._open_store)
+        except (ConfigError, OSError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the gateway's object store (flags --storage-*, "
+                                                                     f"or RLFABRIC_STORAGE_*): {exc}")
+        session = session_name()
+        sinks: list = [ObjectStoreSink(store, f"recordings/{request.dataset}/{request.robot_id}/{session}")]
+        if request.replay_endpoint:
+            sinks.append(ReplaySink(request.replay_endpoint, request.replay_source, request.intervention_source))
+        rec = Recorder(request.robot_id, loop.driver.joint_names, 1 / loop.period, sinks, dataset=request.dataset,
+                       session=session, task=request.task, queue_ticks=request.queue_ticks,
+                       max_episode_ticks=request.max_episode_ticks)
+        self.recording_requests[request.robot_id] = request
+        self.recorders[request.robot_id] = rec.start()
+        loop.listeners.append(rec.offer)
+        log.info("recording started", extra={"robot": request.robot_id, "dataset": request.dataset,
+                                             "session": session, "replay_source": request.replay_source})
+        return self._recording_status(request.robot_id)
+
+    async def _stop_recorder(self, robot_id: str, loop: ControlLoop) -> None:
+        rec = self.recorders.get(robot_id)
+        if rec is None or not rec.recording:
+            return
+        if rec.offer in loop.listeners:
+            loop.listeners.remove(rec.offer)
+        await asyncio.to_thread(rec.stop)  # writes the episodes that have a verdict
+        log.info("recording stopped", extra={"robot": robot_id, "kept": rec.stats.episodes_kept,
+                                             "dropped_ticks": rec.stats.ticks_dropped})
+
+    async def StopRecording(self, request, context):
+        loop = await self._loop(request.robot_id, context)
+        await self._stop_recorder(request.robot_id, loop)
+        return self._recording_status(request.robot_id)
+
+    async def GetRecording(self, request, context):
+        await self._loop(request.robot_id, context)
+        return self._recording_status(request.robot_id)
+
     def close(self) -> None:
         for loop in self.loops.values():
             loop.stop()
             loop.driver.close()
+        for rid, rec in self.recorders.items():
+            if rec.recording:
+                if rec.offer in self.loops[rid].listeners:
+                    self.loops[rid].listeners.remove(rec.offer)
+                rec.stop()
+
+
+def _storage_args(parser) -> None:
+    """Where recorded episodes go: the same choices as a run's ``storage`` section."""
+    parser.add_argument("--storage-kind", choices=("filesystem", "s3"), default="filesystem",
+                        help="object store for recorded episodes")
+    parser.add_argument("--storage-root", default="recordings", help="filesystem store: its folder")
+    parser.add_argument("--storage-endpoint", default="", help="S3/MinIO host:port")
+    parser.add_argument("--storage-bucket", default="rlfabric", help="S3 bucket")
+    parser.add_argument("--storage-prefix", default="", help="key prefix inside the bucket")
+    parser.add_argument("--storage-secure", default="false", choices=("true", "false"), help="S3 over TLS")
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
-    robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(RobotGatewayService(runtime), runtime.server)
+    try:
+        storage = StorageConfig(kind=args.storage_kind, root=args.storage_root, endpoint=args.storage_endpoint,
+                                bucket=args.storage_bucket, prefix=args.storage_prefix,
+                                secure=args.storage_secure == "true")
+    except ValueError as exc:
+        raise SystemExit(f"rlfabric serve robot_gateway: error: --storage-* flags: {exc}") from None
+    robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(RobotGatewayService(runtime, storage, args.storage_root),
+                                                              runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_service("robot_gateway", _build, argv)
+    run_service("robot_gateway", _build, argv, extra_args=_storage_args)
 
 
 if __name__ == "__main__":

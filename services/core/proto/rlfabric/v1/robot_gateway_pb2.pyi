@@ -179,3 +179,51 @@ class Intervention(_message.Message):
     active: bool
     command: JointCommand
     def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., active: _Optional[bool] = ..., command: _Optional[_Union[JointCommand, _Mapping]] = ...) -> None: ...
+
+class RecordingRequest(_message.Message):
+    __slots__ = ("robot_id", "dataset", "task", "replay_endpoint", "replay_source", "intervention_source", "queue_ticks", "max_episode_ticks")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    INTERVENTION_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TICKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPISODE_TICKS_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    dataset: str
+    task: str
+    replay_endpoint: str
+    replay_source: str
+    intervention_source: str
+    queue_ticks: int
+    max_episode_ticks: int
+    def __init__(self, robot_id: _Optional[str] = ..., dataset: _Optional[str] = ..., task: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., replay_source: _Optional[str] = ..., intervention_source: _Optional[str] = ..., queue_ticks: _Optional[int] = ..., max_episode_ticks: _Optional[int] = ...) -> None: ...
+
+class RecordingStatus(_message.Message):
+    __slots__ = ("robot_id", "recording", "dataset", "session", "episodes_kept", "episodes_discarded", "ticks_recorded", "ticks_dropped", "replay_pushes", "write_errors", "last_episode_uri", "last_error")
+    ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_KEPT_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    TICKS_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    TICKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPISODE_URI_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    robot_id: str
+    recording: bool
+    dataset: str
+    session: str
+    episodes_kept: int
+    episodes_discarded: int
+    ticks_recorded: int
+    ticks_dropped: int
+    replay_pushes: int
+    write_errors: int
+    last_episode_uri: str
+    last_error: str
+    def __init__(self, robot_id: _Optional[str] = ..., recording: _Optional[bool] = ..., dataset: _Optional[str] = ..., session: _Optional[str] = ..., episodes_kept: _Optional[int] = ..., episodes_discarded: _Optional[int] = ..., ticks_recorded: _Optional[int] = ..., ticks_dropped: _Optional[int] = ..., replay_pushes: _Optional[int] = ..., write_errors: _Optional[int] = ..., last_episode_uri: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,21 @@ class RobotGatewayStub:
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.Intervention.FromString,
                 _registered_method=True)
+        self.StartRecording = channel.unary_unary(
+                '/rlfabric.v1.RobotGateway/StartRecording',
+                request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.FromString,
+                _registered_method=True)
+        self.StopRecording = channel.unary_unary(
+                '/rlfabric.v1.RobotGateway/StopRecording',
+                request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.FromString,
+                _registered_method=True)
+        self.GetRecording = channel.unary_unary(
+                '/rlfabric.v1.RobotGateway/GetRecording',
+                request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.FromString,
+                _registered_method=True)
 
 
 class RobotGatewayServicer:
@@ -144,6 +159,29 @@ class RobotGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartRecording(self, request, context):
+        """Episode recording: every tick of the robot (measured state, the target after safety, who commanded, holds and
+        faults) is kept per episode; an episode ending with SUCCESS, FAILURE or TERMINATE is written to the gateway's
+        object store (and pushed to replay when asked), a RERECORD episode is discarded. Recording never slows the
+        control loop: ticks it cannot keep up with are dropped and counted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopRecording(self, request, context):
+        """Stop recording: finished episodes still queued are written first; the episode under way is not kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRecording(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RobotGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +229,21 @@ def add_RobotGatewayServicer_to_server(servicer, server):
                     servicer.StreamInterventions,
                     request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.FromString,
                     response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.Intervention.SerializeToString,
+            ),
+            'StartRecording': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartRecording,
+                    request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.SerializeToString,
+            ),
+            'StopRecording': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRecording,
+                    request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.SerializeToString,
+            ),
+            'GetRecording': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRecording,
+                    request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +489,87 @@ class RobotGateway:
             '/rlfabric.v1.RobotGateway/StreamInterventions',
             rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
             rlfabric_dot_v1_dot_robot__gateway__pb2.Intervention.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRecording(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RobotGateway/StartRecording',
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingRequest.SerializeToString,
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRecording(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RobotGateway/StopRecording',
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRecording(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RobotGateway/GetRecording',
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RecordingStatus.FromString,
             options,
             channel_credentials,
             insecure,
