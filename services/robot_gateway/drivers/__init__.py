@@ -12,7 +12,25 @@ import numpy as np
 
 from services.robot_gateway.safety import Limits
 
-DRIVERS: dict[str, str] = {"sim": "services.robot_gateway.drivers.sim:SimArm"}
+DRIVERS: dict[str, str] = {
+    "sim": "services.robot_gateway.drivers.sim:SimArm",
+    "franka": "services.robot_gateway.drivers.franka:FrankaArm",  # optional: franky-control or pylibfranka
+    "so100": "services.robot_gateway.drivers.so_follower:SO100Arm",  # optional: lerobot[feetech]
+    "so101": "services.robot_gateway.drivers.so_follower:SO101Arm",
+}
+
+
+class DriverOptionError(ValueError):
+    """A driver option that is missing or malformed (the message names ``options.<name>`` and the fix)."""
+
+
+class DriverUnavailable(ValueError):
+    """The driver's library is not installed here (the message names the package to install)."""
+
+
+class DriverConnectionError(ConnectionError, ValueError):
+    """The robot did not answer where the options say it is; a ValueError too, so Connect reports it as the
+    caller's to fix rather than as a gateway fault."""
 
 
 class Driver:
@@ -52,4 +70,5 @@ def register_driver(name: str, target: str) -> None:
     DRIVERS[name] = target
 
 
-__all__ = ["DRIVERS", "Driver", "build_driver", "register_driver"]
+__all__ = ["DRIVERS", "Driver", "DriverConnectionError", "DriverOptionError", "DriverUnavailable", "build_driver",
+           "register_driver"]
