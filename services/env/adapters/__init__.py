@@ -13,6 +13,9 @@ from types import ModuleType
 
 ADAPTERS: dict[str, str] = {
     "gymnasium": "services.env.adapters.gymnasium",  # any registered gymnasium id (state observations)
+    "mujoco_pixels": "services.env.adapters.mujoco_pixels",  # gymnasium MuJoCo tasks seen as rendered images (+ state)
+    "robotics": "services.env.adapters.robotics",  # gymnasium-robotics Fetch/FrankaKitchen: images, goals, is_success
+    "metaworld": "services.env.adapters.metaworld",  # MetaWorld MT1/MT10/MT50: images, state, instruction, is_success
     "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
     "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
     "robot": "services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
