@@ -31,6 +31,22 @@ from services.coordinator.stages import rpc
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, replay_pb2, rollout_pb2
 
 
+def episode_counts(shards: list) -> dict[str, float]:
+    """What the envs reported beside returns, summed over the iteration's shards, with the rates that follow:
+    ``train_success_rate`` over episodes that said whether they succeeded, and (envs under teleop) the share of
+    episodes a human intervened in and of episodes that succeeded with no intervention (HG-DAgger's measure)."""
+    counts: dict[str, float] = {}
+    for c in shards:
+        for key, value in c.stats.items():
+            counts[key] = counts.get(key, 0.0) + value
+    episodes = sum(len(c.episode_returns) for c in shards)
+    if counts.get("episodes_judged"):
+        counts["train_success_rate"] = counts.get("episodes_succeeded", 0.0) / counts["episodes_judged"]
+    if "intervened_steps" in counts and episodes:
+        counts["intervened_episode_rate"] = counts.get("episodes_intervened", 0.0) / episodes
+        counts["success_without_intervention_rate"] = counts.get("successes_without_intervention", 0.0) / episodes
+    return counts
+
 class TrainingLoop:
     def __init__(self, run: Run, workers: dict[str, list[Worker]], resume: bool = False,
                  acquire: Acquire | None = None, release=None):
@@ -221,6 +237,7 @@ class TrainingLoop:
         }
         if self.recent_returns:
             row["train_return_mean"] = sum(self.recent_returns) / len(self.recent_returns)
+        row.update(episode_counts(shards))
         if ev is not None:
             row["eval_return_mean"] = ev.episodes.return_mean
             row["eval_return_std"] = ev.episodes.return_std

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "rlfabric.algorithms"
 DEFAULT_SOURCE = "online"
+INTERVENTIONS = "interventions"  # what a human commanded while intervening: (obs, the human's action) rows
 
 
 class AlgorithmConfig(BaseModel):
@@ -73,7 +74,8 @@ class DataAccess:
     uniform    sample ``batch_size`` rows uniformly from the window of ``sources``' single source
     sequences  sample ``batch_size`` windows of ``length`` consecutive steps
     mix        sample ``batch_size`` rows from several named sources with fixed weights
-    ``sources``: (name, weight) pairs; online collection writes to "online", a data set is loaded as "offline"."""
+    ``sources``: (name, weight) pairs; online collection writes to "online", a data set is loaded as "offline",
+    and the steps a human commanded (envs under teleop) also go to "interventions" when a spec reads that source."""
 
     kind: Literal["onpolicy", "uniform", "sequences", "mix"]
     batch_size: int = 0
@@ -291,5 +293,5 @@ def algorithm(name: str) -> type[Algorithm]:
     return specs[name]
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmConfig", "DataAccess", "OfflineAlgorithm", "OfflineConfig", "Roles",
+__all__ = ["ALGORITHMS", "INTERVENTIONS", "Algorithm", "AlgorithmConfig", "DataAccess", "OfflineAlgorithm", "OfflineConfig", "Roles",
            "Trajectory", "algorithm", "load_algorithms", "register"]

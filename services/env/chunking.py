@@ -49,19 +49,25 @@ class ActionChunk(gym.Wrapper):
         return obs, float(rewards.sum()), terminated, truncated, info
 
 
-def step_fields(info: dict[str, Any], done: np.ndarray, horizon: int) -> dict[str, np.ndarray]:
-    """Per-step chunk facts of a vector step. A sub-env that finished (and was reset in the same step) has them
-    in ``final_info``; the others at the top level of ``info``."""
+def info_rows(info: dict[str, Any], done: np.ndarray, key: str, shape: tuple[int, ...] = (),
+              dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """A per-env ``info`` entry of a same-step auto-reset vector step, and which envs reported it: a sub-env that
+    finished (and was reset in the same step) has it in ``final_info``, the others at the top level of ``info``."""
     n = len(done)
-    out = {k: np.zeros((n, horizon), np.float32) for k in STEP_KEYS}
-    out["executed"] = np.zeros(n, np.int64)
+    out, have = np.zeros((n, *shape), dtype), np.zeros(n, bool)
     final = info.get("final_info", {})
-    for key in (*STEP_KEYS, "executed"):
-        for source, rows in ((info, ~done), (final, done)):
-            if key not in source:
-                continue
-            have = np.asarray(source.get(f"_{key}", np.ones(n, bool)), bool) & rows
-            out[key][have] = np.asarray(source[key])[have]
+    for source, rows in ((info, ~done), (final, done)):
+        if key in source:
+            mine = np.asarray(source.get(f"_{key}", np.ones(n, bool)), bool) & rows
+            out[mine] = np.asarray(source[key])[mine]
+            have |= mine
+    return out, have
+
+
+def step_fields(info: dict[str, Any], done: np.ndarray, horizon: int) -> dict[str, np.ndarray]:
+    """Per-step chunk facts of a vector step (see ``info_rows``)."""
+    out = {k: info_rows(info, done, k, (horizon,))[0] for k in STEP_KEYS}
+    out["executed"] = info_rows(info, done, "executed", (), np.int64)[0]
     missing = out["executed"] == 0
     if missing.any():
         raise RuntimeError(f"env(s) {np.flatnonzero(missing).tolist()} reported no executed steps for an action "

@@ -15,7 +15,7 @@ from services.core.batch import Ragged, cat_ragged
 from services.core.dataplane import meta_int
 from services.env.adapters import adapter
 from services.env.adapters.gymnasium import describe_space, final_observations
-from services.env.chunking import step_fields
+from services.env.chunking import info_rows, step_fields
 
 MAX_SHARDS = 1024  # (scheduling.rollout_workers' bound): pools are named by worker index, so they are bounded too
 
@@ -127,10 +127,18 @@ class EnvPool:
                "terminated": terminated, "truncated": truncated}
         if steps is not None:  # per primitive step of each action chunk: rewards, episode ends, what ran
             out.update(steps)
+        # a robot under teleop: which envs a human commanded this step, and the action that was executed
+        intervened, have = info_rows(info, done, "intervened")
+        if have.any():
+            out["intervened"] = intervened
+            out["executed_actions"] = info_rows(info, done, "executed_action", self.single_action_space.shape)[0]
         if done.any():  # most steps end no episode: keep those messages small
             if not self.text_obs:  # a text episode's last observation is what the model already read
                 out["final_obs"] = final_observations(obs, info, done)
             out["episode_return"] = ep_return.astype(np.float32)
+            success, have = info_rows(info, done, "is_success")
+            if have.any():  # 1/0 where a finished episode said whether it succeeded, -1 where it did not say
+                out["episode_success"] = np.where(have & done, success, -1.0).astype(np.float32)
             out["episode_length"] = ep_length.astype(np.int64)
         return out
 

@@ -105,6 +105,10 @@ class SampledFeed:
         else:
             meta, kind = {"n": n, "source": a.sources[0][0]}, "sample"
         reply, batch = self.replay.request(kind, TensorBatch(meta=meta), timeout_s=timeout_s + 5)
+        if reply == "empty":  # a source the run fills as it goes (interventions) has nothing yet: no update owed
+            log.info("no update at batch %d: replay source(s) %s are still empty", batch_index,
+                     list(a.source_names))
+            return Fed(None, version)
         if reply != "batch":
             raise PeerTimeout(f"replay answered {reply!r} to a sample of {n} rows")
         return Fed(batch.unflatten("sample", ("update", "sample"), (updates, a.batch_size)),

@@ -107,18 +107,25 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                 else:
                     reply.send("empty")
             elif kind == "sample":
-                reply.send("batch", self._sample(meta))
+                found = self._sample(meta)
+                if found is None:  # a source that fills as the run goes (interventions) may still be empty
+                    reply.send("empty")
+                else:
+                    reply.send("batch", found)
             elif kind == "sample_windows":
                 n, length = meta_int(meta, "n", 0, 1, MAX_SAMPLE_ROWS), meta_int(meta, "length", 0, 1, 1 << 16)
                 reply.send("batch", self._source(meta).sample_windows(n, length, self.rng))
             else:
                 raise ValueError(f"unknown request kind {kind!r}; expected put, get, sample or sample_windows")
 
-    def _sample(self, meta: dict) -> TensorBatch:
+    def _sample(self, meta: dict) -> TensorBatch | None:
+        """``n`` rows of one source, or of a mix (its empty sources left out, the others' weights renormalised);
+        None when every source asked for is empty."""
         n = meta_int(meta, "n", 0, 1, MAX_SAMPLE_ROWS)
         mix = meta.get("mix")
         if mix is None:
-            return self._source(meta).sample(n, self.rng)
+            store = self._source(meta)
+            return store.sample(n, self.rng) if store.transitions else None
         if not isinstance(mix, dict) or not mix or not all(
                 isinstance(w, int | float) and not isinstance(w, bool) and w >= 0 for w in mix.values()) or sum(
                 mix.values()) <= 0:
@@ -126,7 +133,9 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         names = list(mix)
         for name in names:
             self._source({"source": name})
-        weights = np.array([mix[k] for k in names], dtype=np.float64)
+        weights = np.array([mix[k] if self.stores[k].transitions else 0.0 for k in names], dtype=np.float64)
+        if weights.sum() <= 0:
+            return None
         counts = self.rng.multinomial(n, weights / weights.sum())
         parts = []
         for index, (name, k) in enumerate(zip(names, counts, strict=True)):
@@ -217,6 +226,9 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         loaded: dict[str, int] = {}
         try:
             stores[DEFAULT_SOURCE] = open_replay_store(config, run_id, objects)
+            for name in config.spec.data(config.algorithm).source_names:  # sources the run fills (interventions)
+                if name not in stores and name not in config.replay.datasets:
+                    stores[name] = open_replay_store(config, run_id, objects, source=name)
             for name, path in config.replay.datasets.items():
                 data = load_dataset(path, max_rows=config.replay.capacity_transitions)
                 store = stores[name] = open_replay_store(config, run_id, objects, source=name,

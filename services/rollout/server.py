@@ -31,7 +31,7 @@ def _reply(r: CollectResult) -> rollout_pb2.CollectReply:
         batch_index=r.batch_index, env_steps=r.env_steps, weight_version=r.weight_version,
         episodes=episode_stats(r.returns, r.lengths), collect_seconds=r.collect_seconds,
         env_seconds=r.env_seconds, policy_seconds=r.policy_seconds, weight_wait_seconds=r.weight_wait_seconds,
-        episode_returns=r.returns, shard=r.shard, shard_envs=r.shard_envs)
+        episode_returns=r.returns, shard=r.shard, shard_envs=r.shard_envs, stats=r.stats)
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):

@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.core.algorithm import INTERVENTIONS
 from services.core.config import RunConfig
 from services.core.dataplane import DataClient, PeerTimeout
 from services.core.devices import resolve_device
@@ -26,7 +27,7 @@ from services.core.runtime import set_torch_threads
 from services.core.weights import WeightSubscriber, load_weights
 from services.rollout.backends import build_backend
 from services.rollout.collectors import collector_class
-from services.rollout.collectors.gym import Stopped
+from services.rollout.collectors.gym import Stopped, intervened_transitions
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class CollectResult:
     weight_wait_seconds: float = 0.0
     shard: int = 0
     shard_envs: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutWorker:
@@ -56,6 +58,7 @@ class RolloutWorker:
         # their global index so a run splits the same envs whatever its number of workers
         self.shard = shard
         self.shard_envs = shard_envs or config.env.num_envs
+        self.interventions = config.collects and INTERVENTIONS in config.spec.data(config.algorithm).source_names
         self.env_offset = env_offset
         self.pool = f"train/{shard}"
         self.drain_after: int | None = None  # produce stops after this batch index (a leaving or re-sharded worker)
@@ -232,6 +235,10 @@ class RolloutWorker:
         batch = shard.batch
         n = batch.rows
         batch.meta = {"batch_index": batch_index, "env_steps": n, "shard": self.shard, "env_offset": self.env_offset}
+        if self.interventions:  # what a human did, as its own replay source (HG-DAgger, HIL-SERL sampling)
+            human = intervened_transitions(batch)
+            if human is not None:
+                self.replay.request("put", human)
         self.replay.request("put", batch)  # acknowledged: only now does the batch count
         self.batches += 1
         self.env_steps += n
@@ -239,7 +246,7 @@ class RolloutWorker:
         return CollectResult(batch_index, n, self.version, shard.returns, shard.lengths,
                              collect_seconds=seconds, env_seconds=shard.env_seconds,
                              policy_seconds=shard.policy_seconds, weight_wait_seconds=waited, shard=self.shard,
-                             shard_envs=self.shard_envs)
+                             shard_envs=self.shard_envs, stats=shard.stats)
 
     def produce(self, first: int, max_batches: int, staleness: int, emit: Callable[[CollectResult], None],
                 stop: threading.Event) -> int:

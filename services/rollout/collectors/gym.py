@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from services.core.algorithm import Trajectory
+from services.core.algorithm import INTERVENTIONS, Trajectory
 from services.core.batch import TensorBatch, tree_map
 
 log = logging.getLogger(__name__)
 OFFERS = ("obs", "actions", "logp", "values", "rewards", "dones", "terminated", "truncated", "next_obs",
-          "last_values", "step_rewards", "step_dones", "step_valid")
+          "last_values", "step_rewards", "step_dones", "step_valid", "intervened", "executed_actions")
 STEP_FIELDS = ("step_rewards", "step_dones", "step_valid")  # per primitive step of an action chunk [T, N, H]
+TELEOP_FIELDS = ("intervened", "executed_actions")  # envs with a human in the loop (a robot gateway under teleop)
 NEEDS_VALUE = ("values", "last_values")
 
 
@@ -40,6 +41,35 @@ class Collected:
     lengths: list[int] = field(default_factory=list)
     env_seconds: float = 0.0
     policy_seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)  # counts summed over shards (see EpisodeTally)
+
+
+class EpisodeTally:
+    """Per-episode facts the env reports beside returns, counted as episodes finish: successes (where the env says
+    ``is_success``), human interventions (envs under teleop), and successes no human helped with."""
+
+    def __init__(self, num_envs: int):
+        self.helped = np.zeros(num_envs, bool)  # a human intervened in the env's running episode
+
+    def step(self, stats: dict[str, float], sl: slice, step: dict[str, Any], done: np.ndarray) -> None:
+        if "intervened" in step:
+            intervened = np.asarray(step["intervened"]) > 0
+            self.helped[sl] |= intervened
+            stats["intervened_steps"] = stats.get("intervened_steps", 0.0) + float(intervened.sum())
+        if not done.any():
+            return
+        ended = np.flatnonzero(done)
+        helped = self.helped[sl][ended]
+        if "intervened" in step:
+            stats["episodes_intervened"] = stats.get("episodes_intervened", 0.0) + float(helped.sum())
+        if "episode_success" in step:
+            success = np.asarray(step["episode_success"])[ended]
+            said = success >= 0
+            stats["episodes_judged"] = stats.get("episodes_judged", 0.0) + float(said.sum())
+            stats["episodes_succeeded"] = stats.get("episodes_succeeded", 0.0) + float((success > 0).sum())
+            stats["successes_without_intervention"] = stats.get("successes_without_intervention", 0.0) + float(
+                ((success > 0) & ~helped).sum())
+        self.helped[sl.start + ended] = False
 
 
 def storage_dtype(dtype: np.dtype) -> np.dtype:
@@ -85,6 +115,7 @@ class GymCollector:
         self.pool = pool
         self.env_offset = env_offset
         self.obs: Any = None
+        self.tally = EpisodeTally(shard_envs)
         G = self.trajectory.episode_groups
         if G and (shard_envs % G or env_offset % G):
             raise ValueError(f"algorithm {config.algorithm.name!r} compares episodes in groups of {G} envs, but this "
@@ -109,6 +140,7 @@ class GymCollector:
         if G := traj.episode_groups:  # fresh episodes, one start per group of G envs (seeds unique per batch)
             seed = cfg.seed + 1_000_003 * (batch_index + 1) + self.env_offset // G
             self.obs = _copy(self._reset(self.pool, seed, N, group=G))
+            self.tally = EpisodeTally(N)
         want = set(traj.fields)
         obs_buf = _buffer(self.obs, T, N)
         act_buf: np.ndarray | None = None  # shaped by the policy's first raw actions and log-probs (an action
@@ -166,14 +198,17 @@ class GymCollector:
                         idx = np.flatnonzero(bootstrap)
                         reward[idx] += gamma * self.backend.value(_rows(step["final_obs"], idx))
                 rew_buf[t, sl], done_buf[t, sl] = reward, done
-                for key in want.intersection(STEP_FIELDS):
+                for key in want.intersection(STEP_FIELDS + TELEOP_FIELDS):
                     if key not in step:
                         raise ValueError(f"algorithm {cfg.algorithm.name!r} asks for {key!r}, which only envs that "
-                                         f"step action chunks report. Fix: set env.action_chunk > 1")
+                                         + ("step action chunks report. Fix: set env.action_chunk > 1"
+                                            if key in STEP_FIELDS else "a human can take over report. Fix: use "
+                                                                       "env.adapter: robot with a teleop client"))
                     if key not in step_bufs:
                         step_bufs[key] = np.zeros((T, N, *np.shape(step[key])[1:]), np.float32)
                     step_bufs[key][t, sl] = step[key]
                 term_buf[t, sl], trunc_buf[t, sl] = terminated, truncated
+                self.tally.step(out.stats, sl, step, done)
                 for i in np.flatnonzero(done):
                     out.returns.append(float(step["episode_return"][i]))
                     out.lengths.append(int(step["episode_length"][i]))
@@ -199,6 +234,21 @@ class GymCollector:
     def probe(self, round_trips: int) -> tuple[float, int]:
         """Median round trip of a message as large as one chunk's step (its observations) to the env and back."""
         return probe_echo(self.env, TensorBatch({"obs": _copy(_rows(self.obs, slice(0, self.S)))}), round_trips)
+
+
+def intervened_transitions(batch: TensorBatch) -> TensorBatch | None:
+    """The steps of a ("time", "env") shard that a human commanded, as ("sample",) rows for the interventions
+    source: the observation and the action the human executed (not the policy's, which was overridden)."""
+    if "intervened" not in batch or "executed_actions" not in batch:
+        return None
+    rows = np.asarray(batch["intervened"]).reshape(-1) > 0
+    if not rows.any():
+        return None
+    flat = batch.flatten()
+    out = TensorBatch({"obs": tree_map(lambda x: x[rows], flat["obs"]), "actions": flat["executed_actions"][rows]},
+                      version=batch.version, dims=("sample",))
+    out.meta = {"source": INTERVENTIONS}
+    return out
 
 
 def probe_echo(env: Any, payload: TensorBatch, round_trips: int) -> tuple[float, int]:

@@ -18,7 +18,14 @@ class CollectRequest(_message.Message):
     def __init__(self, batch_index: _Optional[int] = ..., min_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CollectReply(_message.Message):
-    __slots__ = ("batch_index", "env_steps", "weight_version", "episodes", "collect_seconds", "env_seconds", "policy_seconds", "weight_wait_seconds", "episode_returns", "shard", "shard_envs")
+    __slots__ = ("batch_index", "env_steps", "weight_version", "episodes", "collect_seconds", "env_seconds", "policy_seconds", "weight_wait_seconds", "episode_returns", "shard", "shard_envs", "stats")
+    class StatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +37,7 @@ class CollectReply(_message.Message):
     EPISODE_RETURNS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARD_ENVS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     env_steps: int
     weight_version: int
@@ -41,7 +49,8 @@ class CollectReply(_message.Message):
     episode_returns: _containers.RepeatedScalarFieldContainer[float]
     shard: int
     shard_envs: int
-    def __init__(self, batch_index: _Optional[int] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., collect_seconds: _Optional[float] = ..., env_seconds: _Optional[float] = ..., policy_seconds: _Optional[float] = ..., weight_wait_seconds: _Optional[float] = ..., episode_returns: _Optional[_Iterable[float]] = ..., shard: _Optional[int] = ..., shard_envs: _Optional[int] = ...) -> None: ...
+    stats: _containers.ScalarMap[str, float]
+    def __init__(self, batch_index: _Optional[int] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., collect_seconds: _Optional[float] = ..., env_seconds: _Optional[float] = ..., policy_seconds: _Optional[float] = ..., weight_wait_seconds: _Optional[float] = ..., episode_returns: _Optional[_Iterable[float]] = ..., shard: _Optional[int] = ..., shard_envs: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ProduceRequest(_message.Message):
     __slots__ = ("first_batch_index", "max_batches", "staleness")
