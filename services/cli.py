@@ -408,6 +408,70 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_teleop(args: argparse.Namespace) -> int:
+    """A human (keyboard) or the scripted reach expert takes over robots on a gateway (see
+    services/robot_gateway/teleop.py)."""
+    import threading
+
+    import numpy as np
+
+    from services.core import auth
+    from services.robot_gateway import teleop
+
+    def point(text: str, what: str) -> np.ndarray:
+        try:
+            values = np.array([float(v) for v in text.split(",")])
+        except ValueError:
+            values = np.array([])
+        if not len(values) or not np.isfinite(values).all():
+            raise ValueError(f"{what}={text!r}: give comma-separated numbers")
+        return values
+
+    try:
+        auth.from_environment(args.token_file)
+        if args.expert_goal:
+            from services.robot_gateway.drivers import build_driver
+
+            goal, start = point(args.expert_goal, "--expert-goal"), point(args.start, "--start")
+            if len(goal) != 3:
+                raise ValueError(f"--expert-goal={args.expert_goal!r}: give x,y,z in metres")
+            kinematics = build_driver(args.driver, {}).forward_kinematics  # the arm's model, never connected
+            stop = threading.Event()
+            console.print(f"expert on every robot of {args.gateway}: goal {goal.tolist()} (Ctrl-C stops)")
+            try:
+                experts = teleop.run_expert(args.gateway, goal, start, kinematics, stop,
+                                            start_tolerance=args.start_tolerance)
+            except KeyboardInterrupt:
+                stop.set()
+                return 0
+            console.print({rid: e.takeovers for rid, e in experts.items()})
+            return 0
+        if not args.robot:
+            raise ValueError("give --robot ID (keyboard teleop of one robot) or --expert-goal X,Y,Z")
+        keys = sys.stdin
+        if sys.stdin.isatty():  # raw keys, no Enter needed
+            import termios
+            import tty
+
+            saved = termios.tcgetattr(sys.stdin)
+            tty.setcbreak(sys.stdin)
+            try:
+                teleop.run_keyboard(args.gateway, args.robot, keys, sys.stdout, args.step)
+            finally:
+                termios.tcsetattr(sys.stdin, termios.TCSADRAIN, saved)
+        else:
+            teleop.run_keyboard(args.gateway, args.robot, keys, sys.stdout, args.step)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    return 0
+
+
+def cmd_export_lerobot(args: argparse.Namespace, rest: list[str]) -> int:
+    from services.robot_gateway.export import main as export_main
+
+    return int(export_main(rest) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfabric", description="RL post-training as independent services")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -459,6 +523,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random", action="store_true", help="uniform random actions instead of the policy")
     p.add_argument("--deterministic", action="store_true", help="the policy's mode instead of sampling")
     p.add_argument("--append", action="store_true", help="add to an existing data set (episodes numbered on)")
+    p = sub.add_parser("teleop", help="take over robots on a gateway: keyboard, or the scripted reach expert")
+    p.add_argument("--gateway", required=True, help="the robot gateway's HOST:PORT")
+    p.add_argument("--robot", default="", help="keyboard teleop of this robot id")
+    p.add_argument("--step", type=float, default=0.02, help="rad a joint key moves the target")
+    p.add_argument("--expert-goal", default="", help="x,y,z: the scripted expert reaches it on every robot")
+    p.add_argument("--start", default="0,-0.3,0.6", help="the robots' start pose (episodes begin there)")
+    p.add_argument("--start-tolerance", type=float, default=0.05, help="rad around --start that count as started "
+                                                                          "(the env's start_noise + 0.05)")
+    p.add_argument("--driver", default="sim", help="whose kinematics the expert uses")
+    p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN)")
+    sub.add_parser("export-lerobot", help="export recorded robot episodes to a LeRobot data set (its flags follow)",
+                   add_help=False)
     return parser
 
 
@@ -468,9 +544,12 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "serve":
         args, rest = parser.parse_known_args(argv)
         sys.exit(cmd_serve(args, rest))
+    if argv and argv[0] == "export-lerobot":
+        sys.exit(cmd_export_lerobot(parser.parse_args(argv[:1]), argv[1:]))
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
-                "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect}
+                "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect,
+                "teleop": cmd_teleop}
     sys.exit(handlers[args.command](args))
 
 

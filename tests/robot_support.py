@@ -13,19 +13,23 @@ from pathlib import Path
 
 
 @contextmanager
-def gateway_process(workdir: Path, token: str) -> Iterator[str]:
-    """``rlfabric serve robot_gateway`` with ``token``; yields its address, stops it after."""
+def gateway_process(workdir: Path, token: str, *args: str) -> Iterator[str]:
+    """``rlfabric serve robot_gateway`` with ``token`` (and extra flags); yields its address, stops it after. Its
+    log is ``workdir/gateway.log``."""
     port_file = workdir / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
-                             str(port_file)], env={**os.environ, "RLFABRIC_TOKEN": token},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    port_file.unlink(missing_ok=True)
+    log_path = workdir / "gateway.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the gateway
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+                                 str(port_file), *args], env={**os.environ, "RLFABRIC_TOKEN": token},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     try:
         for _ in range(300):
             if port_file.exists() or proc.poll() is not None:
                 break
             time.sleep(0.05)
         if not port_file.exists():
-            raise RuntimeError(f"the gateway did not start: {proc.stderr.read().decode()[-2000:]}"
+            raise RuntimeError(f"the gateway did not start: {log_path.read_text()[-2000:]}"
                                if proc.poll() is not None else "the gateway wrote no port file in 15 s")
         yield port_file.read_text().strip()
     finally:

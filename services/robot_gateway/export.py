@@ -141,7 +141,7 @@ def export_lerobot(store: ObjectStore, prefix: str, out: str | Path, repo_id: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.robot_gateway.export",
+    parser = argparse.ArgumentParser(prog="rlfabric export-lerobot",
                                      description="Export recorded robot episodes to a LeRobot data set.")
     parser.add_argument("--store-root", required=True, help="the gateway's filesystem object store "
                                                             "(its --storage-root)")

@@ -71,6 +71,7 @@ class Tick:
     episode: int = 0
     episode_intervened_ticks: int = 0
     end_effector: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    policy_seq: int = -1  # the newest policy command this tick had (used, or overridden by a human)
 
 
 @dataclass
@@ -252,6 +253,7 @@ class ControlLoop:
         with self.lock:
             intervening = self.intervening
             command = self.human if intervening else self.command
+            policy_seq = self.command.seq if self.command is not None else -1
             estopped, fault, safety = self.estopped, self.fault, self.safety
         verdict = None
         if estopped:
@@ -293,7 +295,7 @@ class ControlLoop:
         tick = Tick(k, now, position, velocity, self.target.copy(), estopped, fault, bool(reason), reason,
                     lateness, jitter, self.overruns, command.seq if command is not None else -1,
                     bool(verdict and verdict.clipped), bool(verdict and verdict.slowed), intervening, episode,
-                    episode_intervened, self.driver.forward_kinematics(position))
+                    episode_intervened, self.driver.forward_kinematics(position), policy_seq)
         self.last = tick
         for listener in list(self.listeners):
             listener(tick)

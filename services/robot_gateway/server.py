@@ -43,7 +43,8 @@ def state_message(robot_id: str, t: Tick) -> pb.RobotState:
                          loop_lateness_s=t.lateness_s, overruns=t.overruns, holding=t.holding,
                          hold_reason=t.hold_reason, target=t.target.tolist(), command_seq=t.command_seq,
                          clipped=t.clipped, slowed=t.slowed, intervening=t.intervening, episode=t.episode,
-                         episode_intervened_ticks=t.episode_intervened_ticks, end_effector=t.end_effector.tolist())
+                         episode_intervened_ticks=t.episode_intervened_ticks, end_effector=t.end_effector.tolist(),
+                         policy_seq=t.policy_seq)
 
 
 def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
@@ -131,6 +132,9 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     async def GetState(self, request, context):
         loop = await self._loop(request.robot_id, context)
         return state_message(request.robot_id, loop.last)
+
+    async def ListRobots(self, request, context):
+        return pb.RobotList(robots=[self._info(rid) for rid in sorted(self.loops)])
 
     async def _streamed(self, request_iterator, context, accept):
         """States of the first message's robot, one per tick, while ``accept`` takes each incoming message

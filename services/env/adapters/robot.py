@@ -7,7 +7,11 @@ gateway keeps its own deadlines, limits and holds; this adapter is an ordinary, 
 
 Task ``reach``: the observation is joint positions and velocities, the target and the end effector (x, y, z each);
 an action in [-1, 1] per joint moves the joint target by up to ``action_scale`` rad; the reward is minus the distance
-to the target, plus 1 and the end of the episode within ``success_distance``; ``episode_steps`` truncates. One
+to the target, plus 1 and the end of the episode within ``success_distance``; ``episode_steps`` truncates. The
+target is drawn at random per episode, or fixed (``target: "x,y,z"``); the start pose is ``start``, each joint
+moved by up to ``start_noise`` rad at random. Every step reports whether a human intervened (teleop) and the action
+that was executed in the policy's units (``info["intervened"]``, ``info["executed_action"]``): the rollout sends
+intervened steps to replay's "interventions" source. One
 vector step commands every robot, then waits for the first state of each that used its command (one control tick).
 A latched hold the gateway imposes (fault, e-stop) ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
 to its start pose within the gateway's limits.
@@ -29,7 +33,8 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
-           "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float)}
+           "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float),
+           "start_noise": (int, float), "target": str}
 TASKS = ("reach",)
 log = logging.getLogger(__name__)
 _pools = itertools.count()
@@ -41,7 +46,7 @@ def _options(env_cfg: Any) -> dict[str, Any]:
         raise ValueError(f"env.options {unknown} are not robot options; use {sorted(OPTIONS)}")
     opts = {"gateway": "", "driver": "sim", "hz": 50, "watchdog_s": 0.2,
             "episode_steps": 100, "action_scale": 0.05, "success_distance": 0.05, "start": "0,-0.3,0.6",
-            "spin_s": -1} | dict(env_cfg.options)
+            "spin_s": -1, "start_noise": 0.0, "target": "random"} | dict(env_cfg.options)
     for key, kind in OPTIONS.items():
         if not isinstance(opts[key], kind) or isinstance(opts[key], bool):
             raise ValueError(f"env.options.{key}={opts[key]!r}: expected {kind}")
@@ -52,6 +57,16 @@ def _options(env_cfg: Any) -> dict[str, Any]:
         raise ValueError(f"env.id={env_cfg.id!r}: robot tasks are {list(TASKS)}")
     if not 1 <= opts["episode_steps"] <= 100_000 or not 0 < opts["action_scale"] <= 0.5:
         raise ValueError("env.options: episode_steps in [1, 100000], action_scale in (0, 0.5] rad")
+    if not 0 <= opts["start_noise"] <= 1:
+        raise ValueError(f"env.options.start_noise={opts['start_noise']}: give 0..1 rad (each joint's start is "
+                         f"drawn within +-start_noise of start)")
+    if opts["target"] != "random":
+        try:
+            target = [float(v) for v in opts["target"].split(",")]
+        except ValueError:
+            target = []
+        if len(target) != 3 or not np.isfinite(target).all():
+            raise ValueError(f"env.options.target={opts['target']!r}: give 'random' or 'x,y,z' in metres")
     return opts
 
 
@@ -116,11 +131,12 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         return self.seq
 
     def _state_after(self, i: int, seq: int):
-        """The first state of robot i whose tick considered command ``seq``: it moved the arm, or a latched hold
-        (fault, e-stop) kept it still. A watchdog hold from before (the learner was updating) is not that state:
-        the command ends it."""
+        """The first state of robot i whose tick had command ``seq`` (``policy_seq``: the newest policy command a
+        tick had): it moved the arm, or a latched hold (fault, e-stop) kept it still, or a human who intervenes
+        commanded the arm instead. A watchdog hold from before (the learner was updating) is not that state: the
+        command ends it."""
         for state in self.streams[i]:
-            if state.command_seq >= seq:
+            if state.policy_seq >= seq:
                 return state
         raise RuntimeError(f"the gateway closed the control stream of {self.ids[i]}")
 
@@ -133,15 +149,20 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.stub.ClearEStop(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
         state = self.stub.GetState(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
         target = np.asarray(state.position)
+        noise = self.opts["start_noise"]
+        start = self.start + (self.rng.uniform(-noise, noise, self.start.shape) if noise else 0.0)
         for _ in range(300):  # the gateway's slew limit paces the walk; done once the target is the start, settled
-            target = target + np.clip(self.start - target, -self.max_step, self.max_step)
+            target = target + np.clip(start - target, -self.max_step, self.max_step)
             state = self._state_after(i, self._send(i, target))
             target = np.asarray(state.target)
-            if np.abs(target - self.start).max() < 1e-9 and np.abs(state.velocity).max() < 0.05:
+            if np.abs(target - start).max() < 1e-9 and np.abs(state.velocity).max() < 0.05:
                 break
         self.commanded[i] = np.asarray(state.target)
-        yaw, reach, height = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5), self.rng.uniform(0.05, 0.3)
-        self.targets[i] = [reach * np.cos(yaw), reach * np.sin(yaw), height]
+        if self.opts["target"] == "random":
+            yaw, reach, height = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5), self.rng.uniform(0.05, 0.3)
+            self.targets[i] = [reach * np.cos(yaw), reach * np.sin(yaw), height]
+        else:
+            self.targets[i] = [float(v) for v in self.opts["target"].split(",")]
         self.steps[i] = 0
         return self._obs(i, state)
 
@@ -153,9 +174,12 @@ class RobotVectorEnv(gym.vector.VectorEnv):
     def step(self, actions):
         actions = np.clip(np.asarray(actions, dtype=float), -1, 1) * self.opts["action_scale"]
         seqs = []
+        before = self.commanded.copy()
         for i in range(self.num_envs):
             self.commanded[i] = self.commanded[i] + actions[i]
             seqs.append(self._send(i, self.commanded[i]))
+        intervened = np.zeros(self.num_envs, bool)
+        executed = np.zeros((self.num_envs, self.joints), np.float32)
         obs = np.zeros((self.num_envs, *self.single_observation_space.shape), np.float32)
         rewards, terminated, truncated = np.zeros(self.num_envs), np.zeros(self.num_envs, bool), \
             np.zeros(self.num_envs, bool)
@@ -163,7 +187,9 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         holds = [""] * self.num_envs
         for i, seq in enumerate(seqs):
             state = self._state_after(i, seq)
-            self.commanded[i] = np.asarray(state.target)  # what the gateway let through
+            self.commanded[i] = np.asarray(state.target)  # what the gateway let through (or the human commanded)
+            intervened[i] = state.intervening
+            executed[i] = np.clip((self.commanded[i] - before[i]) / self.opts["action_scale"], -1, 1)
             self.steps[i] += 1
             distance = float(np.linalg.norm(np.asarray(state.end_effector) - self.targets[i]))
             rewards[i] = -distance
@@ -176,10 +202,13 @@ class RobotVectorEnv(gym.vector.VectorEnv):
                 finals[i] = obs[i].copy()
                 obs[i] = self._reset_one(i)
         done = terminated | truncated
+        facts = {"intervened": intervened, "executed_action": executed, "is_success": terminated.copy()}
         info: dict[str, Any] = {"hold_reason": np.array(holds, dtype=object), "_hold_reason": np.array(
             [bool(h) for h in holds])}
+        info |= facts | {f"_{k}": ~done for k in facts}  # a finished env's last step is in final_info (gymnasium)
         if done.any():
             info["final_obs"], info["_final_obs"] = np.array(finals, dtype=object), done
+            info["final_info"] = facts | {f"_{k}": done for k in facts}
         return obs, rewards, terminated, truncated, info
 
     def _disconnect(self, ids: list[str]) -> None:

@@ -36,6 +36,16 @@ class RobotRef(_message.Message):
     robot_id: str
     def __init__(self, robot_id: _Optional[str] = ...) -> None: ...
 
+class ListRobotsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RobotList(_message.Message):
+    __slots__ = ("robots",)
+    ROBOTS_FIELD_NUMBER: _ClassVar[int]
+    robots: _containers.RepeatedCompositeFieldContainer[RobotInfo]
+    def __init__(self, robots: _Optional[_Iterable[_Union[RobotInfo, _Mapping]]] = ...) -> None: ...
+
 class RobotInfo(_message.Message):
     __slots__ = ("robot_id", "driver", "joint_names", "control_hz", "watchdog_s", "limits", "realtime")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -69,7 +79,7 @@ class JointCommand(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ...) -> None: ...
 
 class RobotState(_message.Message):
-    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector")
+    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector", "policy_seq")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +101,7 @@ class RobotState(_message.Message):
     EPISODE_FIELD_NUMBER: _ClassVar[int]
     EPISODE_INTERVENED_TICKS_FIELD_NUMBER: _ClassVar[int]
     END_EFFECTOR_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SEQ_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     seq: int
     time: float
@@ -112,7 +123,8 @@ class RobotState(_message.Message):
     episode: int
     episode_intervened_ticks: int
     end_effector: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ...) -> None: ...
+    policy_seq: int
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ..., policy_seq: _Optional[int] = ...) -> None: ...
 
 class TeleopEvent(_message.Message):
     __slots__ = ("robot_id", "kind", "command")

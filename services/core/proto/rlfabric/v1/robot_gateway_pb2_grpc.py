@@ -49,6 +49,11 @@ class RobotGatewayStub:
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
                 _registered_method=True)
+        self.ListRobots = channel.unary_unary(
+                '/rlfabric.v1.RobotGateway/ListRobots',
+                request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.ListRobotsRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotList.FromString,
+                _registered_method=True)
         self.Control = channel.stream_stream(
                 '/rlfabric.v1.RobotGateway/Control',
                 request_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.JointCommand.SerializeToString,
@@ -114,6 +119,13 @@ class RobotGatewayServicer:
 
     def GetState(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRobots(self, request, context):
+        """The robots connected now (a teleop client or a dashboard finds them here).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -199,6 +211,11 @@ def add_RobotGatewayServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.FromString,
                     response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.SerializeToString,
+            ),
+            'ListRobots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRobots,
+                    request_deserializer=rlfabric_dot_v1_dot_robot__gateway__pb2.ListRobotsRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_robot__gateway__pb2.RobotList.SerializeToString,
             ),
             'Control': grpc.stream_stream_rpc_method_handler(
                     servicer.Control,
@@ -327,6 +344,33 @@ class RobotGateway:
             '/rlfabric.v1.RobotGateway/GetState',
             rlfabric_dot_v1_dot_robot__gateway__pb2.RobotRef.SerializeToString,
             rlfabric_dot_v1_dot_robot__gateway__pb2.RobotState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRobots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RobotGateway/ListRobots',
+            rlfabric_dot_v1_dot_robot__gateway__pb2.ListRobotsRequest.SerializeToString,
+            rlfabric_dot_v1_dot_robot__gateway__pb2.RobotList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,77 @@
+"""HG-DAgger (Kelly et al. 2019): the policy acts, a human expert takes over when it drifts, and the policy learns
+to do what the human did in the states where they had to step in.
+
+    data        D = every (s, a_human) a human commanded while intervening (replay's "interventions" source,
+                filled by the rollout from envs under teleop: a robot gateway with a teleop client)
+    update      L = -E_(s, a) ~ D [log pi(a | s)]          (behaviour cloning on the aggregate of interventions)
+
+Nothing is learned until the first intervention; as the policy improves the human steps in less, and success
+without intervention (``success_without_intervention_rate`` in metrics.csv) is the measure. ``initial_policy``
+warm-starts from a behaviour-cloned policy, as HG-DAgger does in practice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from services.core.algorithm import (
+    INTERVENTIONS,
+    Algorithm,
+    AlgorithmConfig,
+    DataAccess,
+    Trajectory,
+    register,
+)
+from services.core.batch import tree_map
+
+
+class HGDAggerConfig(AlgorithmConfig):
+    name: Literal["hg_dagger"] = "hg_dagger"
+    n_steps: int = Field(64, ge=1, le=100_000, description="steps per env per iteration")
+    batch_size: int = Field(128, ge=1, le=1 << 16, description="intervention rows per gradient step")
+    updates_per_iteration: int = Field(50, ge=1, le=100_000, description="gradient steps per iteration (once "
+                                                                         "there is any intervention)")
+    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False)
+
+
+@register
+class HGDAgger(Algorithm):
+    Config = HGDAggerConfig
+    policy = "squashed_gaussian"
+
+    @classmethod
+    def trajectory(cls, cfg: HGDAggerConfig) -> Trajectory:
+        return Trajectory(fields=("obs", "actions", "intervened", "executed_actions"))
+
+    @classmethod
+    def data(cls, cfg: HGDAggerConfig) -> DataAccess:
+        return DataAccess.uniform(cfg.batch_size, INTERVENTIONS)
+
+    def __init__(self, policy: nn.Module, run: Any, generator: torch.Generator | None = None, **kw: Any):
+        super().__init__(policy, run, generator, **kw)
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.cfg.learning_rate)
+
+    def updates_for(self, env_steps: int) -> int:
+        self.env_steps += env_steps
+        return self.cfg.updates_per_iteration
+
+    def update(self, batch: dict) -> dict[str, float]:
+        """One gradient step per minibatch of a [U, B, ...] batch of intervention rows."""
+        total = 0.0
+        U = batch["actions"].shape[0]
+        for u in range(U):
+            b = tree_map(lambda x, u=u: x[u], batch)
+            loss = -self.policy.log_prob(b["obs"], b["actions"].float()).mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer_steps += 1
+            total += float(loss)
+        return {"bc_loss": total / max(U, 1)}
+
+
+__all__ = ["HGDAgger", "HGDAggerConfig"]
