@@ -96,6 +96,8 @@ class VLAConfig(_Strict):
     patch: int = Field(8, ge=2, le=64, description="image patch size (pixels): one token per patch")
     encoder: Literal["cnn", "vit"] = Field("cnn", description="image tokens from a conv stem (three stride-2 "
                                                               "convolutions: patch 8) or a ViT's linear patch embedding")
+    keypoints: int = Field(0, ge=0, le=256, description="spatial-softmax keypoints of the image (the expected "
+                                                         "x, y of K feature maps) as one more token; 0: none")
     head: Literal["tokens", "flow"] = Field("tokens", description="tokens: discrete action tokens decoded in "
                                                                   "parallel; flow: a flow-matching action expert")
     bins: int = Field(21, ge=2, le=1024, description="tokens head: bins per action dimension over [low, high]")

@@ -5,6 +5,8 @@ actor-critic (``act``, ``evaluate``, ``value``), with a value head on the trunk'
 
 Image tokens come from a conv stem (``encoder: cnn``, three stride-2 convolutions) or a ViT's linear patch
 embedding (``encoder: vit``); the conv stem learns to localise a few-pixel object from RL rewards far sooner.
+With ``keypoints: K`` one more token carries a spatial softmax over K full-resolution feature maps (their expected
+x, y positions), the keypoint encoder robot-learning policies use: where things are, readable in one token.
 
     tokens  each action dimension of each step of the chunk is a discrete token over ``bins`` bins; H*A learned
             query tokens join the sequence and are decoded in parallel (one forward pass, no autoregression)
@@ -98,6 +100,12 @@ class VLAPolicy(nn.Module):
                                      f"{v.patch}) or encoder: vit")
                 self.patchify = nn.Sequential(nn.Conv2d(c, 16, 3, 2, 1), nn.GELU(), nn.Conv2d(16, 32, 3, 2, 1),
                                               nn.GELU(), nn.Conv2d(32, v.width, 3, 2, 1))
+            self.keypoints = v.keypoints
+            if self.keypoints:
+                self.keypoint_conv = nn.Conv2d(c, self.keypoints, 5, 1, 2)
+                self.keypoint_proj = nn.Linear(2 * self.keypoints, v.width)
+                self.register_buffer("grid_x", torch.linspace(-1.0, 1.0, w).repeat(h))
+                self.register_buffer("grid_y", torch.linspace(-1.0, 1.0, h).repeat_interleave(w))
             self.image_pos = nn.Parameter(0.02 * torch.randn(1, (h // v.patch) * (w // v.patch), v.width))
         if self.text_key is not None:
             s = spaces[self.text_key]
@@ -118,7 +126,10 @@ class VLAPolicy(nn.Module):
             if self.channels_last:
                 x = x.permute(0, 3, 1, 2)
             tokens.append(self.patchify(x).flatten(2).transpose(1, 2) + self.image_pos)
-            pads.append(torch.zeros(B, tokens[-1].shape[1], dtype=torch.bool, device=x.device))
+            if self.keypoints:
+                tokens.append(self.keypoint_proj(self._keypoints(x)).unsqueeze(1))
+            pads.append(torch.zeros(B, sum(t.shape[1] for t in tokens[-1 - bool(self.keypoints):]), dtype=torch.bool,
+                                    device=x.device))
         if self.text_key is not None:
             ids = parts[self.text_key].long().clamp(0, self.vocab - 1)
             tokens.append(self.embed(ids) + self.text_pos)
@@ -128,6 +139,11 @@ class VLAPolicy(nn.Module):
             tokens.append(self.state_proj(state).unsqueeze(1))
             pads.append(pads[0])
         return torch.cat(tokens, 1), torch.cat(pads, 1)
+
+    def _keypoints(self, image: torch.Tensor) -> torch.Tensor:
+        """Spatial softmax: for each of K feature maps, the softmax-weighted mean pixel position -> [B, 2K]."""
+        attention = torch.softmax(self.keypoint_conv(image).flatten(2), -1)  # [B, K, H*W]
+        return torch.cat([attention @ self.grid_x, attention @ self.grid_y], -1)
 
     def _run(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(pooled context [B, W], the action queries' outputs [B, H*A, W] for the tokens head)."""

@@ -4,8 +4,9 @@ chunks all apply). Their models are written in the repo: nothing is downloaded.
     rlfabric/ArmReach-v0       a planar arm reaches a red ball it sees in a top-down camera image
     rlfabric/ArmReachLang-v0   a red and a blue ball; an instruction ("reach the blue ball") says which one
 
-Both take ``observation="pixels"`` (image + proprioception [+ instruction tokens]) or ``"state"`` (one vector with
-the balls' positions: the same task without vision, for fast checks).
+Both take ``observation="pixels"`` (image + proprioception [+ instruction tokens]) or ``"state"`` (a vector with
+the balls' positions [+ instruction tokens]: the same task without vision, for fast checks; in ArmReachLang the
+goal is still named only by the instruction).
 """
 
 from gymnasium.envs.registration import register

@@ -93,15 +93,15 @@ class ArmReach(gym.Env):
         self.renderer = None
         self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
         proprio = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
+        text = gym.spaces.Box(0, instructions.vocab_size() - 1, (instructions.MAX_TOKENS,), np.int64)
         if observation == "state":
-            n = 8 + 2 * len(self.colors) + (len(self.colors) if instruction else 0)
-            self.observation_space = gym.spaces.Box(-np.inf, np.inf, (n,), np.float32)
+            state = gym.spaces.Box(-np.inf, np.inf, (8 + 2 * len(self.colors),), np.float32)
+            self.observation_space = gym.spaces.Dict({"state": state, "instruction": text}) if instruction else state
         else:
             spaces: dict[str, gym.Space] = {
                 "image": gym.spaces.Box(0, 255, (image_size, image_size, 3), np.uint8), "proprio": proprio}
             if instruction:
-                spaces["instruction"] = gym.spaces.Box(0, instructions.vocab_size() - 1, (instructions.MAX_TOKENS,),
-                                                       np.int64)
+                spaces["instruction"] = text
             self.observation_space = gym.spaces.Dict(spaces)
         self.goal = 0
         self.text = ""
@@ -166,10 +166,10 @@ class ArmReach(gym.Env):
 
     def _observe(self) -> Any:
         if self.observation == "state":
-            parts = [self._proprio(), *(5 * self.data.mocap_pos[m][:2] for m in self.mocap)]
-            if self.use_instruction:
-                parts.append(np.eye(len(self.colors))[self.goal])
-            return np.concatenate(parts).astype(np.float32)
+            state = np.concatenate([self._proprio(), *(5 * self.data.mocap_pos[m][:2] for m in self.mocap)])
+            if self.use_instruction:  # which ball is the goal is only in the words
+                return {"state": state.astype(np.float32), "instruction": instructions.encode(self.text)}
+            return state.astype(np.float32)
         obs = {"image": self.render_frame(), "proprio": self._proprio()}
         if self.use_instruction:
             obs["instruction"] = instructions.encode(self.text)
