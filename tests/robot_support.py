@@ -16,6 +16,7 @@ from pathlib import Path
 def gateway_process(workdir: Path, token: str, *args: str) -> Iterator[str]:
     """``rlfabric serve robot_gateway`` with ``token`` (and extra flags); yields its address, stops it after. Its
     log is ``workdir/gateway.log``."""
+    workdir.mkdir(parents=True, exist_ok=True)
     port_file = workdir / "port"
     port_file.unlink(missing_ok=True)
     log_path = workdir / "gateway.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the gateway

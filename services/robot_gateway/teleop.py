@@ -32,7 +32,8 @@ class ReachExpert:
     """The scripted expert for one robot (a state machine fed one state per tick, returning the events to send).
 
     resetting   the arm is away from its start pose (the env is walking it back): never intervene
-    watching    an episode is running: track the best distance to the goal and the ticks since it improved
+    watching    an episode is running: track the best distance to the goal and the policy's commands since it
+                improved (ticks with no new policy command do not count: the policy is paused, not drifting)
     helping     the expert commands the arm toward the goal; at ``handback_distance`` it hands back
     """
 
@@ -47,6 +48,7 @@ class ReachExpert:
     mode: str = "resetting"
     best: float = float("inf")
     stalled: int = 0
+    policy_seq: int = -1
     seq: int = SEQ_BASE
     target: np.ndarray | None = None
     takeovers: int = 0
@@ -67,18 +69,20 @@ class ReachExpert:
         """The events for this tick: ("start" | "command" | "stop", joint target or None)."""
         q = np.asarray(state.position, float)
         distance = self._distance(q)
-        if self.mode == "resetting":
+        if self.mode == "resetting":  # an episode starts settled at its start pose, away from the goal
             if np.abs(q - self.start).max() <= self.start_tolerance and np.abs(state.velocity).max() < 0.05 \
-                    and not state.holding:
+                    and not state.holding and distance > 2 * self.handback_distance:
                 self.mode, self.best, self.stalled = "watching", distance, 0
             return []
         if self.mode == "watching":
             if distance <= self.handback_distance:  # the policy got there by itself
                 self.mode = "resetting"
                 return []
+            commanded = state.policy_seq != self.policy_seq  # only a policy that acts can drift: a pause
+            self.policy_seq = state.policy_seq  # (its learner updating, its env busy elsewhere) is not one
             if distance < self.best - self.progress:
                 self.best, self.stalled = distance, 0
-            else:
+            elif commanded:
                 self.stalled += 1
             if self.stalled < self.patience:
                 return []
