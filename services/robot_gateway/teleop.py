@@ -43,7 +43,8 @@ class ReachExpert:
     start_tolerance: float = 0.05  # rad per joint (plus the env's start noise) that count as "at the start pose"
     patience: int = 8  # ticks without progress before the expert takes over
     progress: float = 0.005  # metres of improvement that count as progress
-    step: float = 0.05  # rad per tick the expert moves a joint target at most
+    step: float = 0.02  # rad per tick the expert moves a joint target at most (below the env's action_scale, so
+    # the executed action it teaches stays inside the policy's (-1, 1) even when an env step spans two ticks)
     handback_distance: float = 0.06  # a little before the task counts success: the policy must finish
     mode: str = "resetting"
     best: float = float("inf")

@@ -36,6 +36,7 @@ class HGDAggerConfig(AlgorithmConfig):
     updates_per_iteration: int = Field(50, ge=1, le=100_000, description="gradient steps per iteration (once "
                                                                          "there is any intervention)")
     learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False)
+    label_clip: float = Field(0.95, gt=0, lt=1, description="human actions are cloned within +-label_clip")
 
 
 @register
@@ -65,7 +66,10 @@ class HGDAgger(Algorithm):
         U = batch["actions"].shape[0]
         for u in range(U):
             b = tree_map(lambda x, u=u: x[u], batch)
-            loss = -self.policy.log_prob(b["obs"], b["actions"].float()).mean()
+            # a human's action at the box's edge (their move exceeded one step's range) is taught just inside it:
+            # at exactly +-1 a squashed Gaussian's log-likelihood wants an infinite mean
+            actions = b["actions"].float().clamp(-self.cfg.label_clip, self.cfg.label_clip)
+            loss = -self.policy.log_prob(b["obs"], actions).mean()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
