@@ -269,7 +269,8 @@ class PlanExecutor:
                     if failure:
                         train.cancel()
                         raise failure[0]
-                    if not train.done() and all(p.ended.is_set() for p in producers) and drain_at is None:
+                    if not train.done() and drain_at is None and all(p.ended.is_set() for p in producers) \
+                            and min(p.last_index for p in producers) < i:  # a stream ended short of batch i
                         await asyncio.wait({train}, timeout=1.0)  # the last shard may still be in flight
                         if not train.done():
                             train.cancel()

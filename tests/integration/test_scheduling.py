@@ -246,3 +246,16 @@ def test_collocated_offload_frees_the_idle_stage_and_learns_the_same(stack, tmp_
     assert [[r.get(k) for k in keys] for r in runs["disk"]] == [[r.get(k) for k in keys] for r in runs["off"]]
     assert all(r["offload_bytes"] > 0 and r["offload_seconds"] >= 0 for r in runs["disk"])
     assert all("offload_bytes" not in r for r in runs["off"])
+
+
+def test_a_slow_learner_finishes_the_batches_that_ended_streams_delivered(stack, tmp_path):
+    """Streams that produced every batch of a run end while the learner still trains (its updates take longer
+    than the grace a stream that ended short of a batch gets): the run finishes, every batch trained."""
+    cfg = short_config(scheduling={"mode": "disaggregated", "staleness": 2, "pipeline_chunks": 1},
+                       algorithm={"name": "ppo", "n_steps": 16, "batch_size": 4, "n_epochs": 300},
+                       train={"total_env_steps": 64 * 4, "eval_every_iterations": 0})
+    status = stack.client.wait(stack.client.submit(cfg, run_dir=tmp_path / "slow").run_id)
+    assert STATE_NAMES[status.state] == "SUCCEEDED", status.reason
+    rows = _rows(str(tmp_path / "slow"))
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert min(r["update_seconds"] for r in rows[1:]) > 1.0  # each update outlasted the old 1 s grace
