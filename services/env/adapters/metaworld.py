@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from services.env.adapters.gymnasium import vectorize_fns
-from services.env.adapters.mujoco_pixels import check_options, headless, image_shape, pixel_env
+from services.env.adapters.mujoco_pixels import SuccessFrom, check_options, headless, image_shape, pixel_env
 from services.env.chunking import ActionChunk
 
 BENCHMARKS = ("MT10", "MT25", "MT50")
@@ -79,6 +79,11 @@ def encode_instruction(text: str) -> np.ndarray:
     return out
 
 
+def succeeded(info: dict) -> bool:
+    """MetaWorld's ``info["success"]`` is 0.0 or 1.0."""
+    return info.get("success", 0.0) >= 1.0
+
+
 class SeedTasks(gym.Wrapper):
     """SawyerXYZEnv.reset ignores its seed; the reset seed seeds the env's generator (the goal placement MetaWorld's
     task wrapper draws) instead, so seeded resets repeat."""
@@ -87,18 +92,6 @@ class SeedTasks(gym.Wrapper):
         if seed is not None:
             self.unwrapped.seed(seed)
         return self.env.reset(seed=seed, options=options)
-
-
-class Success(gym.Wrapper):
-    """MetaWorld's ``info["success"]`` (0.0 or 1.0) as the boolean ``info["is_success"]`` other adapters report."""
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        return obs, {**info, "is_success": False}
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        return obs, reward, terminated, truncated, {**info, "is_success": bool(info.get("success", 0.0) >= 1.0)}
 
 
 class Upright(gym.ObservationWrapper):
@@ -150,7 +143,7 @@ def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") ->
             env = gym.wrappers.TimeLimit(env, options.get("max_episode_steps", MAX_STEPS))
             env = AutoTerminateOnSuccessWrapper(env)
             env.toggle_terminate_on_success(options.get("terminate_on_success", False))
-            env = Success(SeedTasks(RandomTaskSelectWrapper(env, tasks)))
+            env = SuccessFrom(SeedTasks(RandomTaskSelectWrapper(env, tasks)), succeeded)
             env = pixel_env(env, name, options)
             if camera.startswith("corner"):
                 env = Upright(env)

@@ -167,3 +167,21 @@ def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") ->
         return pixel_env(make_rendered(env_id, height, width, kwargs), env_id, options)
 
     return vectorize(make, num_envs, vectorization, env_cfg.action_chunk)
+
+
+class SuccessFrom(gym.Wrapper):
+    """A task's own success signal as the boolean ``info["is_success"]`` every adapter reports (False at reset):
+    ``succeeded(info)`` reads it from the task's step info."""
+
+    def __init__(self, env: gym.Env, succeeded: Any):
+        super().__init__(env)
+        self.succeeded = succeeded
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return obs, {**info, "is_success": False}
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated, truncated, {**info, "is_success": bool(self.succeeded(info))}
+

@@ -21,7 +21,14 @@ import gymnasium as gym
 import numpy as np
 
 from services.env.adapters.gymnasium import check_env_id, vectorize
-from services.env.adapters.mujoco_pixels import check_options, headless, image_shape, make_rendered, pixel_env
+from services.env.adapters.mujoco_pixels import (
+    SuccessFrom,
+    check_options,
+    headless,
+    image_shape,
+    make_rendered,
+    pixel_env,
+)
 
 
 def _import() -> Any:
@@ -74,16 +81,9 @@ class FlatGoals(gym.ObservationWrapper):
         return out
 
 
-class KitchenSuccess(gym.Wrapper):
+def kitchen_succeeded(info: dict) -> bool:
     """FrankaKitchen's episode succeeds when none of its tasks is left (``info["tasks_to_complete"]`` empty)."""
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        return obs, {**info, "is_success": False}
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        return obs, reward, terminated, truncated, {**info, "is_success": not info.get("tasks_to_complete")}
+    return not info.get("tasks_to_complete")
 
 
 def check(env_cfg: Any) -> None:
@@ -103,7 +103,7 @@ def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") ->
 
         env = make_rendered(env_id, height, width, kwargs)
         if isinstance(env.unwrapped, kitchen.KitchenEnv):
-            env = KitchenSuccess(env)
+            env = SuccessFrom(env, kitchen_succeeded)
         return pixel_env(FlatGoals(env), env_id, options)
 
     return vectorize(make, num_envs, vectorization, env_cfg.action_chunk)
