@@ -58,6 +58,12 @@ def main() -> None:
                 ent_coef=0.0, learning_rate=lambda p: 1e-3 * p, clip_range=lambda p: 0.2 * p, seed=seed,
                 device="cpu", verbose=0)
     cb = EvalUntil(eval_env, every_rollouts=10, episodes=10, target=target, eval_seed=seed + 100_000)
+    print(json.dumps(learn_until(model, cb, total)))
+
+
+def learn_until(model, cb: EvalUntil, total: int) -> dict:
+    """Train until ``cb``'s evaluation reaches its target (or ``total`` steps, then one final evaluation, as
+    rlfabric does); when it was reached, at how many env steps, and every evaluation."""
     orig = model.collect_rollouts
 
     def collect(*a, **kw):  # stop right after the evaluation that reached the target
@@ -67,15 +73,13 @@ def main() -> None:
 
     model.collect_rollouts = collect
     model.learn(total_timesteps=total, callback=cb)
-    if cb.reached is None:  # final evaluation at the end of training, as rlfabric does
-        mean = evaluate(model, eval_env, 10, seed + 100_000)
+    if cb.reached is None:
+        mean = evaluate(model, cb.eval_env, cb.episodes, cb.eval_seed)
         cb.evals.append((model.num_timesteps, float(mean)))
-        if mean >= target:
+        if mean >= cb.target:
             cb.reached = (time.time(), model.num_timesteps, float(mean))
-    print(json.dumps({"reached_at": cb.reached[0] if cb.reached else None,
-                      "env_steps": cb.reached[1] if cb.reached else None,
-                      "eval_return": cb.reached[2] if cb.reached else None, "evals": cb.evals,
-                      "end": time.time()}))
+    return {"reached_at": cb.reached[0] if cb.reached else None, "env_steps": cb.reached[1] if cb.reached else None,
+            "eval_return": cb.reached[2] if cb.reached else None, "evals": cb.evals, "end": time.time()}
 
 
 if __name__ == "__main__":

@@ -72,18 +72,12 @@ def train(client: CoordinatorClient, base, scheduling: dict, iterations: int, ru
     return rows_of(run_dir)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="")
-    ap.add_argument("--iterations", type=int, default=24, help="iterations per plan (the first 3 are warm-up)")
-    args = ap.parse_args()
-    base = load_config(CONFIG)
-    work = Path(tempfile.mkdtemp(prefix="rlfabric-modes-"))
+def start_stack(work: Path) -> tuple[LocalStack, CoordinatorClient]:
+    """Two env and two rollout workers, replay and a learner, as local processes, all registered and alive."""
     stack = LocalStack(log_dir=work / "logs", runs_root=work,
                        roles=("env", "env", "replay", "learner", "rollout", "rollout"))
     stack.start()
     client = CoordinatorClient(stack.address)
-    metrics: dict[str, float] = {}
     try:
         client.wait_ready(60)
         deadline = time.monotonic() + 120
@@ -91,6 +85,23 @@ def main() -> None:
             if time.monotonic() > deadline or stack.dead():
                 raise RuntimeError(f"services did not start; logs in {work / 'logs'}")
             time.sleep(0.2)
+    except BaseException:
+        client.close()
+        stack.stop()
+        raise
+    return stack, client
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--iterations", type=int, default=24, help="iterations per plan (the first 3 are warm-up)")
+    args = ap.parse_args()
+    base = load_config(CONFIG)
+    work = Path(tempfile.mkdtemp(prefix="rlfabric-modes-"))
+    stack, client = start_stack(work)
+    metrics: dict[str, float] = {}
+    try:
         measured: dict[str, float] = {}
         for name, sched in PLANS.items():
             rows = train(client, base, sched, args.iterations, work / name.replace(" ", "_").replace("|", "_"))

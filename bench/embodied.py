@@ -1,0 +1,140 @@
+"""Embodied RL on a pixel task (rlfabric/ArmReach-v0: a MuJoCo arm rendered headless at 64x64 on the CPU, action
+chunks of 4), everything measured in this run, on this machine, through real service processes:
+
+  * env steps/s of every execution plan with the VLA-shaped policy (collocated, both hybrids, disaggregated at
+    staleness 1), steady state (warm-up iterations dropped, no evaluation). Target: the best pipelined or hybrid
+    plan >= 1.3x collocated;
+  * wall-clock to an evaluation threshold, rlfabric PPO against Stable-Baselines3 PPO on the same task with the
+    same hyper-parameters and the same network (a Nature-CNN image encoder beside the proprioception, a [64, 64]
+    MLP head; SB3's MultiInputPolicy). Each side is timed from the start of its training process to the first
+    evaluation that reaches the threshold (start-up included). Target: rlfabric / SB3 <= 1.0.
+
+    python bench/embodied.py --out bench/results/embodied.json [--iterations 8] [--threshold 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import python, report  # noqa: E402
+from modes import start_stack, steps_per_s, train  # noqa: E402
+
+from services.core.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VLA = ROOT / "examples" / "arm_reach_vla.yaml"
+WARMUP = 2
+PLANS = {
+    "collocated": {"mode": "collocated"},
+    "hybrid env+rollout|learner": {"mode": "hybrid", "pipeline_chunks": 2, "staleness": 1,
+                                   "placement": {"env": "a", "rollout": "a", "learner": "b"}},
+    "hybrid env|rollout+learner": {"mode": "hybrid", "pipeline_chunks": 2,
+                                   "placement": {"env": "a", "rollout": "b", "learner": "b"}},
+    "disaggregated": {"mode": "disaggregated", "pipeline_chunks": 2, "staleness": 1},
+}
+# the shared settings of the SB3 comparison: PPO, a CNN policy, 8 envs of chunks of 4
+HP = {"num_envs": 8, "n_steps": 32, "batch_size": 64, "n_epochs": 4, "gamma": 0.95, "gae_lambda": 0.9,
+      "learning_rate": 3e-4, "clip_range": 0.2, "ent_coef": 0.0, "max_grad_norm": 0.5, "chunk": 4}
+CNN = {"channels": [32, 64, 64], "kernels": [8, 4, 3], "strides": [4, 2, 1], "features": 256}
+
+
+def plans(iterations: int, work: Path) -> dict[str, float]:
+    base = load_config(VLA)
+    stack, client = start_stack(work)
+    measured: dict[str, float] = {}
+    try:
+        for name, sched in PLANS.items():
+            rows = train(client, base, sched, iterations, work / name.replace(" ", "_").replace("|", "_"))
+            measured[name] = steps_per_s(rows[WARMUP:])
+            print(f"{name:<28} {measured[name]:8.1f} env steps/s (decisions of {base.env.action_chunk} steps)",
+                  flush=True)
+    finally:
+        client.close()
+        stack.stop()
+    return measured
+
+
+def rlfabric_to_threshold(seed: int, threshold: float, max_steps: int, work: Path, plan: dict) -> dict:
+    """`rlfabric train` on the bench's best plan, its local stack started by the command (start-up counted)."""
+    run_dir = work / f"rlfabric-{seed}"
+    sets = [f"seed={seed}", "policy.name=", f"env.num_envs={HP['num_envs']}", "env.eval_envs=16",
+            f"env.action_chunk={HP['chunk']}", f"algorithm.n_steps={HP['n_steps']}",
+            f"algorithm.batch_size={HP['batch_size']}", f"algorithm.n_epochs={HP['n_epochs']}",
+            f"algorithm.gamma={HP['gamma']}", f"algorithm.gae_lambda={HP['gae_lambda']}",
+            f"algorithm.learning_rate={HP['learning_rate']}", f"algorithm.clip_range={HP['clip_range']}",
+            f"algorithm.ent_coef={HP['ent_coef']}", f"algorithm.max_grad_norm={HP['max_grad_norm']}",
+            "policy.hidden_sizes=[64, 64]", "policy.activation=relu", f"policy.cnn={json.dumps(CNN)}",
+            f"train.total_env_steps={max_steps}", "train.eval_every_iterations=4", "train.eval_episodes=16",
+            f"train.stop_at_eval_return={threshold}", f"scheduling={json.dumps(plan)}"]
+    t0 = time.time()
+    proc = subprocess.run([python(), "-m", "services.cli", "train", str(VLA), "--run-dir", str(run_dir), "--quiet",
+                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    hit = next((r for r in rows if r["eval_return_mean"] and float(r["eval_return_mean"]) >= threshold), None)
+    evals = [(int(r["env_steps"]), float(r["eval_return_mean"])) for r in rows if r["eval_return_mean"]]
+    return {"seconds": float(hit["time"]) - t0 if hit else None, "decisions": int(hit["env_steps"]) if hit else None,
+            "evals": evals}
+
+
+def sb3_to_threshold(seed: int, threshold: float, max_steps: int) -> dict:
+    t0 = time.time()
+    proc = subprocess.run([python(), str(Path(__file__).parent / "_sb3_embodied.py"), str(seed), str(max_steps),
+                           str(threshold), json.dumps(HP), json.dumps(CNN)], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"seconds": out["reached_at"] - t0 if out["reached_at"] else None, "decisions": out["env_steps"],
+            "evals": out["evals"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--iterations", type=int, default=8, help="iterations per plan (the first 2 are warm-up)")
+    ap.add_argument("--threshold", type=float, default=1.0, help="eval mean return both sides must reach")
+    ap.add_argument("--max-steps", type=int, default=60_000, help="decisions each side may take")
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0])
+    ap.add_argument("--skip-sb3", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rlfabric-embodied-"))
+    metrics: dict = {}
+    measured = plans(args.iterations, work)
+    metrics.update({f"{k} env_steps_per_s": v for k, v in measured.items()})
+    pipelined = {k: v for k, v in measured.items() if k != "collocated"}
+    best = max(pipelined, key=pipelined.get)
+    metrics["best pipelined/hybrid plan"] = best
+    ratios = {"best_pipelined_vs_collocated": pipelined[best] / measured["collocated"]}
+    targets = {"best_pipelined_vs_collocated": ">=1.3"}
+    if not args.skip_sb3:
+        ours, theirs = [], []
+        for seed in args.seeds:
+            ours.append(rlfabric_to_threshold(seed, args.threshold, args.max_steps, work, PLANS[best]))
+            theirs.append(sb3_to_threshold(seed, args.threshold, args.max_steps))
+            print(f"seed {seed}: rlfabric {ours[-1]['seconds']} s ({ours[-1]['decisions']} decisions), SB3 "
+                  f"{theirs[-1]['seconds']} s ({theirs[-1]['decisions']} decisions)", flush=True)
+        metrics.update({"threshold": args.threshold, "rlfabric": ours, "sb3": theirs})
+        done = [(a["seconds"], b["seconds"]) for a, b in zip(ours, theirs, strict=True) if a["seconds"] and b["seconds"]]
+        if done:
+            ratios["wall_to_threshold_vs_sb3"] = sum(a for a, _ in done) / sum(b for _, b in done)
+            targets["wall_to_threshold_vs_sb3"] = "<=1.0"
+        else:
+            print("no seed reached the threshold on both sides: no wall-clock ratio", flush=True)
+    report("embodied", metrics, ratios, targets, args.out)
+
+
+if __name__ == "__main__":
+    main()
