@@ -50,17 +50,18 @@ CNN = {"channels": [32, 64, 64], "kernels": [8, 4, 3], "strides": [4, 2, 1], "fe
 
 def plans(iterations: int, work: Path) -> dict[str, float]:
     base = load_config(VLA)
-    stack, client = start_stack(work)
     measured: dict[str, float] = {}
-    try:
-        for name, sched in PLANS.items():
-            rows = train(client, base, sched, iterations, work / name.replace(" ", "_").replace("|", "_"))
-            measured[name] = steps_per_s(rows[WARMUP:])
-            print(f"{name:<28} {measured[name]:8.1f} env steps/s (decisions of {base.env.action_chunk} steps)",
-                  flush=True)
-    finally:
-        client.close()
-        stack.stop()
+    for name, sched in PLANS.items():  # a fresh stack per plan: no plan inherits another's warm processes
+        folder = work / name.replace(" ", "_").replace("|", "_")
+        stack, client = start_stack(folder)
+        try:
+            rows = train(client, base, sched, iterations, folder / "run")
+        finally:
+            client.close()
+            stack.stop()
+        measured[name] = steps_per_s(rows[WARMUP:])
+        print(f"{name:<28} {measured[name]:8.1f} env steps/s (decisions of {base.env.action_chunk} steps)",
+              flush=True)
     return measured
 
 
