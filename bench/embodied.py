@@ -68,7 +68,7 @@ def plans(iterations: int, work: Path) -> dict[str, float]:
 def rlfabric_to_threshold(seed: int, threshold: float, max_steps: int, work: Path, plan: dict) -> dict:
     """`rlfabric train` on the bench's best plan, its local stack started by the command (start-up counted)."""
     run_dir = work / f"rlfabric-{seed}"
-    sets = [f"seed={seed}", "policy.name=", f"env.num_envs={HP['num_envs']}", "env.eval_envs=16",
+    sets = [f"seed={seed}", "policy.name=''", f"env.num_envs={HP['num_envs']}", "env.eval_envs=16",
             f"env.action_chunk={HP['chunk']}", f"algorithm.n_steps={HP['n_steps']}",
             f"algorithm.batch_size={HP['batch_size']}", f"algorithm.n_epochs={HP['n_epochs']}",
             f"algorithm.gamma={HP['gamma']}", f"algorithm.gae_lambda={HP['gae_lambda']}",
