@@ -4,7 +4,8 @@ parallel, and the flow-matching expert with Flow-SDE log-probs. An episode's ret
 touches the ball, so an eval mean return near 1.3 needs most episodes to succeed.
 
 These runs use the task's state observation (the balls' positions instead of the camera image) so that they fit
-in CI; the pixel and language variants run the same code with a bigger budget (examples/arm_reach_vla.yaml)."""
+in CI; the pixel and language variants run the same code with a bigger budget (examples/arm_reach_vla.yaml). The
+pixel task itself is learned here by a CNN actor-critic (examples/arm_reach_cnn.yaml)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def test_the_vla_policy_learns_to_reach_with_action_chunks_through_every_service
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     evals = [float(r["eval_return_mean"]) for r in rows if r["eval_return_mean"]]
     assert evals[0] < 1.0 and max(evals) >= 1.3, evals  # from mostly failing to mostly touching the ball
+
+
+@pytest.mark.slow
+def test_a_cnn_policy_learns_to_reach_from_pixels_through_every_service(tmp_path):
+    """The pixel task itself: 64x64 images rendered headless, chunks of 4, the hybrid plan. Seed 0 goes from eval
+    return 0.17 to over 1.0 (most episodes touch the ball) in ~17k decisions and to 1.34 in 29k."""
+    run_dir = tmp_path / "cnn"
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_cnn.yaml", "--run-dir", str(run_dir),
+         "--quiet", "--set", "train.total_env_steps=28000", "--set", "train.stop_at_eval_return=1.0"],
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    evals = [float(r["eval_return_mean"]) for r in rows if r["eval_return_mean"]]
+    assert evals[0] < 0.5 and max(evals) >= 1.0, evals
