@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _sb3_cartpole import EvalUntil, learn_until  # noqa: E402
 from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+from stable_baselines3.common.vec_env import SubprocVecEnv  # noqa: E402
 
 import services.env.sims  # noqa: E402,F401 — registers rlfabric/ArmReach-v0
 from services.env.chunking import ActionChunk  # noqa: E402
@@ -34,8 +35,11 @@ def main() -> None:
     seed, total, target = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     hp, cnn = json.loads(sys.argv[4]), json.loads(sys.argv[5])
     torch.set_num_threads(1)
-    env = make_vec_env(make(hp["chunk"]), n_envs=hp["num_envs"], seed=seed)
-    eval_env = make_vec_env(make(hp["chunk"]), n_envs=16, seed=seed + 100_000)
+    # envs render in worker processes: OSMesa's LLVM in the training process crashes the triton import that
+    # torch.optim's dynamo does (rlfabric's env and rollout processes never import torch.optim)
+    sub = {"vec_env_cls": SubprocVecEnv, "vec_env_kwargs": {"start_method": "forkserver"}}
+    env = make_vec_env(make(hp["chunk"]), n_envs=hp["num_envs"], seed=seed, **sub)
+    eval_env = make_vec_env(make(hp["chunk"]), n_envs=16, seed=seed + 100_000, **sub)
     model = PPO("MultiInputPolicy", env, n_steps=hp["n_steps"], batch_size=hp["batch_size"],
                 n_epochs=hp["n_epochs"], gamma=hp["gamma"], gae_lambda=hp["gae_lambda"],
                 learning_rate=hp["learning_rate"], clip_range=hp["clip_range"], ent_coef=hp["ent_coef"],
