@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import grpc
@@ -50,10 +50,8 @@ class ReachExpert:
     best: float = float("inf")
     stalled: int = 0
     policy_seq: int = -1
-    seq: int = SEQ_BASE
     target: np.ndarray | None = None
     takeovers: int = 0
-    log: list[str] = field(default_factory=list)
 
     def _distance(self, q: np.ndarray) -> float:
         return float(np.linalg.norm(self.forward_kinematics(q) - self.goal))
@@ -113,7 +111,6 @@ class KeyboardTeleop:
         self.joints, self.step = joints, step
         self.intervening = False
         self.target: np.ndarray | None = None
-        self.seq = SEQ_BASE
 
     def key(self, key: str, position: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
         if key == " ":
