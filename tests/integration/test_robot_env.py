@@ -1,8 +1,11 @@
 """The robot gateway as an env: the `robot` adapter's vector env drives arms on a real gateway process (sim driver)
 through an EnvPool, a scripted reaching policy gets there (success ends the episode, auto-reset walks the arm back),
-and a gateway hold (an e-stop mid-episode) ends the episode with its reason."""
+and a gateway hold (an e-stop mid-episode) ends the episode with its reason. Action chunks run one move per tick,
+and real-time chunking keeps the arm moving while the policy computes the next chunk."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import numpy as np
@@ -90,3 +93,70 @@ def test_a_gateway_hold_ends_the_episode_with_its_reason(gateway_address):
         with pytest.raises(grpc.RpcError) as err:
             robot_gateway_pb2_grpc.RobotGatewayStub(channel).GetState(pb.RobotRef(robot_id=env.ids[0]), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def chunked_env(address: str, hz: int, horizon: int, **options):
+    from services.env.adapters.robot import RobotVectorEnv
+
+    auth.configure(TOKEN)
+    cfg = EnvConfig(adapter="robot", id="reach", num_envs=1, action_chunk=horizon,
+                    options={"gateway": address, "hz": hz, "target": "0.9,0.9,0.9", **options})
+    return RobotVectorEnv(cfg, 1)
+
+
+def test_a_chunk_runs_one_move_per_tick_and_reports_every_step(gateway_address):
+    env = chunked_env(gateway_address, hz=50, horizon=4, episode_steps=1000)
+    try:
+        env.reset(seed=0)
+        start = env.commanded[0].copy()
+        chunk = np.array([[[0.5, 0.0, 0.0], [0.5, 0.0, 0.0], [0.0, -0.5, 0.0], [0.0, 0.0, 0.6]]], np.float32)
+        _, reward, terminated, truncated, info = env.step(chunk)
+        assert env.single_action_space.shape == (4, 3) and not (terminated[0] or truncated[0])
+        assert info["executed"][0] == 4 and info["step_valid"][0].tolist() == [1, 1, 1, 1]
+        assert np.isclose(info["step_rewards"][0].sum(), reward[0])
+        assert np.allclose(info["executed_action"][0], chunk[0], atol=1e-6)  # every move went through unclipped
+        assert np.allclose(env.commanded[0] - start, chunk[0].sum(0) * 0.05, atol=1e-9)
+    finally:
+        env.close()
+
+
+def test_realtime_chunking_keeps_the_arm_moving_while_the_policy_computes(gateway_address):
+    """A policy that takes 0.12 s per chunk (2.4 ticks at 20 Hz): executed one chunk at a time, the arm waits
+    through every inference; with real-time chunking the env hands back the observation early (by the measured
+    delay) and the chunk's tail fills the wait, so the arm has a fresh command nearly every tick."""
+    idle = {}
+    for realtime in (False, True):
+        env = chunked_env(gateway_address, hz=20, horizon=8, episode_steps=10_000, realtime_chunks=realtime)
+        rng = np.random.default_rng(0)
+        try:
+            env.reset(seed=0)
+            per_decision = []
+            for _ in range(10):
+                time.sleep(0.12)  # the policy's inference
+                _, _, _, _, info = env.step(rng.uniform(-0.2, 0.2, (1, 8, 3)).astype(np.float32))
+                per_decision.append(int(info["idle_ticks"][0]))
+            idle[realtime] = np.mean(per_decision[3:])  # after the delay estimate settled
+            if realtime:
+                assert 3 <= info["lead_ticks"][0] <= 7, info["lead_ticks"]
+        finally:
+            env.close()
+    assert idle[False] >= 1.5 and idle[True] <= min(1.0, idle[False] / 2), idle  # 2.0 and 0.0 here
+
+
+def test_an_episode_that_ends_in_a_chunks_tail_ends_the_next_decision_without_running_its_chunk(gateway_address):
+    env = chunked_env(gateway_address, hz=20, horizon=8, episode_steps=15, realtime_chunks=True)
+    try:
+        env.reset(seed=0)
+        moves = np.zeros((1, 8, 3), np.float32)
+        _, _, _, _, first = env.step(moves)  # no delay measured yet: the whole chunk runs
+        assert first["executed"][0] == 8 and first["lead_ticks"][0] == 0
+        time.sleep(0.12)
+        _, _, _, truncated, second = env.step(moves)  # returns `lead` ticks early; the tail runs on
+        lead = int(second["lead_ticks"][0])
+        assert second["executed"][0] == 8 - lead and not truncated[0]
+        time.sleep(0.3)  # long enough for the tail to reach the episode's 15th step
+        _, _, _, truncated, third = env.step(moves + 1.0)
+        assert truncated[0] and third["final_info"]["executed"][0] == 15 - (16 - lead)
+        assert np.allclose(third["final_info"]["executed_action"][0], 0.0)  # only the old tail ran, never this chunk
+    finally:
+        env.close()

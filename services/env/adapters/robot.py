@@ -15,6 +15,18 @@ intervened steps to replay's "interventions" source. One
 vector step commands every robot, then waits for the first state of each that used its command (one control tick).
 A latched hold the gateway imposes (fault, e-stop) ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
 to its start pose within the gateway's limits.
+
+Action chunks (``env.action_chunk: H``): a decision is H joint moves, one per control tick. ``info["idle_ticks"]``
+counts the ticks the arm went without a fresh policy command (it waited for the policy). With
+``realtime_chunks: true`` the env returns the observation before the chunk ends, ``d`` ticks early, and keeps
+executing the chunk's last ``d`` moves while the policy computes the next one (real-time chunking): ``d`` is the
+measured inference delay (the time between returning an observation and receiving the next chunk, in ticks, a
+running mean rounded up, at most H - 1; ``info["lead_ticks"]``). The next chunk was planned from that observation,
+so its first moves belong to ticks the tail already filled: execution starts at the index of the first tick not yet
+executed. Ticks run by the tail count toward the next decision (its reward follows the observation it saw), so the
+per-step arrays (``step_rewards``, ``step_valid``) are in tick order: the first ticks of a decision may be the
+previous chunk's tail, and tick h > those ran move h of this chunk. An episode that ends in the tail ends that
+next decision without running its chunk.
 """
 
 from __future__ import annotations
@@ -22,8 +34,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import queue
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,7 +50,7 @@ from gymnasium.vector.utils import batch_space
 
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
            "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float),
-           "start_noise": (int, float), "target": str}
+           "start_noise": (int, float), "target": str, "realtime_chunks": bool}
 TASKS = ("reach",)
 log = logging.getLogger(__name__)
 _pools = itertools.count()
@@ -46,9 +62,9 @@ def _options(env_cfg: Any) -> dict[str, Any]:
         raise ValueError(f"env.options {unknown} are not robot options; use {sorted(OPTIONS)}")
     opts = {"gateway": "", "driver": "sim", "hz": 50, "watchdog_s": 0.2,
             "episode_steps": 100, "action_scale": 0.05, "success_distance": 0.05, "start": "0,-0.3,0.6",
-            "spin_s": -1, "start_noise": 0.0, "target": "random"} | dict(env_cfg.options)
+            "spin_s": -1, "start_noise": 0.0, "target": "random", "realtime_chunks": False} | dict(env_cfg.options)
     for key, kind in OPTIONS.items():
-        if not isinstance(opts[key], kind) or isinstance(opts[key], bool):
+        if not isinstance(opts[key], kind) or (isinstance(opts[key], bool) and kind is not bool):
             raise ValueError(f"env.options.{key}={opts[key]!r}: expected {kind}")
     if not opts["gateway"]:
         raise ValueError("env.options.gateway is not set. Fix: give the robot gateway's HOST:PORT (rlfabric serve "
@@ -60,6 +76,9 @@ def _options(env_cfg: Any) -> dict[str, Any]:
     if not 0 <= opts["start_noise"] <= 1:
         raise ValueError(f"env.options.start_noise={opts['start_noise']}: give 0..1 rad (each joint's start is "
                          f"drawn within +-start_noise of start)")
+    if opts["realtime_chunks"] and env_cfg.action_chunk < 2:
+        raise ValueError("env.options.realtime_chunks executes a chunk's tail while the policy computes the next; "
+                         "it needs env.action_chunk >= 2")
     if opts["target"] != "random":
         try:
             target = [float(v) for v in opts["target"].split(",")]
@@ -72,6 +91,24 @@ def _options(env_cfg: Any) -> dict[str, Any]:
 
 def check(env_cfg: Any) -> None:
     _options(env_cfg)
+
+
+@dataclass
+class Tick:
+    """One control tick of one arm under a policy move: what the decision that owns it reports."""
+
+    obs: np.ndarray
+    reward: float
+    terminated: bool
+    truncated: bool
+    intervened: bool
+    executed: np.ndarray
+    hold: str
+    idle: int  # ticks before this one that had no fresh policy command
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
 
 
 class RobotVectorEnv(gym.vector.VectorEnv):
@@ -104,8 +141,10 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.start = np.array([float(v) for v in self.opts["start"].split(",")])
         self.max_step = float(min(infos[0].limits.jump_max, 0.3))
         self.num_envs = num_envs
+        self.horizon, self.realtime = env_cfg.action_chunk, self.opts["realtime_chunks"]
         self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2 * self.joints + 6,), np.float32)
-        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (self.joints,), np.float32)
+        self.single_action_space = gym.spaces.Box(
+            -1.0, 1.0, (self.horizon, self.joints) if self.horizon > 1 else (self.joints,), np.float32)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self.action_space = batch_space(self.single_action_space, num_envs)
         # each step waits for the state its command produced, so at most one command is ever waiting per robot
@@ -116,6 +155,15 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.commanded = np.tile(self.start, (num_envs, 1))
         self.steps = np.zeros(num_envs, dtype=np.int64)
         self.rng = np.random.default_rng()
+        self.last_tick = np.full(num_envs, -1, np.int64)  # the gateway tick that used each arm's newest command
+        # real-time chunking: the tail of each arm's chunk runs in a thread while the caller computes
+        self.tails: list[np.ndarray] = [np.zeros((0, self.joints))] * num_envs
+        self.tail_ticks: list[list[Tick]] = [[] for _ in range(num_envs)]
+        self.tail_thread: threading.Thread | None = None
+        self.tail_stop = threading.Event()
+        self.tail_error: BaseException | None = None
+        self.returned_at: float | None = None
+        self.delay_s = 0.0  # running mean of the caller's time between an observation and its next chunk
 
     def _commands(self, i: int):
         while True:
@@ -158,6 +206,7 @@ class RobotVectorEnv(gym.vector.VectorEnv):
             if np.abs(target - start).max() < 1e-9 and np.abs(state.velocity).max() < 0.05:
                 break
         self.commanded[i] = np.asarray(state.target)
+        self.last_tick[i] = state.seq
         if self.opts["target"] == "random":
             yaw, reach, height = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5), self.rng.uniform(0.05, 0.3)
             self.targets[i] = [reach * np.cos(yaw), reach * np.sin(yaw), height]
@@ -167,44 +216,132 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         return self._obs(i, state)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        self._stop_tail()
+        for ticks in self.tail_ticks:
+            ticks.clear()
+        self.returned_at = None
         if seed is not None:
             self.rng = np.random.default_rng(seed)
         return np.stack([self._reset_one(i) for i in range(self.num_envs)]), {}
 
-    def step(self, actions):
-        actions = np.clip(np.asarray(actions, dtype=float), -1, 1) * self.opts["action_scale"]
-        seqs = []
-        before = self.commanded.copy()
-        for i in range(self.num_envs):
-            self.commanded[i] = self.commanded[i] + actions[i]
-            seqs.append(self._send(i, self.commanded[i]))
-        intervened = np.zeros(self.num_envs, bool)
-        executed = np.zeros((self.num_envs, self.joints), np.float32)
-        obs = np.zeros((self.num_envs, *self.single_observation_space.shape), np.float32)
-        rewards, terminated, truncated = np.zeros(self.num_envs), np.zeros(self.num_envs, bool), \
-            np.zeros(self.num_envs, bool)
-        finals: list[Any] = [None] * self.num_envs
-        holds = [""] * self.num_envs
-        for i, seq in enumerate(seqs):
+    # -- ticks -----------------------------------------------------------------------------------------------
+    def _ticks(self, moves: dict[int, np.ndarray]) -> dict[int, Tick]:
+        """One control tick of each arm in ``moves`` (a move in [-1, 1] per joint): every command goes out before
+        any state is awaited, so the arms tick together."""
+        before = {i: self.commanded[i].copy() for i in moves}
+        seqs = {}
+        for i, move in moves.items():
+            self.commanded[i] = self.commanded[i] + np.clip(move, -1, 1) * self.opts["action_scale"]
+            seqs[i] = self._send(i, self.commanded[i])
+        out = {}
+        for i, seq in seqs.items():
             state = self._state_after(i, seq)
             self.commanded[i] = np.asarray(state.target)  # what the gateway let through (or the human commanded)
-            intervened[i] = state.intervening
-            executed[i] = np.clip((self.commanded[i] - before[i]) / self.opts["action_scale"], -1, 1)
+            idle = max(0, int(state.seq - self.last_tick[i] - 1))
+            self.last_tick[i] = state.seq
             self.steps[i] += 1
             distance = float(np.linalg.norm(np.asarray(state.end_effector) - self.targets[i]))
-            rewards[i] = -distance
-            terminated[i] = distance < self.opts["success_distance"]
-            rewards[i] += float(terminated[i])
-            holds[i] = state.hold_reason if state.holding else ""
-            truncated[i] = not terminated[i] and (bool(holds[i]) or self.steps[i] >= self.opts["episode_steps"])
-            obs[i] = self._obs(i, state)
-            if terminated[i] or truncated[i]:
-                finals[i] = obs[i].copy()
-                obs[i] = self._reset_one(i)
+            terminated = distance < self.opts["success_distance"]
+            hold = state.hold_reason if state.holding else ""
+            truncated = not terminated and (bool(hold) or self.steps[i] >= self.opts["episode_steps"])
+            executed = np.clip((self.commanded[i] - before[i]) / self.opts["action_scale"], -1, 1)
+            out[i] = Tick(self._obs(i, state), float(terminated) - distance, bool(terminated), bool(truncated),
+                          bool(state.intervening), executed.astype(np.float32), hold, idle)
+        return out
+
+    def _run_tail(self) -> None:
+        """The thread that executes the chunks' tails while the caller computes, until told to stop."""
+        try:
+            k = 0
+            while not self.tail_stop.is_set():
+                moves = {i: tail[k] for i, tail in enumerate(self.tails)
+                         if k < len(tail) and not (self.tail_ticks[i] and self.tail_ticks[i][-1].done)}
+                if not moves:
+                    return
+                for i, tick in self._ticks(moves).items():
+                    self.tail_ticks[i].append(tick)
+                k += 1
+        except BaseException as exc:  # handed to the caller's next step: a tail never fails silently
+            self.tail_error = exc
+
+    def _stop_tail(self) -> None:
+        if self.tail_thread is not None:
+            self.tail_stop.set()
+            self.tail_thread.join()
+            self.tail_thread = None
+        if self.tail_error is not None:
+            error, self.tail_error = self.tail_error, None
+            raise RuntimeError(f"the robot env's chunk tail failed: {error}") from error
+
+    def lead_ticks(self) -> int:
+        """How many ticks before a chunk's end the observation goes back (the measured inference delay)."""
+        if not self.realtime:
+            return 0
+        return min(self.horizon - 1, math.ceil(self.delay_s * self.opts["hz"]))
+
+    # -- step --------------------------------------------------------------------------------------------------
+    def step(self, actions):
+        received = time.monotonic()
+        self._stop_tail()
+        if self.returned_at is not None:
+            delay = received - self.returned_at
+            self.delay_s = delay if self.delay_s == 0 else 0.8 * self.delay_s + 0.2 * delay
+        moves = np.asarray(actions, dtype=float).reshape(self.num_envs, self.horizon, self.joints)
+        ticks = [list(t) for t in self.tail_ticks]
+        for t in self.tail_ticks:
+            t.clear()
+        lead = self.lead_ticks()
+        # the chunk starts at its first tick not run yet (the tail ran the earlier ones) and runs to H - lead
+        index = [len(t) for t in ticks]
+        stop = [max(self.horizon - lead, k + 1) for k in index]
+        while True:
+            now = {i: moves[i, index[i]] for i in range(self.num_envs)
+                   if index[i] < min(stop[i], self.horizon) and not (ticks[i] and ticks[i][-1].done)}
+            if not now:
+                break
+            for i, tick in self._ticks(now).items():
+                ticks[i].append(tick)
+                index[i] += 1
+        out = self._report(ticks)
+        if self.realtime:
+            self.tails = [moves[i, index[i]:] if not ticks[i][-1].done else np.zeros((0, self.joints))
+                          for i in range(self.num_envs)]
+            self.tail_stop.clear()
+            self.tail_thread = threading.Thread(target=self._run_tail, name="robot-chunk-tail", daemon=True)
+            self.tail_thread.start()
+        self.returned_at = time.monotonic()
+        return out
+
+    def _report(self, ticks: list[list[Tick]]):
+        """The vector step's return from each arm's ticks of this decision (auto-resetting arms that finished)."""
+        n, H = self.num_envs, self.horizon
+        last = [t[-1] for t in ticks]
+        terminated = np.array([t.terminated for t in last])
+        truncated = np.array([t.truncated for t in last])
+        rewards = np.array([sum(t.reward for t in arm) for arm in ticks])
+        obs = np.stack([t.obs for t in last])
         done = terminated | truncated
-        facts = {"intervened": intervened, "executed_action": executed, "is_success": terminated.copy()}
+        finals: list[Any] = [None] * n
+        for i in np.flatnonzero(done):
+            finals[i] = obs[i].copy()
+            obs[i] = self._reset_one(i)
+        holds = [t.hold for t in last]
+        facts: dict[str, Any] = {"intervened": np.array([any(t.intervened for t in arm) for arm in ticks]),
+                                 "is_success": terminated.copy(),
+                                 "idle_ticks": np.array([sum(t.idle for t in arm) for arm in ticks], np.int64)}
+        if H == 1:
+            facts["executed_action"] = np.stack([t.executed for t in last])
+        else:
+            executed = np.zeros((n, H, self.joints), np.float32)
+            chunk = {k: np.zeros((n, H), np.float32) for k in ("step_rewards", "step_dones", "step_valid")}
+            for i, arm in enumerate(ticks):
+                for h, t in enumerate(arm):
+                    executed[i, h] = t.executed
+                    chunk["step_rewards"][i, h], chunk["step_valid"][i, h] = t.reward, 1.0
+                chunk["step_dones"][i, len(arm) - 1] = float(arm[-1].done)
+            facts |= chunk | {"executed_action": executed, "executed": np.array([len(a) for a in ticks], np.int64)}
         info: dict[str, Any] = {"hold_reason": np.array(holds, dtype=object), "_hold_reason": np.array(
-            [bool(h) for h in holds])}
+            [bool(h) for h in holds]), "lead_ticks": np.full(n, self.lead_ticks(), np.int64)}
         info |= facts | {f"_{k}": ~done for k in facts}  # a finished env's last step is in final_info (gymnasium)
         if done.any():
             info["final_obs"], info["_final_obs"] = np.array(finals, dtype=object), done
@@ -219,6 +356,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
                 log.warning("could not disconnect robot %s: %s", rid, exc.details())
 
     def close_extras(self, **kwargs: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # a tail's failure was the run's problem; closing goes on
+            self._stop_tail()
         for box in self.outbox:
             with contextlib.suppress(queue.Full):  # a full box's stream is cancelled just below anyway
                 box.put_nowait(None)
