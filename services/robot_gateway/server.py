@@ -8,8 +8,11 @@ S3 credentials from ``$RLFABRIC_S3_ACCESS_KEY`` / ``$RLFABRIC_S3_SECRET_KEY``), 
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import logging
+import os
 import re
+import sys
 
 import grpc
 import numpy as np
@@ -19,6 +22,7 @@ from services.core.objectstore import ObjectStore, open_store
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
+from services.robot_gateway.cameras import CameraFeed, FrameServer
 from services.robot_gateway.drivers import build_driver
 from services.robot_gateway.loop import ControlLoop, Tick
 from services.robot_gateway.recording import (
@@ -63,10 +67,14 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         self.recording_requests: dict[str, pb.RecordingRequest] = {}
         self.storage, self.storage_default_root = storage or StorageConfig(), storage_default_root
         self.store: ObjectStore | None = None
+        self.runtime = runtime
+        self.frames: FrameServer | None = None  # the camera data plane, opened with the first camera
         runtime.on_shutdown(self.close)
         runtime.watch("control-loops", self.health)
 
     def health(self) -> str | None:
+        if self.frames is not None and (why := self.frames.health()) is not None:
+            return why
         return next((why for loop in self.loops.values() if (why := loop.health())), None)
 
     async def _loop(self, robot_id: str, context) -> ControlLoop:
@@ -78,9 +86,12 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
 
     def _info(self, robot_id: str) -> pb.RobotInfo:
         loop = self.loops[robot_id]
+        camera = self.frames.feeds.get(robot_id) if self.frames is not None else None
         return pb.RobotInfo(robot_id=robot_id, driver=self.drivers[robot_id], joint_names=loop.driver.joint_names,
                             control_hz=1 / loop.period, watchdog_s=loop.watchdog_s,
-                            limits=limits_message(robot_id, loop.hard), realtime=loop.realtime)
+                            limits=limits_message(robot_id, loop.hard), realtime=loop.realtime,
+                            camera_endpoint=self.frames.endpoint if camera else "",
+                            camera_size=camera.size if camera else 0)
 
     async def Connect(self, request, context):
         rid = request.robot_id
@@ -103,14 +114,32 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"robot {rid!r} is connected with driver "
                                                                     f"{self.drivers[rid]!r}")
             return self._info(rid)
+        camera_hz = request.camera_hz or 30.0
+        if request.camera_size and not (np.isfinite(camera_hz) and 1 <= camera_hz <= 120):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"camera_hz={request.camera_hz}: give 1..120 "
+                                                                  f"frames per second (0: 30)")
         if len(self.loops) >= MAX_ROBOTS:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_ROBOTS} robots are connected already")
         try:
             driver = build_driver(request.driver, dict(request.options))
+            capture = driver.camera(request.camera_size) if request.camera_size else None
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
         loop = ControlLoop(rid, driver, hz, watchdog, spin)
         loop.start()
+        if capture is not None:
+            feed = CameraFeed(rid, capture, camera_hz, lambda: loop.last.tick, request.camera_size)
+            try:
+                await asyncio.to_thread(feed.start)
+            except RuntimeError as exc:
+                await asyncio.to_thread(loop.stop)
+                driver.close()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc}. Fix: give the gateway an "
+                                                                         f"off-screen renderer (libosmesa6) or "
+                                                                         f"camera_size: 0")
+            if self.frames is None:
+                self.frames = FrameServer(self.runtime.options.host, self.runtime.advertise_host)
+            self.frames.add(feed)
         self.loops[rid], self.drivers[rid] = loop, request.driver
         for _ in range(400):  # its first moments: what priority it got goes in the reply
             if loop.realtime != "not started":
@@ -123,6 +152,8 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     async def Disconnect(self, request, context):
         loop = await self._loop(request.robot_id, context)
         del self.loops[request.robot_id], self.drivers[request.robot_id]
+        if self.frames is not None:
+            await asyncio.to_thread(self.frames.remove, request.robot_id)
         await asyncio.get_running_loop().run_in_executor(None, loop.stop)  # joins the loop thread, then brakes
         loop.driver.close()
         await self._stop_recorder(request.robot_id, loop)
@@ -361,6 +392,8 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         return self._recording_status(request.robot_id)
 
     def close(self) -> None:
+        if self.frames is not None:
+            self.frames.close()
         for loop in self.loops.values():
             loop.stop()
             loop.driver.close()
@@ -394,6 +427,10 @@ async def _build(runtime: ServiceRuntime, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # camera frames render off-screen: MuJoCo picks its OpenGL backend once, on import, so choose OSMesa (Debian's
+    # libosmesa6, CPU) before any driver imports it, unless the deployment chose one (MUJOCO_GL=egl on a GPU host)
+    if "mujoco" not in sys.modules and ctypes.util.find_library("OSMesa"):
+        os.environ.setdefault("MUJOCO_GL", "osmesa")
     run_service("robot_gateway", _build, argv, extra_args=_storage_args)
 
 

@@ -6,6 +6,7 @@ and real-time chunking keeps the arm moving while the policy computes the next c
 from __future__ import annotations
 
 import time
+from contextlib import closing
 
 import grpc
 import numpy as np
@@ -158,5 +159,42 @@ def test_an_episode_that_ends_in_a_chunks_tail_ends_the_next_decision_without_ru
         _, _, _, truncated, third = env.step(moves + 1.0)
         assert truncated[0] and third["final_info"]["executed"][0] == 15 - (16 - lead)
         assert np.allclose(third["final_info"]["executed_action"][0], 0.0)  # only the old tail ran, never this chunk
+    finally:
+        env.close()
+
+
+def test_camera_frames_come_over_the_data_plane_and_show_the_arm_move(gateway_address):
+    """A robot connected with a camera: the env's observation carries the newest frame (fetched on the gateway's
+    ZeroMQ camera port, not gRPC), the frames follow the arm, and the port refuses strangers and unknown robots."""
+    from services.core.batch import TensorBatch
+    from services.core.dataplane import DataClient, PeerTimeout, RemoteError
+    from services.env.adapters.robot import FRAME_BYTES
+
+    env = chunked_env(gateway_address, hz=50, horizon=1, episode_steps=1000, camera=32)
+    try:
+        obs, _ = env.reset(seed=0)
+        assert obs["image"].shape == (1, 32, 32, 3) and obs["image"].dtype == np.uint8 and obs["state"].shape == (1, 12)
+        assert env.camera_endpoint.startswith("tcp://") and obs["image"].std() > 0  # a rendered scene, not a blank
+        first = obs["image"][0].astype(int)
+        for _ in range(25):  # swing the base round
+            obs, *_ = env.step(np.array([[1.0, 0.0, 0.0]], np.float32))
+        time.sleep(0.1)  # the camera runs at 30 Hz: its newest frame shows the new pose
+        obs, *_ = env.step(np.zeros((1, 3), np.float32))
+        assert np.abs(obs["image"][0].astype(int) - first).sum() > 1000
+
+        with closing(DataClient(env.camera_endpoint, max_bytes=FRAME_BYTES, timeout_s=5)) as client:
+            _, one = client.request("frame", TensorBatch(meta={"robot_id": env.ids[0]}))
+            time.sleep(0.2)
+            _, two = client.request("frame", TensorBatch(meta={"robot_id": env.ids[0]}))
+            assert two.meta["frame"] > one.meta["frame"] and two.meta["tick"] > one.meta["tick"]
+            with pytest.raises(RemoteError, match="has no camera"):
+                client.request("frame", TensorBatch(meta={"robot_id": "nobody"}))
+        auth.configure("")  # a client without the deployment's token: CURVE never lets it through
+        try:
+            with closing(DataClient(env.camera_endpoint, max_bytes=FRAME_BYTES, timeout_s=1)) as stranger:
+                with pytest.raises(PeerTimeout):
+                    stranger.request("frame", TensorBatch(meta={"robot_id": env.ids[0]}))
+        finally:
+            auth.configure(TOKEN)
     finally:
         env.close()

@@ -16,6 +16,10 @@ vector step commands every robot, then waits for the first state of each that us
 A latched hold the gateway imposes (fault, e-stop) ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
 to its start pose within the gateway's limits.
 
+Camera (``camera: S``): the gateway renders each arm's camera at S x S pixels and serves the newest frame on its
+camera data plane (ZeroMQ, never gRPC); the observation becomes a Dict of ``state`` (the vector above) and
+``image`` (uint8 [S, S, 3], the newest frame when the observation is made).
+
 Action chunks (``env.action_chunk: H``): a decision is H joint moves, one per control tick. ``info["idle_ticks"]``
 counts the ticks the arm went without a fresh policy command (it waited for the policy). With
 ``realtime_chunks: true`` the env returns the observation before the chunk ends, ``d`` ticks early, and keeps
@@ -50,7 +54,8 @@ from gymnasium.vector.utils import batch_space
 
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
            "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float),
-           "start_noise": (int, float), "target": str, "realtime_chunks": bool}
+           "start_noise": (int, float), "target": str, "realtime_chunks": bool, "camera": int}
+FRAME_BYTES = 4 << 20  # one camera frame answer (256 x 256 x 3 at most) and its header
 TASKS = ("reach",)
 log = logging.getLogger(__name__)
 _pools = itertools.count()
@@ -62,7 +67,7 @@ def _options(env_cfg: Any) -> dict[str, Any]:
         raise ValueError(f"env.options {unknown} are not robot options; use {sorted(OPTIONS)}")
     opts = {"gateway": "", "driver": "sim", "hz": 50, "watchdog_s": 0.2,
             "episode_steps": 100, "action_scale": 0.05, "success_distance": 0.05, "start": "0,-0.3,0.6",
-            "spin_s": -1, "start_noise": 0.0, "target": "random", "realtime_chunks": False} | dict(env_cfg.options)
+            "spin_s": -1, "start_noise": 0.0, "target": "random", "realtime_chunks": False, "camera": 0} | dict(env_cfg.options)
     for key, kind in OPTIONS.items():
         if not isinstance(opts[key], kind) or (isinstance(opts[key], bool) and kind is not bool):
             raise ValueError(f"env.options.{key}={opts[key]!r}: expected {kind}")
@@ -76,6 +81,9 @@ def _options(env_cfg: Any) -> dict[str, Any]:
     if not 0 <= opts["start_noise"] <= 1:
         raise ValueError(f"env.options.start_noise={opts['start_noise']}: give 0..1 rad (each joint's start is "
                          f"drawn within +-start_noise of start)")
+    if opts["camera"] and not 8 <= opts["camera"] <= 256:
+        raise ValueError(f"env.options.camera={opts['camera']}: give the frame size in pixels (8..256), or 0 for no "
+                         f"camera")
     if opts["realtime_chunks"] and env_cfg.action_chunk < 2:
         raise ValueError("env.options.realtime_chunks executes a chunk's tail while the policy computes the next; "
                          "it needs env.action_chunk >= 2")
@@ -130,8 +138,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
             for rid in self.ids:
                 infos.append(self.stub.Connect(pb.ConnectRequest(
                     robot_id=rid, driver=self.opts["driver"], options={"start": self.opts["start"]},
-                    control_hz=self.opts["hz"], watchdog_s=self.opts["watchdog_s"], spin_s=self.opts["spin_s"]),
-                    timeout=30))
+                    control_hz=self.opts["hz"], watchdog_s=self.opts["watchdog_s"], spin_s=self.opts["spin_s"],
+                    camera_size=self.opts["camera"]), timeout=60))
         except grpc.RpcError as exc:
             self._disconnect(self.ids[:len(infos)])
             raise ValueError(f"the robot gateway at {self.opts['gateway']} refused Connect ({exc.code().name}: "
@@ -143,6 +151,12 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.num_envs = num_envs
         self.horizon, self.realtime = env_cfg.action_chunk, self.opts["realtime_chunks"]
         self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2 * self.joints + 6,), np.float32)
+        self.camera_endpoint = infos[0].camera_endpoint
+        self.frames = None  # the camera data-plane client, made by the thread that steps (sockets stay in one)
+        if self.opts["camera"]:
+            size = self.opts["camera"]
+            self.single_observation_space = gym.spaces.Dict({
+                "image": gym.spaces.Box(0, 255, (size, size, 3), np.uint8), "state": self.single_observation_space})
         self.single_action_space = gym.spaces.Box(
             -1.0, 1.0, (self.horizon, self.joints) if self.horizon > 1 else (self.joints,), np.float32)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
@@ -192,6 +206,27 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         return np.concatenate([state.position, state.velocity, self.targets[i], state.end_effector]).astype(
             np.float32)
 
+    def _observation(self, i: int, vector: np.ndarray) -> Any:
+        """What the policy sees: the state vector, with the camera's newest frame beside it when there is one."""
+        if not self.opts["camera"]:
+            return vector
+        from services.core.batch import TensorBatch
+        from services.core.dataplane import DataClient
+
+        if self.frames is None:
+            self.frames = DataClient(self.camera_endpoint, max_bytes=FRAME_BYTES, timeout_s=10.0)
+        kind, frame = self.frames.request("frame", TensorBatch(meta={"robot_id": self.ids[i]}))
+        image = np.asarray(frame["image"])
+        if kind != "frame" or image.shape != self.single_observation_space["image"].shape or image.dtype != np.uint8:
+            raise RuntimeError(f"the gateway's camera answered {kind!r} with an image of {image.shape} "
+                               f"{image.dtype}, not {self.single_observation_space['image']}")
+        return {"image": image, "state": vector}
+
+    def _stack(self, observations: list[Any]) -> Any:
+        if not self.opts["camera"]:
+            return np.stack(observations)
+        return {k: np.stack([o[k] for o in observations]) for k in ("image", "state")}
+
     def _reset_one(self, i: int) -> np.ndarray:
         """Clear any hold, walk back to the start pose (steps the gateway accepts), draw a reachable target."""
         self.stub.ClearEStop(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
@@ -213,7 +248,7 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         else:
             self.targets[i] = [float(v) for v in self.opts["target"].split(",")]
         self.steps[i] = 0
-        return self._obs(i, state)
+        return self._observation(i, self._obs(i, state))
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         self._stop_tail()
@@ -222,7 +257,7 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.returned_at = None
         if seed is not None:
             self.rng = np.random.default_rng(seed)
-        return np.stack([self._reset_one(i) for i in range(self.num_envs)]), {}
+        return self._stack([self._reset_one(i) for i in range(self.num_envs)]), {}
 
     # -- ticks -----------------------------------------------------------------------------------------------
     def _ticks(self, moves: dict[int, np.ndarray]) -> dict[int, Tick]:
@@ -319,12 +354,13 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         terminated = np.array([t.terminated for t in last])
         truncated = np.array([t.truncated for t in last])
         rewards = np.array([sum(t.reward for t in arm) for arm in ticks])
-        obs = np.stack([t.obs for t in last])
         done = terminated | truncated
+        observations = [self._observation(i, t.obs) for i, t in enumerate(last)]
         finals: list[Any] = [None] * n
         for i in np.flatnonzero(done):
-            finals[i] = obs[i].copy()
-            obs[i] = self._reset_one(i)
+            finals[i] = observations[i]
+            observations[i] = self._reset_one(i)
+        obs = self._stack(observations)
         holds = [t.hold for t in last]
         facts: dict[str, Any] = {"intervened": np.array([any(t.intervened for t in arm) for arm in ticks]),
                                  "is_success": terminated.copy(),
@@ -363,6 +399,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
                 box.put_nowait(None)
         for stream in self.streams:
             stream.cancel()
+        if self.frames is not None:
+            self.frames.close()
         self._disconnect(self.ids)  # the arms brake and the gateway frees them
         self.channel.close()
 

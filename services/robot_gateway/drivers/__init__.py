@@ -7,6 +7,7 @@ joint-position target each tick. It never decides what is safe: the gateway's lo
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,6 +51,11 @@ class Driver:
     def command(self, target: np.ndarray, dt: float) -> None:
         """Track ``target`` for the next ``dt`` seconds (a simulator advances its physics by ``dt``)."""
         raise NotImplementedError
+
+    def camera(self, size: int) -> Callable[[], np.ndarray]:
+        """A capture function for square uint8 RGB frames [size, size, 3]. The gateway calls it from one camera
+        thread only (never the control loop's), so a driver may bind a renderer or a device to that thread."""
+        raise DriverOptionError(f"driver {type(self).__name__} has no camera. Fix: set camera_size: 0")
 
     def brake(self) -> None:
         """Hold still by the driver's own means (a real arm's brakes); default: track the measured position."""

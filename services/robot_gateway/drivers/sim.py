@@ -1,8 +1,12 @@
 """``sim``: a MuJoCo arm (3 revolute joints: base yaw, shoulder and elbow pitch; position servos) whose physics
 advances in real time behind the gateway's loop: each tick steps it by the tick's period. Its model is written
-here, so nothing is downloaded."""
+here, so nothing is downloaded. Its camera renders a private copy of the arm's pose (taken under a lock held only
+for the copy), so rendering never races the physics nor holds up a tick."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -14,7 +18,11 @@ MJCF = """
   <compiler angle="radian"/>
   <option timestep="0.002" gravity="0 0 -9.81" integrator="implicitfast"/>
   <default><joint armature="0.01"/></default>
+  <visual><global offwidth="256" offheight="256"/></visual>
   <worldbody>
+    <light pos="0.5 0 2" dir="0 0 -1"/>
+    <geom name="floor" type="plane" size="1 1 0.01" rgba="0.8 0.8 0.8 1" contype="0" conaffinity="0"/>
+    <camera name="front" pos="1.2 0 0.5" xyaxes="0 1 0 -0.38 0 0.92"/>
     <body name="base" pos="0 0 0.1">
       <joint name="yaw" type="hinge" axis="0 0 1" range="-2.6 2.6" damping="0.5"/>
       <geom type="cylinder" size="0.05 0.05" mass="1"/>
@@ -52,6 +60,7 @@ class SimArm(Driver):
         self.data = mujoco.MjData(self.model)
         self._fk_data = mujoco.MjData(self.model)
         self.site = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_SITE, "ee")
+        self.lock = threading.Lock()  # the physics step vs the camera's copy of the pose
         if "start" in options:
             start = np.array([float(v) for v in options["start"].split(",")])
             self.data.qpos[:] = start
@@ -73,6 +82,25 @@ class SimArm(Driver):
         return self.data.qpos.copy(), self.data.qvel.copy()
 
     def command(self, target: np.ndarray, dt: float) -> None:
-        self.data.ctrl[:] = target
-        for _ in range(max(1, round(dt / self.model.opt.timestep)) if dt > 0 else 0):
-            self.mujoco.mj_step(self.model, self.data)
+        with self.lock:
+            self.data.ctrl[:] = target
+            for _ in range(max(1, round(dt / self.model.opt.timestep)) if dt > 0 else 0):
+                self.mujoco.mj_step(self.model, self.data)
+
+    def camera(self, size: int) -> Callable[[], np.ndarray]:
+        if not 8 <= size <= 256:
+            raise ValueError(f"camera_size={size}: the sim camera renders 8..256 pixels a side")
+        mujoco, view = self.mujoco, self.mujoco.MjData(self.model)
+        renderer = None
+
+        def capture() -> np.ndarray:
+            nonlocal renderer
+            if renderer is None:  # made in the calling thread: an OpenGL context belongs to the thread that made it
+                renderer = mujoco.Renderer(self.model, size, size)
+            with self.lock:
+                view.qpos[:] = self.data.qpos
+            mujoco.mj_forward(self.model, view)
+            renderer.update_scene(view, camera="front")
+            return renderer.render()
+
+        return capture

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlfabric/v1/robot_gateway.proto\x12\x0brlfabric.v1\"\xd5\x01\n\x0e\x43onnectRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x39\n\x07options\x18\x03 \x03(\x0b\x32(.rlfabric.v1.ConnectRequest.OptionsEntry\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12\x0e\n\x06spin_s\x18\x06 \x01(\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x08RobotRef\x12\x10\n\x08robot_id\x18\x01 \x01(\t\"\x13\n\x11ListRobotsRequest\"3\n\tRobotList\x12&\n\x06robots\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.RobotInfo\"\xa7\x01\n\tRobotInfo\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x13\n\x0bjoint_names\x18\x03 \x03(\t\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12)\n\x06limits\x18\x06 \x01(\x0b\x32\x19.rlfabric.v1.SafetyLimits\x12\x10\n\x08realtime\x18\x07 \x01(\t\"b\n\x0cJointCommand\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x03(\x01\x12\x10\n\x08velocity\x18\x04 \x03(\x01\x12\x0f\n\x07gripper\x18\x05 \x01(\x01\"\xaf\x03\n\nRobotState\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x03(\x01\x12\x10\n\x08velocity\x18\x05 \x03(\x01\x12\x0f\n\x07gripper\x18\x06 \x01(\x01\x12\x10\n\x08\x65stopped\x18\x07 \x01(\x08\x12\r\n\x05\x66\x61ult\x18\x08 \x01(\t\x12\x15\n\rloop_jitter_s\x18\t \x01(\x01\x12\x13\n\x0bintervening\x18\n \x01(\x08\x12\x17\n\x0floop_lateness_s\x18\x0b \x01(\x01\x12\x10\n\x08overruns\x18\x0c \x01(\x04\x12\x0f\n\x07holding\x18\r \x01(\x08\x12\x13\n\x0bhold_reason\x18\x0e \x01(\t\x12\x0e\n\x06target\x18\x0f \x03(\x01\x12\x13\n\x0b\x63ommand_seq\x18\x10 \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x11 \x01(\x08\x12\x0e\n\x06slowed\x18\x12 \x01(\x08\x12\x0f\n\x07\x65pisode\x18\x13 \x01(\x04\x12 \n\x18\x65pisode_intervened_ticks\x18\x14 \x01(\x04\x12\x14\n\x0c\x65nd_effector\x18\x15 \x03(\x01\x12\x12\n\npolicy_seq\x18\x16 \x01(\x03\"\xed\x01\n\x0bTeleopEvent\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.rlfabric.v1.TeleopEvent.Kind\x12*\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand\"s\n\x04Kind\x12\x0b\n\x07\x43OMMAND\x10\x00\x12\x13\n\x0fINTERVENE_START\x10\x01\x12\x12\n\x0eINTERVENE_STOP\x10\x02\x12\x0b\n\x07SUCCESS\x10\x03\x12\x0b\n\x07\x46\x41ILURE\x10\x04\x12\x0c\n\x08RERECORD\x10\x05\x12\r\n\tTERMINATE\x10\x06\"\xb4\x01\n\x0cSafetyLimits\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x14\n\x0cposition_min\x18\x02 \x03(\x01\x12\x14\n\x0cposition_max\x18\x03 \x03(\x01\x12\x14\n\x0cvelocity_max\x18\x04 \x03(\x01\x12\x15\n\rworkspace_min\x18\x05 \x03(\x01\x12\x15\n\rworkspace_max\x18\x06 \x03(\x01\x12\x10\n\x08slew_max\x18\x07 \x03(\x01\x12\x10\n\x08jump_max\x18\x08 \x01(\x01\"0\n\x0c\x45StopRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"i\n\x0cIntervention\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\x12*\n\x07\x63ommand\x18\x04 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand\"\xc0\x01\n\x10RecordingRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x17\n\x0freplay_endpoint\x18\x04 \x01(\t\x12\x15\n\rreplay_source\x18\x05 \x01(\t\x12\x1b\n\x13intervention_source\x18\x06 \x01(\t\x12\x13\n\x0bqueue_ticks\x18\x07 \x01(\r\x12\x19\n\x11max_episode_ticks\x18\x08 \x01(\r\"\x95\x02\n\x0fRecordingStatus\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x11\n\trecording\x18\x02 \x01(\x08\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x15\n\repisodes_kept\x18\x05 \x01(\x04\x12\x1a\n\x12\x65pisodes_discarded\x18\x06 \x01(\x04\x12\x16\n\x0eticks_recorded\x18\x07 \x01(\x04\x12\x15\n\rticks_dropped\x18\x08 \x01(\x04\x12\x15\n\rreplay_pushes\x18\t \x01(\x04\x12\x14\n\x0cwrite_errors\x18\n \x01(\x04\x12\x18\n\x10last_episode_uri\x18\x0b \x01(\t\x12\x12\n\nlast_error\x18\x0c \x01(\t2\xf5\x06\n\x0cRobotGateway\x12>\n\x07\x43onnect\x12\x1b.rlfabric.v1.ConnectRequest\x1a\x16.rlfabric.v1.RobotInfo\x12<\n\nDisconnect\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12:\n\x08GetState\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12\x44\n\nListRobots\x12\x1e.rlfabric.v1.ListRobotsRequest\x1a\x16.rlfabric.v1.RobotList\x12\x41\n\x07\x43ontrol\x12\x19.rlfabric.v1.JointCommand\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12\x41\n\tSetLimits\x12\x19.rlfabric.v1.SafetyLimits\x1a\x19.rlfabric.v1.SafetyLimits\x12;\n\x05\x45Stop\x12\x19.rlfabric.v1.EStopRequest\x1a\x17.rlfabric.v1.RobotState\x12<\n\nClearEStop\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12?\n\x06Teleop\x12\x18.rlfabric.v1.TeleopEvent\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12I\n\x13StreamInterventions\x12\x15.rlfabric.v1.RobotRef\x1a\x19.rlfabric.v1.Intervention0\x01\x12M\n\x0eStartRecording\x12\x1d.rlfabric.v1.RecordingRequest\x1a\x1c.rlfabric.v1.RecordingStatus\x12\x44\n\rStopRecording\x12\x15.rlfabric.v1.RobotRef\x1a\x1c.rlfabric.v1.RecordingStatus\x12\x43\n\x0cGetRecording\x12\x15.rlfabric.v1.RobotRef\x1a\x1c.rlfabric.v1.RecordingStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlfabric/v1/robot_gateway.proto\x12\x0brlfabric.v1\"\xfd\x01\n\x0e\x43onnectRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x39\n\x07options\x18\x03 \x03(\x0b\x32(.rlfabric.v1.ConnectRequest.OptionsEntry\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12\x0e\n\x06spin_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x63\x61mera_size\x18\x07 \x01(\r\x12\x11\n\tcamera_hz\x18\x08 \x01(\x01\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x08RobotRef\x12\x10\n\x08robot_id\x18\x01 \x01(\t\"\x13\n\x11ListRobotsRequest\"3\n\tRobotList\x12&\n\x06robots\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.RobotInfo\"\xd5\x01\n\tRobotInfo\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64river\x18\x02 \x01(\t\x12\x13\n\x0bjoint_names\x18\x03 \x03(\t\x12\x12\n\ncontrol_hz\x18\x04 \x01(\x01\x12\x12\n\nwatchdog_s\x18\x05 \x01(\x01\x12)\n\x06limits\x18\x06 \x01(\x0b\x32\x19.rlfabric.v1.SafetyLimits\x12\x10\n\x08realtime\x18\x07 \x01(\t\x12\x17\n\x0f\x63\x61mera_endpoint\x18\x08 \x01(\t\x12\x13\n\x0b\x63\x61mera_size\x18\t \x01(\r\"b\n\x0cJointCommand\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x03(\x01\x12\x10\n\x08velocity\x18\x04 \x03(\x01\x12\x0f\n\x07gripper\x18\x05 \x01(\x01\"\xaf\x03\n\nRobotState\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x03(\x01\x12\x10\n\x08velocity\x18\x05 \x03(\x01\x12\x0f\n\x07gripper\x18\x06 \x01(\x01\x12\x10\n\x08\x65stopped\x18\x07 \x01(\x08\x12\r\n\x05\x66\x61ult\x18\x08 \x01(\t\x12\x15\n\rloop_jitter_s\x18\t \x01(\x01\x12\x13\n\x0bintervening\x18\n \x01(\x08\x12\x17\n\x0floop_lateness_s\x18\x0b \x01(\x01\x12\x10\n\x08overruns\x18\x0c \x01(\x04\x12\x0f\n\x07holding\x18\r \x01(\x08\x12\x13\n\x0bhold_reason\x18\x0e \x01(\t\x12\x0e\n\x06target\x18\x0f \x03(\x01\x12\x13\n\x0b\x63ommand_seq\x18\x10 \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x11 \x01(\x08\x12\x0e\n\x06slowed\x18\x12 \x01(\x08\x12\x0f\n\x07\x65pisode\x18\x13 \x01(\x04\x12 \n\x18\x65pisode_intervened_ticks\x18\x14 \x01(\x04\x12\x14\n\x0c\x65nd_effector\x18\x15 \x03(\x01\x12\x12\n\npolicy_seq\x18\x16 \x01(\x03\"\xed\x01\n\x0bTeleopEvent\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.rlfabric.v1.TeleopEvent.Kind\x12*\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand\"s\n\x04Kind\x12\x0b\n\x07\x43OMMAND\x10\x00\x12\x13\n\x0fINTERVENE_START\x10\x01\x12\x12\n\x0eINTERVENE_STOP\x10\x02\x12\x0b\n\x07SUCCESS\x10\x03\x12\x0b\n\x07\x46\x41ILURE\x10\x04\x12\x0c\n\x08RERECORD\x10\x05\x12\r\n\tTERMINATE\x10\x06\"\xb4\x01\n\x0cSafetyLimits\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x14\n\x0cposition_min\x18\x02 \x03(\x01\x12\x14\n\x0cposition_max\x18\x03 \x03(\x01\x12\x14\n\x0cvelocity_max\x18\x04 \x03(\x01\x12\x15\n\rworkspace_min\x18\x05 \x03(\x01\x12\x15\n\rworkspace_max\x18\x06 \x03(\x01\x12\x10\n\x08slew_max\x18\x07 \x03(\x01\x12\x10\n\x08jump_max\x18\x08 \x01(\x01\"0\n\x0c\x45StopRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"i\n\x0cIntervention\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\x12*\n\x07\x63ommand\x18\x04 \x01(\x0b\x32\x19.rlfabric.v1.JointCommand\"\xc0\x01\n\x10RecordingRequest\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x17\n\x0freplay_endpoint\x18\x04 \x01(\t\x12\x15\n\rreplay_source\x18\x05 \x01(\t\x12\x1b\n\x13intervention_source\x18\x06 \x01(\t\x12\x13\n\x0bqueue_ticks\x18\x07 \x01(\r\x12\x19\n\x11max_episode_ticks\x18\x08 \x01(\r\"\x95\x02\n\x0fRecordingStatus\x12\x10\n\x08robot_id\x18\x01 \x01(\t\x12\x11\n\trecording\x18\x02 \x01(\x08\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x15\n\repisodes_kept\x18\x05 \x01(\x04\x12\x1a\n\x12\x65pisodes_discarded\x18\x06 \x01(\x04\x12\x16\n\x0eticks_recorded\x18\x07 \x01(\x04\x12\x15\n\rticks_dropped\x18\x08 \x01(\x04\x12\x15\n\rreplay_pushes\x18\t \x01(\x04\x12\x14\n\x0cwrite_errors\x18\n \x01(\x04\x12\x18\n\x10last_episode_uri\x18\x0b \x01(\t\x12\x12\n\nlast_error\x18\x0c \x01(\t2\xf5\x06\n\x0cRobotGateway\x12>\n\x07\x43onnect\x12\x1b.rlfabric.v1.ConnectRequest\x1a\x16.rlfabric.v1.RobotInfo\x12<\n\nDisconnect\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12:\n\x08GetState\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12\x44\n\nListRobots\x12\x1e.rlfabric.v1.ListRobotsRequest\x1a\x16.rlfabric.v1.RobotList\x12\x41\n\x07\x43ontrol\x12\x19.rlfabric.v1.JointCommand\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12\x41\n\tSetLimits\x12\x19.rlfabric.v1.SafetyLimits\x1a\x19.rlfabric.v1.SafetyLimits\x12;\n\x05\x45Stop\x12\x19.rlfabric.v1.EStopRequest\x1a\x17.rlfabric.v1.RobotState\x12<\n\nClearEStop\x12\x15.rlfabric.v1.RobotRef\x1a\x17.rlfabric.v1.RobotState\x12?\n\x06Teleop\x12\x18.rlfabric.v1.TeleopEvent\x1a\x17.rlfabric.v1.RobotState(\x01\x30\x01\x12I\n\x13StreamInterventions\x12\x15.rlfabric.v1.RobotRef\x1a\x19.rlfabric.v1.Intervention0\x01\x12M\n\x0eStartRecording\x12\x1d.rlfabric.v1.RecordingRequest\x1a\x1c.rlfabric.v1.RecordingStatus\x12\x44\n\rStopRecording\x12\x15.rlfabric.v1.RobotRef\x1a\x1c.rlfabric.v1.RecordingStatus\x12\x43\n\x0cGetRecording\x12\x15.rlfabric.v1.RobotRef\x1a\x1c.rlfabric.v1.RecordingStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTREQUEST_OPTIONSENTRY']._loaded_options = None
   _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_options = b'8\001'
   _globals['_CONNECTREQUEST']._serialized_start=49
-  _globals['_CONNECTREQUEST']._serialized_end=262
-  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_start=216
-  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_end=262
-  _globals['_ROBOTREF']._serialized_start=264
-  _globals['_ROBOTREF']._serialized_end=292
-  _globals['_LISTROBOTSREQUEST']._serialized_start=294
-  _globals['_LISTROBOTSREQUEST']._serialized_end=313
-  _globals['_ROBOTLIST']._serialized_start=315
-  _globals['_ROBOTLIST']._serialized_end=366
-  _globals['_ROBOTINFO']._serialized_start=369
-  _globals['_ROBOTINFO']._serialized_end=536
-  _globals['_JOINTCOMMAND']._serialized_start=538
-  _globals['_JOINTCOMMAND']._serialized_end=636
-  _globals['_ROBOTSTATE']._serialized_start=639
-  _globals['_ROBOTSTATE']._serialized_end=1070
-  _globals['_TELEOPEVENT']._serialized_start=1073
-  _globals['_TELEOPEVENT']._serialized_end=1310
-  _globals['_TELEOPEVENT_KIND']._serialized_start=1195
-  _globals['_TELEOPEVENT_KIND']._serialized_end=1310
-  _globals['_SAFETYLIMITS']._serialized_start=1313
-  _globals['_SAFETYLIMITS']._serialized_end=1493
-  _globals['_ESTOPREQUEST']._serialized_start=1495
-  _globals['_ESTOPREQUEST']._serialized_end=1543
-  _globals['_INTERVENTION']._serialized_start=1545
-  _globals['_INTERVENTION']._serialized_end=1650
-  _globals['_RECORDINGREQUEST']._serialized_start=1653
-  _globals['_RECORDINGREQUEST']._serialized_end=1845
-  _globals['_RECORDINGSTATUS']._serialized_start=1848
-  _globals['_RECORDINGSTATUS']._serialized_end=2125
-  _globals['_ROBOTGATEWAY']._serialized_start=2128
-  _globals['_ROBOTGATEWAY']._serialized_end=3013
+  _globals['_CONNECTREQUEST']._serialized_end=302
+  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_start=256
+  _globals['_CONNECTREQUEST_OPTIONSENTRY']._serialized_end=302
+  _globals['_ROBOTREF']._serialized_start=304
+  _globals['_ROBOTREF']._serialized_end=332
+  _globals['_LISTROBOTSREQUEST']._serialized_start=334
+  _globals['_LISTROBOTSREQUEST']._serialized_end=353
+  _globals['_ROBOTLIST']._serialized_start=355
+  _globals['_ROBOTLIST']._serialized_end=406
+  _globals['_ROBOTINFO']._serialized_start=409
+  _globals['_ROBOTINFO']._serialized_end=622
+  _globals['_JOINTCOMMAND']._serialized_start=624
+  _globals['_JOINTCOMMAND']._serialized_end=722
+  _globals['_ROBOTSTATE']._serialized_start=725
+  _globals['_ROBOTSTATE']._serialized_end=1156
+  _globals['_TELEOPEVENT']._serialized_start=1159
+  _globals['_TELEOPEVENT']._serialized_end=1396
+  _globals['_TELEOPEVENT_KIND']._serialized_start=1281
+  _globals['_TELEOPEVENT_KIND']._serialized_end=1396
+  _globals['_SAFETYLIMITS']._serialized_start=1399
+  _globals['_SAFETYLIMITS']._serialized_end=1579
+  _globals['_ESTOPREQUEST']._serialized_start=1581
+  _globals['_ESTOPREQUEST']._serialized_end=1629
+  _globals['_INTERVENTION']._serialized_start=1631
+  _globals['_INTERVENTION']._serialized_end=1736
+  _globals['_RECORDINGREQUEST']._serialized_start=1739
+  _globals['_RECORDINGREQUEST']._serialized_end=1931
+  _globals['_RECORDINGSTATUS']._serialized_start=1934
+  _globals['_RECORDINGSTATUS']._serialized_end=2211
+  _globals['_ROBOTGATEWAY']._serialized_start=2214
+  _globals['_ROBOTGATEWAY']._serialized_end=3099
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("robot_id", "driver", "options", "control_hz", "watchdog_s", "spin_s")
+    __slots__ = ("robot_id", "driver", "options", "control_hz", "watchdog_s", "spin_s", "camera_size", "camera_hz")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -22,13 +22,17 @@ class ConnectRequest(_message.Message):
     CONTROL_HZ_FIELD_NUMBER: _ClassVar[int]
     WATCHDOG_S_FIELD_NUMBER: _ClassVar[int]
     SPIN_S_FIELD_NUMBER: _ClassVar[int]
+    CAMERA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAMERA_HZ_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     driver: str
     options: _containers.ScalarMap[str, str]
     control_hz: float
     watchdog_s: float
     spin_s: float
-    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., spin_s: _Optional[float] = ...) -> None: ...
+    camera_size: int
+    camera_hz: float
+    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., spin_s: _Optional[float] = ..., camera_size: _Optional[int] = ..., camera_hz: _Optional[float] = ...) -> None: ...
 
 class RobotRef(_message.Message):
     __slots__ = ("robot_id",)
@@ -47,7 +51,7 @@ class RobotList(_message.Message):
     def __init__(self, robots: _Optional[_Iterable[_Union[RobotInfo, _Mapping]]] = ...) -> None: ...
 
 class RobotInfo(_message.Message):
-    __slots__ = ("robot_id", "driver", "joint_names", "control_hz", "watchdog_s", "limits", "realtime")
+    __slots__ = ("robot_id", "driver", "joint_names", "control_hz", "watchdog_s", "limits", "realtime", "camera_endpoint", "camera_size")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     DRIVER_FIELD_NUMBER: _ClassVar[int]
     JOINT_NAMES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +59,8 @@ class RobotInfo(_message.Message):
     WATCHDOG_S_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     REALTIME_FIELD_NUMBER: _ClassVar[int]
+    CAMERA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CAMERA_SIZE_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     driver: str
     joint_names: _containers.RepeatedScalarFieldContainer[str]
@@ -62,7 +68,9 @@ class RobotInfo(_message.Message):
     watchdog_s: float
     limits: SafetyLimits
     realtime: str
-    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., joint_names: _Optional[_Iterable[str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., limits: _Optional[_Union[SafetyLimits, _Mapping]] = ..., realtime: _Optional[str] = ...) -> None: ...
+    camera_endpoint: str
+    camera_size: int
+    def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., joint_names: _Optional[_Iterable[str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., limits: _Optional[_Union[SafetyLimits, _Mapping]] = ..., realtime: _Optional[str] = ..., camera_endpoint: _Optional[str] = ..., camera_size: _Optional[int] = ...) -> None: ...
 
 class JointCommand(_message.Message):
     __slots__ = ("robot_id", "seq", "position", "velocity", "gripper")
