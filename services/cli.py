@@ -375,13 +375,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from services.rollout.evaluate import evaluate_checkpoint
 
     try:
-        returns = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, not args.stochastic)
+        evaluation = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, not args.stochastic)
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc), 2)
+    returns, successes = evaluation.returns, evaluation.successes
     mean = sum(returns) / len(returns)
     std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
+    success = f", success rate {sum(successes) / len(successes):.2f}" if successes else ""
     console.print(f"{len(returns)} episodes: mean return {mean:.2f} +/- {std:.2f} "
-                  f"(min {min(returns):.1f}, max {max(returns):.1f})")
+                  f"(min {min(returns):.1f}, max {max(returns):.1f}){success}")
     print(f"{mean:.4f}")
     return 0
 

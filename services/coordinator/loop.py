@@ -243,6 +243,8 @@ class TrainingLoop:
             row["eval_return_std"] = ev.episodes.return_std
             row["eval_weight_version"] = ev.weight_version - self.base_version
             row["eval_seconds"] = ev.seconds
+            if ev.successes:
+                row["eval_success_rate"] = sum(ev.successes) / len(ev.successes)
             self.best_eval = max(self.best_eval, ev.episodes.return_mean)
         self.runlog.write(row)
         self.run.metrics(row)

@@ -15,7 +15,7 @@ from services.core.config import RunConfig, dump_yaml
 # they first appear (the file is rewritten with the wider header when one appears).
 COLUMNS = [
     "iteration", "env_steps", "time", "wall_time_s", "weight_version", "batch_version",
-    "train_return_mean", "train_episodes", "eval_return_mean", "eval_return_std", "eval_weight_version",
+    "train_return_mean", "train_episodes", "eval_return_mean", "eval_return_std", "eval_success_rate", "eval_weight_version",
     "optimizer_steps", "fps", "collect_seconds", "train_seconds", "update_seconds", "publish_seconds",
     "env_seconds", "policy_seconds", "weight_wait_seconds", "train_wait_seconds", "iteration_seconds",
     "rollout_workers", "env_workers", "offload_bytes", "offload_seconds", "onload_seconds",

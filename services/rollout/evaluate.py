@@ -15,7 +15,7 @@ from services.core.config import RunConfig
 from services.env.local import LocalEnvChannel
 from services.rollout.backends import build_backend
 from services.rollout.collectors import collector_class
-from services.rollout.collectors.gym import play
+from services.rollout.collectors.gym import Evaluation, play
 
 
 def _from_checkpoint(path: str | Path):
@@ -42,8 +42,9 @@ def _env_spec(config: RunConfig) -> dict:
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None,
-                        deterministic: bool = True) -> list[float]:
-    """Returns of ``episodes`` episodes; by default on the run's own eval seeds, so it reproduces the run's eval."""
+                        deterministic: bool = True) -> Evaluation:
+    """Returns (and successes, where the env says) of ``episodes`` episodes; by default on the run's own eval
+    seeds, so it reproduces the run's eval."""
     config, backend = _from_checkpoint(path)
     env = LocalEnvChannel(config)
     try:  # the run's own collector plays them: gym stepping, LLM turns, ...
@@ -70,12 +71,12 @@ def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bo
         config, backend = _from_checkpoint(source)
     env = LocalEnvChannel(config)
     try:
-        returns, batch = play(env, backend, config.env.eval_envs, episodes, seed, deterministic, record=True,
-                              random=random)
+        evaluation, batch = play(env, backend, config.env.eval_envs, episodes, seed, deterministic, record=True,
+                                 random=random)
     finally:
         env.close()
     assert batch is not None
-    return batch, returns
+    return batch, evaluation.returns
 
 
 def merge_datasets(parts: list[TensorBatch]) -> TensorBatch:

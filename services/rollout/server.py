@@ -150,9 +150,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         seed = request.seed or worker.config.eval_seed()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        returns = await self._call(context, worker.submit(worker.evaluate, episodes, not request.stochastic, seed))
-        return rollout_pb2.EvaluateReply(episodes=episode_stats(returns), weight_version=worker.version,
-                                         returns=returns, seconds=loop.time() - t0)
+        ev = await self._call(context, worker.submit(worker.evaluate, episodes, not request.stochastic, seed))
+        return rollout_pb2.EvaluateReply(episodes=episode_stats(ev.returns), weight_version=worker.version,
+                                         returns=ev.returns, successes=ev.successes, seconds=loop.time() - t0)
 
     async def Drain(self, request, context):
         worker = await self._require(context)

@@ -27,7 +27,7 @@ from services.core.runtime import set_torch_threads
 from services.core.weights import WeightSubscriber, load_weights
 from services.rollout.backends import build_backend
 from services.rollout.collectors import collector_class
-from services.rollout.collectors.gym import Stopped, intervened_transitions
+from services.rollout.collectors.gym import Evaluation, Stopped, intervened_transitions
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class RolloutWorker:
         rtt, size = self.collector.probe(round_trips)
         return rtt, size, self.config.scheduling.env_in_rollout()
 
-    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
+    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> Evaluation:
         """Play ``episodes`` evaluation episodes with the newest published weight version (what a checkpoint taken
         now would hold)."""
         with self._turn():

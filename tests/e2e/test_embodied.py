@@ -47,3 +47,5 @@ def test_a_cnn_policy_learns_to_reach_from_pixels_through_every_service(tmp_path
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     evals = [float(r["eval_return_mean"]) for r in rows if r["eval_return_mean"]]
     assert evals[0] < 0.5 and max(evals) >= 1.0, evals
+    success = [float(r["eval_success_rate"]) for r in rows if r["eval_success_rate"]]
+    assert len(success) == len(evals) and max(success) >= 0.4, success  # the env's is_success, per eval episode

@@ -44,6 +44,15 @@ class Collected:
     stats: dict[str, float] = field(default_factory=dict)  # counts summed over shards (see EpisodeTally)
 
 
+@dataclass
+class Evaluation:
+    """Evaluation episodes: their returns and, where the env reports ``is_success``, whether each succeeded (1/0,
+    in the same order; empty when the env does not say)."""
+
+    returns: list[float]
+    successes: list[float] = field(default_factory=list)
+
+
 class EpisodeTally:
     """Per-episode facts the env reports beside returns, counted as episodes finish: successes (where the env says
     ``is_success``), human interventions (envs under teleop), and successes no human helped with."""
@@ -226,10 +235,10 @@ class GymCollector:
         return out
 
     # -- evaluation ----------------------------------------------------------------------------------------
-    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
+    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> Evaluation:
         """``episodes`` episodes on the eval pool, spread evenly over its envs (no short-episode bias)."""
-        returns, _ = play(self.env, self.backend, self.config.env.eval_envs, episodes, seed, deterministic)
-        return returns
+        evaluation, _ = play(self.env, self.backend, self.config.env.eval_envs, episodes, seed, deterministic)
+        return evaluation
 
     def probe(self, round_trips: int) -> tuple[float, int]:
         """Median round trip of a message as large as one chunk's step (its observations) to the env and back."""
@@ -280,7 +289,7 @@ def _patch(nxt: Any, finals: Any, done: np.ndarray) -> None:
 
 
 def play(env: Any, backend: Any, num_envs: int, episodes: int, seed: int, deterministic: bool = True,
-         record: bool = False, random: bool = False) -> tuple[list[float], TensorBatch | None]:
+         record: bool = False, random: bool = False) -> tuple[Evaluation, TensorBatch | None]:
     """The one episode loop of evaluation and data-set collection: ``episodes`` episodes on the "eval" pool of
     an env channel, spread evenly over its ``num_envs`` envs (each plays its quota, then its steps are ignored),
     acting with the backend (or uniformly at random). With ``record``, the transitions of the counted episodes
@@ -288,6 +297,7 @@ def play(env: Any, backend: Any, num_envs: int, episodes: int, seed: int, determ
     truncated, episode (index of the episode in the returned list)."""
     quota = np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
     got: list[list[float]] = [[] for _ in range(num_envs)]
+    won: list[list[float]] = [[] for _ in range(num_envs)]  # is_success of each counted episode (-1: not said)
     _, reply = env.request("reset", TensorBatch(meta={"pool": "eval", "seed": seed}))
     obs = _copy(reply["obs"])
     steps: list[dict[str, Any]] = []
@@ -311,12 +321,15 @@ def play(env: Any, backend: Any, num_envs: int, episodes: int, seed: int, determ
         for i in np.flatnonzero(done):
             if len(got[i]) < quota[i]:
                 got[i].append(float(out["episode_return"][i]))
+                won[i].append(float(out["episode_success"][i]) if "episode_success" in out else -1.0)
             open_ids[i] += num_envs
         obs = _copy(out["obs"])
     returns = [r for g in got for r in g]
+    successes = [s for w in won for s in w]
+    evaluation = Evaluation(returns, successes if successes and min(successes) >= 0 else [])
     if not record:
-        return returns, None
-    return returns, _transitions(steps)
+        return evaluation, None
+    return evaluation, _transitions(steps)
 
 
 def _transitions(steps: list[dict[str, Any]]) -> TensorBatch:

@@ -25,7 +25,7 @@ import numpy as np
 
 from services.core.batch import Ragged, TensorBatch
 from services.core.models.lm import BOS
-from services.rollout.collectors.gym import Collected, Stopped, probe_echo
+from services.rollout.collectors.gym import Collected, Evaluation, Stopped, probe_echo
 
 OFFERS = ("tokens", "loss_mask", "logp", "rewards", "group", "turns", "response_tokens", "truncated", "kept")
 SEED_STRIDE = 100_003  # iterations draw disjoint seed ranges (a prime: group seeds never line up)
@@ -166,13 +166,13 @@ class LLMCollector:
         out.env_seconds, out.policy_seconds = env_s, policy_s
         return out
 
-    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> list[float]:
+    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> Evaluation:
         """``episodes`` episodes on the eval pool (greedy when ``deterministic``): rounds of one episode per env."""
         returns: list[float] = []
         for r in range(math.ceil(episodes / self.config.env.eval_envs)):
             ep, _, _ = self._episodes("eval", None, seed + SEED_STRIDE * r, not deterministic, 1)
             returns += ep.rewards.tolist()
-        return returns[:episodes]
+        return Evaluation(returns[:episodes])
 
     def probe(self, round_trips: int) -> tuple[float, int]:
         """The echo round trip of a prompt-sized text message."""

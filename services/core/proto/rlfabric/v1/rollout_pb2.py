@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"M\n\x0e\x43ollectRequest\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xfd\x02\n\x0c\x43ollectReply\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x11\n\tenv_steps\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12+\n\x08\x65pisodes\x18\x04 \x01(\x0b\x32\x19.rlfabric.v1.EpisodeStats\x12\x17\n\x0f\x63ollect_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65nv_seconds\x18\x06 \x01(\x01\x12\x16\n\x0epolicy_seconds\x18\x07 \x01(\x01\x12\x1b\n\x13weight_wait_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x65pisode_returns\x18\t \x03(\x01\x12\r\n\x05shard\x18\n \x01(\x05\x12\x12\n\nshard_envs\x18\x0b \x01(\x05\x12\x33\n\x05stats\x18\x0c \x03(\x0b\x32$.rlfabric.v1.CollectReply.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\x0eProduceRequest\x12\x19\n\x11\x66irst_batch_index\x18\x01 \x01(\x03\x12\x13\n\x0bmax_batches\x18\x02 \x01(\x03\x12\x11\n\tstaleness\x18\x03 \x01(\x05\"E\n\x0f\x45valuateRequest\x12\x10\n\x08\x65pisodes\x18\x01 \x01(\x05\x12\x12\n\nstochastic\x18\x02 \x01(\x08\x12\x0c\n\x04seed\x18\x03 \x01(\x03\"v\n\rEvaluateReply\x12+\n\x08\x65pisodes\x18\x01 \x01(\x0b\x32\x19.rlfabric.v1.EpisodeStats\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0f\n\x07returns\x18\x03 \x03(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"(\n\x0c\x44rainRequest\x12\x18\n\x10last_batch_index\x18\x01 \x01(\x03\"#\n\x0cProbeRequest\x12\x13\n\x0bround_trips\x18\x01 \x01(\x05\"S\n\nProbeReply\x12\x1a\n\x12round_trip_seconds\x18\x01 \x01(\x01\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x03\x12\x12\n\nin_process\x18\x03 \x01(\x08\"e\n\x0cRolloutState\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x19\n\x11\x64iscarded_batches\x18\x04 \x01(\x03\x32\xd7\x03\n\x07Rollout\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12\x41\n\x07\x43ollect\x12\x1b.rlfabric.v1.CollectRequest\x1a\x19.rlfabric.v1.CollectReply\x12\x43\n\x07Produce\x12\x1b.rlfabric.v1.ProduceRequest\x1a\x19.rlfabric.v1.CollectReply0\x01\x12\x44\n\x08\x45valuate\x12\x1c.rlfabric.v1.EvaluateRequest\x1a\x1a.rlfabric.v1.EvaluateReply\x12\x39\n\x08GetState\x12\x12.rlfabric.v1.Empty\x1a\x19.rlfabric.v1.RolloutState\x12=\n\x05\x44rain\x12\x19.rlfabric.v1.DrainRequest\x1a\x19.rlfabric.v1.RolloutState\x12;\n\x05Probe\x12\x19.rlfabric.v1.ProbeRequest\x1a\x17.rlfabric.v1.ProbeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"M\n\x0e\x43ollectRequest\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xfd\x02\n\x0c\x43ollectReply\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x11\n\tenv_steps\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12+\n\x08\x65pisodes\x18\x04 \x01(\x0b\x32\x19.rlfabric.v1.EpisodeStats\x12\x17\n\x0f\x63ollect_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65nv_seconds\x18\x06 \x01(\x01\x12\x16\n\x0epolicy_seconds\x18\x07 \x01(\x01\x12\x1b\n\x13weight_wait_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x65pisode_returns\x18\t \x03(\x01\x12\r\n\x05shard\x18\n \x01(\x05\x12\x12\n\nshard_envs\x18\x0b \x01(\x05\x12\x33\n\x05stats\x18\x0c \x03(\x0b\x32$.rlfabric.v1.CollectReply.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\x0eProduceRequest\x12\x19\n\x11\x66irst_batch_index\x18\x01 \x01(\x03\x12\x13\n\x0bmax_batches\x18\x02 \x01(\x03\x12\x11\n\tstaleness\x18\x03 \x01(\x05\"E\n\x0f\x45valuateRequest\x12\x10\n\x08\x65pisodes\x18\x01 \x01(\x05\x12\x12\n\nstochastic\x18\x02 \x01(\x08\x12\x0c\n\x04seed\x18\x03 \x01(\x03\"\x89\x01\n\rEvaluateReply\x12+\n\x08\x65pisodes\x18\x01 \x01(\x0b\x32\x19.rlfabric.v1.EpisodeStats\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0f\n\x07returns\x18\x03 \x03(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x11\n\tsuccesses\x18\x05 \x03(\x01\"(\n\x0c\x44rainRequest\x12\x18\n\x10last_batch_index\x18\x01 \x01(\x03\"#\n\x0cProbeRequest\x12\x13\n\x0bround_trips\x18\x01 \x01(\x05\"S\n\nProbeReply\x12\x1a\n\x12round_trip_seconds\x18\x01 \x01(\x01\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x03\x12\x12\n\nin_process\x18\x03 \x01(\x08\"e\n\x0cRolloutState\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x19\n\x11\x64iscarded_batches\x18\x04 \x01(\x03\x32\xd7\x03\n\x07Rollout\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12\x41\n\x07\x43ollect\x12\x1b.rlfabric.v1.CollectRequest\x1a\x19.rlfabric.v1.CollectReply\x12\x43\n\x07Produce\x12\x1b.rlfabric.v1.ProduceRequest\x1a\x19.rlfabric.v1.CollectReply0\x01\x12\x44\n\x08\x45valuate\x12\x1c.rlfabric.v1.EvaluateRequest\x1a\x1a.rlfabric.v1.EvaluateReply\x12\x39\n\x08GetState\x12\x12.rlfabric.v1.Empty\x1a\x19.rlfabric.v1.RolloutState\x12=\n\x05\x44rain\x12\x19.rlfabric.v1.DrainRequest\x1a\x19.rlfabric.v1.RolloutState\x12;\n\x05Probe\x12\x19.rlfabric.v1.ProbeRequest\x1a\x17.rlfabric.v1.ProbeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,16 +44,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PRODUCEREQUEST']._serialized_end=614
   _globals['_EVALUATEREQUEST']._serialized_start=616
   _globals['_EVALUATEREQUEST']._serialized_end=685
-  _globals['_EVALUATEREPLY']._serialized_start=687
-  _globals['_EVALUATEREPLY']._serialized_end=805
-  _globals['_DRAINREQUEST']._serialized_start=807
-  _globals['_DRAINREQUEST']._serialized_end=847
-  _globals['_PROBEREQUEST']._serialized_start=849
-  _globals['_PROBEREQUEST']._serialized_end=884
-  _globals['_PROBEREPLY']._serialized_start=886
-  _globals['_PROBEREPLY']._serialized_end=969
-  _globals['_ROLLOUTSTATE']._serialized_start=971
-  _globals['_ROLLOUTSTATE']._serialized_end=1072
-  _globals['_ROLLOUT']._serialized_start=1075
-  _globals['_ROLLOUT']._serialized_end=1546
+  _globals['_EVALUATEREPLY']._serialized_start=688
+  _globals['_EVALUATEREPLY']._serialized_end=825
+  _globals['_DRAINREQUEST']._serialized_start=827
+  _globals['_DRAINREQUEST']._serialized_end=867
+  _globals['_PROBEREQUEST']._serialized_start=869
+  _globals['_PROBEREQUEST']._serialized_end=904
+  _globals['_PROBEREPLY']._serialized_start=906
+  _globals['_PROBEREPLY']._serialized_end=989
+  _globals['_ROLLOUTSTATE']._serialized_start=991
+  _globals['_ROLLOUTSTATE']._serialized_end=1092
+  _globals['_ROLLOUT']._serialized_start=1095
+  _globals['_ROLLOUT']._serialized_end=1566
 # @@protoc_insertion_point(module_scope)

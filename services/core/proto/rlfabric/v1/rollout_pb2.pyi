@@ -73,16 +73,18 @@ class EvaluateRequest(_message.Message):
     def __init__(self, episodes: _Optional[int] = ..., stochastic: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
-    __slots__ = ("episodes", "weight_version", "returns", "seconds")
+    __slots__ = ("episodes", "weight_version", "returns", "seconds", "successes")
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
     episodes: _common_pb2.EpisodeStats
     weight_version: int
     returns: _containers.RepeatedScalarFieldContainer[float]
     seconds: float
-    def __init__(self, episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., weight_version: _Optional[int] = ..., returns: _Optional[_Iterable[float]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    successes: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, episodes: _Optional[_Union[_common_pb2.EpisodeStats, _Mapping]] = ..., weight_version: _Optional[int] = ..., returns: _Optional[_Iterable[float]] = ..., seconds: _Optional[float] = ..., successes: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("last_batch_index",)
