@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+import setproctitle
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import Counter, Gauge
@@ -204,14 +205,25 @@ class ServiceRuntime:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.stopping = asyncio.Event()
         self.worker_id = ""
+        self.port = 0
         self.state = "idle"
         self.data_endpoint = ""
         self._shutdown_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._tasks: list[asyncio.Task] = []
-        self.port = 0
         self.metrics_port = 0
         self._probes: dict[str, Callable[[], str | None]] = {}
         self.failed: dict[str, str] = {}  # component -> why it is dead
+
+    @property
+    def state(self) -> str:
+        """idle, or busy:<run id>: what heartbeats report and what the process title says."""
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        set_process_title(self.options.role, value.removeprefix("busy:") if value.startswith("busy:") else "",
+                          self.port)
 
     @property
     def advertise_host(self) -> str:
@@ -260,6 +272,7 @@ class ServiceRuntime:
 
     async def start(self) -> None:
         self.port = auth.add_port(self.server, f"{self.options.host}:{self.options.port}")
+        self.state = self.state  # the title gains the port
         if not self.port:
             raise SystemExit(f"{self.options.role}: cannot bind gRPC on {self.options.host}:{self.options.port}")
         await self.server.start()
@@ -341,6 +354,13 @@ class ServiceRuntime:
         log.info("stopped")
 
 
+def set_process_title(role: str, run: str = "", port: int = 0) -> None:
+    """``rlfabric-<role> [run=<id>] [grpc=:<port>]`` in ps/top: every service process otherwise shows the same
+    ``python -c from multiprocessing.forkserver ...`` line, and an operator could not tell the learner from the env."""
+    setproctitle.setproctitle(" ".join(
+        [f"rlfabric-{role}", *([f"run={run}"] if run else []), *([f"grpc=:{port}"] if port else [])]))
+
+
 def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace], Awaitable[None]],
                 argv: list[str] | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None
                 ) -> None:
@@ -354,6 +374,7 @@ def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace],
     # no one: it ignores RLFABRIC_COORDINATOR, so one value can be exported on every host, its own included.
     apply_env_defaults(parser, ignore=("--coordinator",) if role == "coordinator" else ())
     args = parser.parse_args(argv)
+    set_process_title(role)
     setup_logging(role, args.log_file or None)
     try:
         security = auth.from_environment(args.token_file, auth.TLSFiles(args.tls_cert, args.tls_key, args.tls_ca))

@@ -1,0 +1,48 @@
+"""Service processes say what they are: ``rlfabric-<role> [run=<id>] grpc=:<port>`` in ps/top (issue: every
+process showed the same ``python -c from multiprocessing.forkserver ...`` line)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import setproctitle
+
+from services.core.runtime import ServiceOptions, ServiceRuntime
+
+
+def test_a_served_process_is_titled_with_its_role_and_port(tmp_path):
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+                             str(port_file)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "RLFABRIC_TOKEN": "process-titles-test-token"})
+    try:
+        for _ in range(1200):  # a loaded CI machine takes a while to import torch
+            if port_file.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert port_file.exists(), f"the gateway did not start (exit code {proc.poll()})"
+        port = port_file.read_text().strip().rsplit(":", 1)[1]
+        time.sleep(0.2)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        assert cmdline == f"rlfabric-robot_gateway grpc=:{port}", cmdline
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_title_names_the_run_a_service_works_for():
+    before = setproctitle.getproctitle()
+    try:
+        runtime = ServiceRuntime(ServiceOptions(role="learner"))
+        assert setproctitle.getproctitle() == "rlfabric-learner"
+        runtime.port = 50123
+        runtime.state = "busy:run-7f3a"
+        assert setproctitle.getproctitle() == "rlfabric-learner run=run-7f3a grpc=:50123"
+        runtime.state = "idle"
+        assert setproctitle.getproctitle() == "rlfabric-learner grpc=:50123"
+    finally:
+        setproctitle.setproctitle(before)
