@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.core.algorithm import ALGORITHMS, load_algorithms
 from services.core.spec_yaml import ConfigError, read_spec, read_spec_file
@@ -17,6 +17,9 @@ from services.core.spec_yaml import ConfigError, read_spec, read_spec_file
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+HEADLESS_RENDER_MODES = ("rgb_array", "rgb_array_list", "depth_array", "ansi")
 
 
 class EnvConfig(_Strict):
@@ -33,6 +36,15 @@ class EnvConfig(_Strict):
                                                            "step execute a chunk of actions (VLA policies)")
     eval_options: dict[str, Any] = Field(default_factory=dict, description="options that differ for evaluation, "
                                                                            "over options (e.g. split: held_out)")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _headless(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        mode = kwargs.get("render_mode")
+        if mode is not None and mode not in HEADLESS_RENDER_MODES:
+            raise ValueError(f"env.kwargs.render_mode={str(mode)[:40]!r} would open a window, and env services run "
+                             f"headless. Fix: leave it out, or use one of {list(HEADLESS_RENDER_MODES)}")
+        return kwargs
 
 
 class CNNConfig(_Strict):
@@ -94,8 +106,11 @@ class VLAConfig(_Strict):
     heads: int = Field(4, ge=1, le=128)
     layers: int = Field(2, ge=1, le=64)
     patch: int = Field(8, ge=2, le=64, description="image patch size (pixels): one token per patch")
-    encoder: Literal["cnn", "vit"] = Field("cnn", description="image tokens from a conv stem (three stride-2 "
-                                                              "convolutions: patch 8) or a ViT's linear patch embedding")
+    encoder: Literal["cnn", "vit", "nature"] = Field(
+        "cnn", description="image tokens from a conv stem (three stride-2 convolutions: patch 8), a ViT's linear patch "
+                           "embedding, or nature: a Nature-CNN over the whole image (policy.cnn) whose features "
+                           "become image_tokens tokens (RT-1's few-token image summary)")
+    image_tokens: int = Field(4, ge=1, le=64, description="encoder nature: tokens the image features become")
     keypoints: int = Field(0, ge=0, le=256, description="spatial-softmax keypoints of the image (the expected "
                                                          "x, y of K feature maps) as one more token; 0: none")
     head: Literal["tokens", "flow"] = Field("tokens", description="tokens: discrete action tokens decoded in "
@@ -348,8 +363,8 @@ class RuntimeConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    name: str = "run"
-    seed: int = 0
+    name: str = Field("run", min_length=1, max_length=100, description="names the run (its id starts with it)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="numpy and torch seeds derive from it")
     env: EnvConfig = Field(default_factory=EnvConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     algorithm: AlgorithmSection = Field(default_factory=_DefaultAlgorithm)  # type: ignore[valid-type]

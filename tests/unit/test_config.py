@@ -106,3 +106,15 @@ def test_a_policy_chosen_by_name_must_serve_the_algorithm():
         parse_config("policy: {name: vlaa}")
     with pytest.raises(ConfigError, match="policy.vla: .*width=60 is not divisible by heads=8"):
         parse_config("policy: {name: vla, vla: {width: 60, heads: 8}}")
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("seed=-1", "seed"),  # numpy refuses a negative seed: the workers failed after the coordinator accepted it
+    ("name=" + "n" * 101, "name"),  # the run id, its directory and its object-store keys start with the name
+    ("env.kwargs={render_mode: human}", "env.kwargs"),  # a window on a headless env service
+])
+def test_specs_that_workers_would_reject_are_refused_at_parse_time_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        parse_config("name: x\n", "spec", [override])
+    assert f"{field}:" in str(err.value) and "Fix" in str(err.value)
+    parse_config("name: x\n", "spec", ["env.kwargs={render_mode: rgb_array}", "seed=4294967295"])  # still fine
