@@ -137,7 +137,7 @@ def test_token_head_chunk_log_probs_match_a_hand_computation(monkeypatch, level)
     raw, logp, _ = policy.act(obs, generator=torch.Generator().manual_seed(3))
     assert raw.shape == (3, 3, 2) and raw.dtype == torch.int64
     with torch.no_grad():  # by hand: softmax over bins of each query's output, the chosen bins' log-probs
-        _, queries = policy._run(obs)
+        _, queries, _ = policy._run(obs)
         logits = queries @ policy.bin_head.weight.T + policy.bin_head.bias  # [B, H*A, bins]
         probs = logits.exp() / logits.exp().sum(-1, keepdim=True)
         chosen = probs.reshape(3, 3, 2, -1).gather(-1, raw.unsqueeze(-1)).squeeze(-1).log()  # [B, H, A]
@@ -157,7 +157,7 @@ def test_flow_head_chunk_log_probs_match_a_hand_computation(monkeypatch, level):
     K, sigma = 3, 0.4
     assert chain.shape == (3, K + 1, 3, 2)
     with torch.no_grad():  # by hand: each Euler-Maruyama step of the Flow-SDE is N(mu_k, sigma^2 / K)
-        context, _ = policy._run(obs)
+        context, _, _ = policy._run(obs)
         per_token = torch.zeros(3, 3, 2)
         for k in range(K):
             x = chain[:, k].reshape(3, 6)

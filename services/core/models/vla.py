@@ -3,8 +3,10 @@ and pi0: image patches (a ViT patch embedding), instruction tokens (the task's B
 tokens of one transformer trunk, and an action-chunk head reads it. It serves policy-gradient algorithms as an
 actor-critic (``act``, ``evaluate``, ``value``), with a value head on the trunk's pooled context.
 
-Image tokens come from a conv stem (``encoder: cnn``, three stride-2 convolutions) or a ViT's linear patch
-embedding (``encoder: vit``); the conv stem learns to localise a few-pixel object from RL rewards far sooner.
+Image tokens come from a conv stem (``encoder: cnn``, three stride-2 convolutions, one token per 8x8 patch), a ViT's
+linear patch embedding (``encoder: vit``), or a Nature-CNN over the whole image whose features become a few tokens
+(``encoder: nature``, RT-1's compact image summary). Learning from RL rewards alone, the Nature-CNN summary finds a
+few-pixel object far sooner than per-patch tokens do (docs/benchmarks.md has the figures).
 With ``keypoints: K`` one more token carries a spatial softmax over K full-resolution feature maps (their expected
 x, y positions), the keypoint encoder robot-learning policies use: where things are, readable in one token.
 
@@ -36,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import box_bound, is_image
+from services.core.models.encoders import CNN, box_bound, is_image
 
 
 class VLAPolicy(nn.Module):
@@ -56,13 +58,14 @@ class VLAPolicy(nn.Module):
         self.head, self.level = v.head, v.logprob_level
         self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
         self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
-        self._inputs(obs_space, v)
+        self._inputs(obs_space, v, cfg)
         layer = nn.TransformerEncoderLayer(v.width, v.heads, 4 * v.width, dropout=0.0, batch_first=True,
                                            norm_first=True, activation="gelu")
         self.trunk = nn.TransformerEncoder(layer, v.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(v.width)
         self.cls = nn.Parameter(torch.zeros(1, 1, v.width))
-        self.value_head = nn.Sequential(nn.Linear(v.width, v.width), nn.Tanh(), nn.Linear(v.width, 1))
+        value_in = v.width + (self.image_cnn.out_dim if self.image_cnn is not None else 0)
+        self.value_head = nn.Sequential(nn.Linear(value_in, v.width), nn.Tanh(), nn.Linear(v.width, 1))
         if self.head == "tokens":
             self.bins = v.bins
             self.queries = nn.Parameter(0.02 * torch.randn(1, self.act_dim, v.width))
@@ -78,7 +81,7 @@ class VLAPolicy(nn.Module):
             nn.init.zeros_(self.expert[-1].weight)
             nn.init.zeros_(self.expert[-1].bias)
 
-    def _inputs(self, space: dict[str, Any], v: Any) -> None:
+    def _inputs(self, space: dict[str, Any], v: Any, cfg: Any) -> None:
         """Token embeddings of each observation entry: an image's patches, an instruction's ids (an int64 Box
         named ``instruction``; 0 pads), the rest flattened into one proprioception token."""
         spaces = space["spaces"] if space["kind"] == "dict" else {"image" if is_image(space) else "state": space}
@@ -86,10 +89,24 @@ class VLAPolicy(nn.Module):
         self.text_key = "instruction" if "instruction" in spaces else None
         self.state_keys = sorted(k for k in spaces if k not in (self.image_key, self.text_key))
         self.dict_obs = space["kind"] == "dict"
+        self.image_cnn: CNN | None = None
         if self.image_key is not None:
             shape = list(spaces[self.image_key]["shape"])
             self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
             c, h, w = (shape[2], shape[0], shape[1]) if self.channels_last else shape
+            if v.encoder == "nature":
+                if v.keypoints:
+                    raise ValueError("policy.vla.keypoints reads the image at full resolution beside patch tokens; "
+                                     "with encoder: nature set keypoints: 0")
+                self.image_cnn = CNN(spaces[self.image_key], cfg.cnn, activation="relu")
+                self.image_proj = nn.Linear(self.image_cnn.out_dim, v.image_tokens * v.width)
+                self.image_pos = nn.Parameter(0.02 * torch.randn(1, v.image_tokens, v.width))
+                for m in self.image_cnn.modules():  # orthogonal sqrt(2), as the CNN actor-critic that learns it
+                    if isinstance(m, nn.Linear | nn.Conv2d):
+                        nn.init.orthogonal_(m.weight, math.sqrt(2))
+                        nn.init.zeros_(m.bias)
+                self.keypoints = 0
+                return self._text_and_state(spaces, v)
             if h % v.patch or w % v.patch:
                 raise ValueError(f"policy.vla.patch={v.patch} does not divide the {h}x{w} image; pick a divisor")
             if v.encoder == "vit":
@@ -107,6 +124,9 @@ class VLAPolicy(nn.Module):
                 self.register_buffer("grid_x", torch.linspace(-1.0, 1.0, w).repeat(h))
                 self.register_buffer("grid_y", torch.linspace(-1.0, 1.0, h).repeat_interleave(w))
             self.image_pos = nn.Parameter(0.02 * torch.randn(1, (h // v.patch) * (w // v.patch), v.width))
+        self._text_and_state(spaces, v)
+
+    def _text_and_state(self, spaces: dict[str, Any], v: Any) -> None:
         if self.text_key is not None:
             s = spaces[self.text_key]
             self.vocab = int(np.max(s["high"])) + 1
@@ -116,16 +136,21 @@ class VLAPolicy(nn.Module):
         self.state_proj = nn.Linear(n, v.width) if n else None
 
     # -- trunk ---------------------------------------------------------------------------------------------
-    def _tokens(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tokens(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         parts: dict[str, torch.Tensor] = obs if self.dict_obs else {self.image_key or "state": obs}
         B = next(iter(parts.values())).shape[0]
         tokens = [self.cls.expand(B, -1, -1)]
         pads = [torch.zeros(B, 1, dtype=torch.bool, device=self.cls.device)]  # True where a token is padding
+        feats = None
         if self.image_key is not None:
             x = parts[self.image_key].float() / 255.0 - 0.5
             if self.channels_last:
                 x = x.permute(0, 3, 1, 2)
-            tokens.append(self.patchify(x).flatten(2).transpose(1, 2) + self.image_pos)
+            if self.image_cnn is not None:
+                feats = self.image_cnn(parts[self.image_key])
+                tokens.append(self.image_proj(feats).reshape(B, self.image_pos.shape[1], -1) + self.image_pos)
+            else:
+                tokens.append(self.patchify(x).flatten(2).transpose(1, 2) + self.image_pos)
             if self.keypoints:
                 tokens.append(self.keypoint_proj(self._keypoints(x)).unsqueeze(1))
             pads.append(torch.zeros(B, sum(t.shape[1] for t in tokens[-1 - bool(self.keypoints):]), dtype=torch.bool,
@@ -138,22 +163,25 @@ class VLAPolicy(nn.Module):
             state = torch.cat([parts[k].reshape(B, -1).float() for k in self.state_keys], -1)
             tokens.append(self.state_proj(state).unsqueeze(1))
             pads.append(pads[0])
-        return torch.cat(tokens, 1), torch.cat(pads, 1)
+        return torch.cat(tokens, 1), torch.cat(pads, 1), feats
 
     def _keypoints(self, image: torch.Tensor) -> torch.Tensor:
         """Spatial softmax: for each of K feature maps, the softmax-weighted mean pixel position -> [B, 2K]."""
         attention = torch.softmax(self.keypoint_conv(image).flatten(2), -1)  # [B, K, H*W]
         return torch.cat([attention @ self.grid_x, attention @ self.grid_y], -1)
 
-    def _run(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(pooled context [B, W], the action queries' outputs [B, H*A, W] for the tokens head)."""
-        x, pad = self._tokens(obs)
+    def _run(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(pooled context [B, W], the action queries' outputs [B, H*A, W] for the tokens head, the value head's
+        input: the context, and with a Nature-CNN image encoder its features too, as an actor-critic's critic
+        reads its encoder)."""
+        x, pad, feats = self._tokens(obs)
         if self.head == "tokens":
             B = x.shape[0]
             x = torch.cat([x, self.queries.expand(B, -1, -1)], 1)
             pad = torch.cat([pad, torch.zeros(B, self.act_dim, dtype=torch.bool, device=x.device)], 1)
         y = self.norm(self.trunk(x, src_key_padding_mask=pad))
-        return y[:, 0], (y[:, -self.act_dim:] if self.head == "tokens" else None)
+        value_in = y[:, 0] if feats is None else torch.cat([y[:, 0], feats], -1)
+        return y[:, 0], (y[:, -self.act_dim:] if self.head == "tokens" else None), value_in
 
     def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
         """[B, H, A] -> the configured log-prob level."""
@@ -193,8 +221,8 @@ class VLAPolicy(nn.Module):
     # -- actor-critic interface ----------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Any, deterministic: bool = False, generator: torch.Generator | None = None):
-        context, queries = self._run(obs)
-        value = self.value_head(context).squeeze(-1)
+        context, queries, value_in = self._run(obs)
+        value = self.value_head(value_in).squeeze(-1)
         B = context.shape[0]
         if self.head == "tokens":
             log_probs = torch.log_softmax(self.bin_head(queries), -1)  # [B, H*A, bins]
@@ -223,8 +251,8 @@ class VLAPolicy(nn.Module):
     def evaluate(self, obs: Any, actions: torch.Tensor):
         """Log-probs (at the configured level), entropies (same shape) and values of recorded raw actions: bin
         ids [B, H, A] for the tokens head, denoising chains [B, K+1, H, A] for the flow head."""
-        context, queries = self._run(obs)
-        value = self.value_head(context).squeeze(-1)
+        context, queries, value_in = self._run(obs)
+        value = self.value_head(value_in).squeeze(-1)
         B = context.shape[0]
         if self.head == "tokens":
             log_probs = torch.log_softmax(self.bin_head(queries), -1)
@@ -237,7 +265,7 @@ class VLAPolicy(nn.Module):
         return self._reduce(logp), self._reduce(entropy), value
 
     def value(self, obs: Any) -> torch.Tensor:
-        return self.value_head(self._run(obs)[0]).squeeze(-1)
+        return self.value_head(self._run(obs)[2]).squeeze(-1)
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """The chunk the env executes: bin centres, or the chain's last point, mapped from [-1, 1] onto bounds."""
