@@ -102,7 +102,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                     f"cannot resume {request.run_dir}: no config.yaml there (is it a run directory?)")
             config_yaml = config_yaml or saved.read_text()
         try:
-            config = parse_config(config_yaml, "config_yaml", list(request.overrides))
+            # off the event loop: a big or deep spec must not stall heartbeats and other runs' calls
+            config = await asyncio.to_thread(parse_config, config_yaml, "config_yaml", list(request.overrides))
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.run_dir:

@@ -118,3 +118,39 @@ def test_specs_that_workers_would_reject_are_refused_at_parse_time_naming_the_fi
         parse_config("name: x\n", "spec", [override])
     assert f"{field}:" in str(err.value) and "Fix" in str(err.value)
     parse_config("name: x\n", "spec", ["env.kwargs={render_mode: rgb_array}", "seed=4294967295"])  # still fine
+
+
+BILLION_LAUGHS = """
+name: laughs
+env:
+  kwargs:
+    a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+"""
+
+
+def test_a_spec_whose_aliases_expand_to_billions_of_values_is_refused_before_the_schema_walks_it():
+    """It grew the coordinator to 5 GB and hung it for ~50 s; now it is refused while it is read."""
+    with pytest.raises(ConfigError, match="aliases"):
+        parse_config(BILLION_LAUGHS)
+    few = "name: x\nenv:\n  kwargs:\n    l0: &l0 [1, 2, 3, 4, 5, 6, 7, 8]\n" + "".join(
+        f"    l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 8) + "]\n" for i in range(1, 6))  # 40 aliases, 8^6 values
+    with pytest.raises(ConfigError, match="expands to more than"):
+        parse_config(few)
+    levels = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"] + [
+        f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]  # 72 aliases, 9^9 values
+    with pytest.raises(ConfigError, match="aliases"):  # through --set (SubmitRun's overrides) too
+        parse_config("name: x\n", overrides=["env.kwargs={" + ", ".join(levels) + "}"])
+    assert parse_config("name: x\nenv: &e {num_envs: 2}\ntrain: {total_env_steps: 100}\n").env.num_envs == 2
+
+
+def test_an_oversized_spec_is_refused_by_its_size():
+    """A 7.5 MB spec froze the coordinator for ~5 s; a spec is a few KiB."""
+    with pytest.raises(ConfigError, match="bytes, over the"):
+        parse_config("name: x\n#" + "x" * (2 << 20) + "\n")
