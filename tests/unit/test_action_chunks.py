@@ -112,12 +112,13 @@ def test_action_level_discounting_is_exact_per_primitive_step():
     assert math.isclose(float(ret[0, 0]), want, rel_tol=1e-6)
 
 
-def vla(monkeypatch, head: str, level: str, horizon: int = 3):
+def vla(monkeypatch, head: str, level: str, horizon: int = 3, **extra):
     monkeypatch.setenv("MUJOCO_GL", "disable")  # nothing renders here; OSMesa would crash later transformers tests
     cfg = RunConfig.model_validate({
         "env": {"id": "rlfabric/ArmReachLang-v0", "action_chunk": horizon, "kwargs": {"image_size": 32}},
         "policy": {"name": "vla", "vla": {"head": head, "logprob_level": level, "width": 32, "heads": 2, "layers": 1,
-                                          "bins": 7, "flow_steps": 3, "flow_noise": 0.4}}})
+                                          "bins": 7, "flow_steps": 3, "flow_noise": 0.4, **extra.get("vla", {})},
+                   **({"cnn": extra["cnn"]} if "cnn" in extra else {})}})
     p = EnvPool(cfg.env, 3)
     # observations drawn from the task's spaces, not rendered (rendered runs: tests/e2e, in their own processes)
     space = p.single_observation_space
@@ -174,3 +175,20 @@ def test_flow_head_chunk_log_probs_match_a_hand_computation(monkeypatch, level):
     # the env executes the chain's last point, clipped to the bounds
     assert np.allclose(policy.env_actions(chain), chain[:, -1].clamp(-1, 1).numpy(), atol=1e-6)
     p.close()
+
+
+def test_the_nature_encoder_summarises_the_image_in_a_few_tokens_that_both_heads_learn_through(monkeypatch):
+    """encoder: nature -> image_tokens tokens from a Nature-CNN over the whole image; the policy's log-probs and
+    the value (which reads the CNN's features beside the trunk's context) both send gradient into the CNN."""
+    policy, obs, _ = vla(monkeypatch, "tokens", "action", vla={"encoder": "nature", "image_tokens": 2},
+                         cnn={"channels": [8, 16], "kernels": [4, 3], "strides": [2, 1], "features": 24})
+    tokens, pads, feats = policy._tokens(obs)
+    text = obs["instruction"].shape[1]
+    assert tokens.shape[1] == 1 + 2 + text + 1 and feats.shape == (3, 24)  # cls, image, instruction, proprio
+    raw, _, _ = policy.act(obs, generator=torch.Generator().manual_seed(0))
+    conv = policy.image_cnn.convs[0].weight
+    for part in (0, 2):  # the policy's log-prob, the value
+        policy.zero_grad()
+        policy.evaluate(obs, raw)[part].sum().backward()
+        assert conv.grad is not None and conv.grad.abs().sum() > 0
+    assert policy.value_head[0].in_features == 32 + 24  # the trunk's context and the CNN's features
