@@ -91,6 +91,7 @@ def _local_stack(spec: str | Path, overrides: list[str], run_dir, log_dir, what:
             shutil.rmtree(run_dir, ignore_errors=True)
         return _fail(f"{what}{facts['error']}", 2)
     facts["run_dir"] = run_dir
+    stack.supervise()  # a worker that dies is started again (the run in flight decides what to do about its loss)
     return stack, facts
 
 
@@ -218,8 +219,9 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path | None, stack,
         signal.signal(sig, handler)
     final = client.status(run_id) if final is None else final
     state = STATE_NAMES.get(final.state, str(final.state))
-    if stack is not None and stack.dead():
-        console.print(f"[yellow]services that exited during the run: {stack.dead()} (logs in {run_dir / 'logs'})")
+    if stack is not None and (stack.dead() or stack.restarts):
+        console.print(f"[yellow]services that exited during the run: {stack.dead()}, restarted: {stack.restarts} "
+                      f"(logs in {run_dir / 'logs'})")
     if final.state == 3:  # SUCCEEDED
         console.print(f"[bold green]{state}[/] {rich_escape(final.reason)}\n  metrics: {run_dir / 'metrics.csv'}  "
                       f"curve: {run_dir / 'curve.png'}  checkpoint: {run_dir / 'checkpoints'}", soft_wrap=True)
@@ -236,6 +238,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.append(1))
     try:
         address = stack.start()
+        stack.supervise()  # restart policy on-failure: a dead worker comes back, up to 5 times with back-off
         token_file = auth.write_token_file(Path(args.runs_root) / ".rlfabric" / "token", stack.token)
         console.print(f"rlfabric is up: coordinator at [bold]{address}[/]; logs in {stack.log_dir}. Ctrl-C stops.\n"
                       f"  its secret is in {token_file} (owner-only): clients use it with "
@@ -244,8 +247,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(address, flush=True)
         while not stop:
             dead = stack.dead()
-            if dead:
-                return _fail(f"services exited: {dead}; see {stack.log_dir}", 1)
+            if dead or stack.procs["coordinator"].poll() is not None:
+                return _fail(f"services exited for good: {dead or {'coordinator': stack.procs['coordinator'].returncode}}"
+                             f"; see {stack.log_dir}", 1)
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

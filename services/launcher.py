@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import json
+import logging
 import multiprocessing
 import os
 import select
@@ -29,6 +30,10 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+import setproctitle
+
+log = logging.getLogger(__name__)
 
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
 # What the forked services import anyway (the collocated rollout hosts its env pool: services.env.local). A
@@ -97,6 +102,9 @@ def _forked_service(module: str, argv: list[str], log_path: str, env: dict[str, 
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     _die_with(launcher)
+    # setproctitle takes over the argv/environ block on its first call; clearing the environment first leaves it
+    # nothing to write into (ps would go on showing "python -c from multiprocessing.forkserver ...")
+    setproctitle.setproctitle(f"rlfabric-{module.split('.')[1]}")
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *argv]
@@ -234,6 +242,11 @@ class LocalStack:
         self.host = host
         self.torch_threads = torch_threads
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
+        self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args): how to start it again
+        self.restarts: dict[str, int] = {}
+        self.given_up: dict[str, int] = {}  # name -> its last exit code, once its restarts ran out
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
         self.address = ""
         self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
         from services.core import auth  # (imported here: prestart, above, runs before grpc and zmq load)
@@ -243,6 +256,7 @@ class LocalStack:
         self.token = token
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
+        self.commands[name] = (module, args)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = ["--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
                 "--torch-threads", str(self.torch_threads), *args]
@@ -306,10 +320,45 @@ class LocalStack:
         return self.start_coordinator(workers=self.roles)
 
     def dead(self) -> dict[str, int]:
+        """Services that exited and will not be restarted (with supervision: those whose restarts ran out)."""
+        if self._supervisor is not None:
+            return dict(self.given_up)
         return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+
+    def supervise(self, max_restarts: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+        """Restart a worker process that dies (restart policy on-failure), after backoff_s x 2^k (capped) for its
+        k-th restart, at most ``max_restarts`` times; then it stays down and ``dead()`` names it. A restarted worker
+        registers with the coordinator again as a new worker. The coordinator itself is not restarted here."""
+        def loop() -> None:
+            due: dict[str, float] = {}
+            while not self._stopping.wait(0.2):
+                for name, proc in list(self.procs.items()):
+                    if name == "coordinator" or name in self.given_up or proc.poll() is None:
+                        continue
+                    count = self.restarts.get(name, 0)
+                    if count >= max_restarts:
+                        self.given_up[name] = proc.returncode
+                        log.error("service %s exited with code %s and was restarted %d times already: it stays "
+                                  "down; see %s", name, proc.returncode, count, self.log_dir / f"{name}.stderr")
+                        continue
+                    when = due.setdefault(name, time.monotonic() + min(max_backoff_s, backoff_s * 2 ** count))
+                    if time.monotonic() < when or self._stopping.is_set():
+                        continue
+                    del due[name]
+                    self.restarts[name] = count + 1
+                    log.warning("service %s exited with code %s; restarting it (restart %d of at most %d)", name,
+                                proc.returncode, count + 1, max_restarts)
+                    module, args = self.commands[name]
+                    self._spawn(name, module, args)
+
+        self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)
+        self._supervisor.start()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every service (workers first), wait, then SIGKILL whatever is left."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         order = [n for n in self.procs if n != "coordinator"] + (["coordinator"] if "coordinator" in self.procs else [])
         for name in order:
             if self.procs[name].poll() is None:
