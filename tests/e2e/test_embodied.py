@@ -26,6 +26,7 @@ def test_the_vla_policy_learns_to_reach_with_action_chunks_through_every_service
         [sys.executable, "-m", "services.cli", "train", CONFIG, "--run-dir", str(run_dir), "--quiet",
          "--set", "scheduling.mode=disaggregated", "--set", "env.kwargs={observation: state}",
          "--set", f"policy.vla.head={head}", "--set", "train.total_env_steps=16000",
+         "--set", "algorithm.learning_rate=0.0005", "--set", "algorithm.target_kl=",  # as measured on state
          "--set", "train.stop_at_eval_return=1.3"],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,4 +49,5 @@ def test_a_cnn_policy_learns_to_reach_from_pixels_through_every_service(tmp_path
     evals = [float(r["eval_return_mean"]) for r in rows if r["eval_return_mean"]]
     assert evals[0] < 0.5 and max(evals) >= 1.0, evals
     success = [float(r["eval_success_rate"]) for r in rows if r["eval_success_rate"]]
-    assert len(success) == len(evals) and max(success) >= 0.4, success  # the env's is_success, per eval episode
+    # the env's is_success per eval episode: ~0 at first, 0.3-0.6 once the mean return passes 1 (seed 0: 0.43 at 17k)
+    assert len(success) == len(evals) and success[0] < 0.2 and max(success) >= 0.25, success
