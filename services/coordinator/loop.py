@@ -145,12 +145,13 @@ class TrainingLoop:
         when = "resume" if self.resume else "run"
         if access.keeps_window:
             if before.pending_onpolicy:
-                await rpc(replay, "Clear", replay_pb2.ClearRequest(source="online", pending_only=True), 30)
+                await rpc(replay, "Clear", replay_pb2.ClearRequest(source="online", pending_only=True,
+                                                                   run_id=self.run.run_id), 30)
             if before.transitions or before.pending_onpolicy:
                 self.run.log(f"kept {before.transitions} transitions in the replay window at this {when} "
                              f"({access.kind} sampling); dropped {before.pending_onpolicy} untaken shards")
         elif before.batches:
-            await rpc(replay, "Clear", replay_pb2.ClearRequest(source="online"), 30)
+            await rpc(replay, "Clear", replay_pb2.ClearRequest(source="online", run_id=self.run.run_id), 30)
             self.run.log(f"discarded {before.batches} replay batches ({before.pending_onpolicy} unconsumed) left from "
                          f"before this {when}: on-policy data from another policy lineage", level="warning")
 

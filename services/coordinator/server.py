@@ -45,9 +45,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                                    heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
-        return coordinator_pb2.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+        known = self.registry.heartbeat(request.worker_id)
+        return coordinator_pb2.HeartbeatReply(known=known, run_id=self._owner(request.worker_id))
+
+    def _owner(self, worker_id: str) -> str:
+        """The id of the running run that holds this worker, or ""."""
+        worker = self.registry.workers.get(worker_id)
+        run = self.runs.get(worker.run_id) if worker is not None else None
+        return run.run_id if run is not None and not run.finished else ""
 
     async def DeregisterWorker(self, request, context):
+        owner = self._owner(request.worker_id)
+        if owner and not request.force:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {request.worker_id} is in use by run {owner}: deregistering it would fail "
+                                f"that run. Fix: stop the run first (rlfabric stop {owner}), or stop the worker "
+                                f"itself (it deregisters with force as it leaves)")
         worker = self.registry.deregister(request.worker_id)
         if worker is not None:
             log.info("worker left", extra={"worker_id": worker.worker_id, "reason": request.reason})

@@ -205,6 +205,7 @@ class ServiceRuntime:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.stopping = asyncio.Event()
         self.worker_id = ""
+        self.owner_run = ""  # the running run that holds this worker, as the coordinator's heartbeats say
         self.port = 0
         self.state = "idle"
         self.data_endpoint = ""
@@ -320,6 +321,7 @@ class ServiceRuntime:
                 try:
                     reply = await stub.Heartbeat(
                         coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, state=self.state), timeout=5)
+                    self.owner_run = reply.run_id
                     if not reply.known:
                         log.warning("coordinator does not know this worker (it restarted?); registering again")
                         await self.register()
@@ -346,7 +348,8 @@ class ServiceRuntime:
             try:
                 async with channel(self.options.coordinator) as ch:
                     await coordinator_pb2_grpc.CoordinatorStub(ch).DeregisterWorker(
-                        coordinator_pb2.DeregisterWorkerRequest(worker_id=self.worker_id, reason="shutdown"),
+                        coordinator_pb2.DeregisterWorkerRequest(worker_id=self.worker_id, reason="shutdown",
+                                                                force=True),
                         timeout=1)
             except grpc.aio.AioRpcError:
                 pass

@@ -276,7 +276,13 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         return await asyncio.to_thread(self._locked_stats)
 
     async def Clear(self, request, context):
-        """Drop stored data: every source, or one; with pending_only, only the on-policy FIFO (the window stays)."""
+        """Drop stored data: every source, or one; with pending_only, only the on-policy FIFO (the window stays).
+        While a run owns this replay only that run's coordinator (naming the run) may clear it."""
+        owner = self.runtime.owner_run
+        if owner and request.run_id != owner:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"replay is in use by run {owner}: clearing it would take the data from under that "
+                                f"run. Fix: stop the run first (rlfabric stop {owner}), then clear")
         try:
             return await asyncio.to_thread(self._locked_clear, request.source, request.pending_only)
         except ValueError as exc:

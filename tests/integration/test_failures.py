@@ -8,8 +8,17 @@ import subprocess
 import sys
 import time
 
-from services.core.proto.rlfabric.v1 import coordinator_pb2
-from tests.conftest import short_config
+import grpc
+import pytest
+
+from services.core.proto.rlfabric.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    replay_pb2,
+    replay_pb2_grpc,
+)
+from tests.conftest import grpc_channel, short_config
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -66,3 +75,37 @@ def test_cli_unknown_env_id_exits_2_and_shuts_everything_down(tmp_path):
     assert "did you mean 'CartPole-v1'" in proc.stderr
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout
     assert not left.strip(), f"service processes left running: {left}"
+
+
+def test_admin_calls_that_would_break_a_running_run_are_refused_while_it_owns_the_target(private_stack):
+    """An outside Replay.Clear used to take the data from under a running run and fail it, and a DeregisterWorker
+    of a busy worker failed it too. While a run owns them both are refused, naming the run and the fix; the run
+    goes on, and once it has ended the same calls go through."""
+    stack, client = private_stack, private_stack.client
+    cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
+                       data_plane={"timeout_s": 20}, scheduling={"mode": "disaggregated"})
+    status = client.submit(cfg)
+    deadline = time.monotonic() + 60
+    while client.status(status.run_id).env_steps < 500:
+        assert time.monotonic() < deadline, client.status(status.run_id)
+        time.sleep(0.05)
+    time.sleep(1.0)  # a heartbeat has told every worker which run holds it
+    replay_worker = next(w for w in client.workers() if w.role == common_pb2.REPLAY)
+    assert replay_worker.run_id == status.run_id
+    with grpc_channel(replay_worker.endpoint.grpc) as channel:
+        replay = replay_pb2_grpc.ReplayStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            replay.Clear(replay_pb2.ClearRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and status.run_id in err.value.details()
+        with grpc_channel(stack.address) as coord_channel:
+            coordinator = coordinator_pb2_grpc.CoordinatorStub(coord_channel)
+            with pytest.raises(grpc.RpcError) as err:
+                coordinator.DeregisterWorker(coordinator_pb2.DeregisterWorkerRequest(
+                    worker_id=replay_worker.worker_id, reason="operator"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rlfabric stop" in err.value.details()
+            time.sleep(0.5)
+            assert client.status(status.run_id).state == coordinator_pb2.RUNNING  # nothing reached the run
+            client.stop(status.run_id)
+            assert client.wait(status.run_id).state != coordinator_pb2.FAILED
+            time.sleep(1.0)  # the next heartbeat frees the replay
+            assert replay.Clear(replay_pb2.ClearRequest(), timeout=10).transitions == 0

@@ -61,18 +61,22 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "run_id")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    def __init__(self, known: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "reason")
+    __slots__ = ("worker_id", "reason", "force")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "endpoint", "pid", "host", "alive", "seconds_since_heartbeat", "run_id")

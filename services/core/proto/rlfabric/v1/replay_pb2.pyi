@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClearRequest(_message.Message):
-    __slots__ = ("source", "pending_only")
+    __slots__ = ("source", "pending_only", "run_id")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PENDING_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     source: str
     pending_only: bool
-    def __init__(self, source: _Optional[str] = ..., pending_only: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    def __init__(self, source: _Optional[str] = ..., pending_only: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("batches", "transitions", "capacity", "bytes", "puts", "onpolicy_gets", "samples", "evicted_batches", "stale_dropped", "rejected_messages", "pending_onpolicy", "newest_version", "source_transitions")
