@@ -321,7 +321,9 @@ class ServiceRuntime:
                 try:
                     reply = await stub.Heartbeat(
                         coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, state=self.state), timeout=5)
-                    self.owner_run = reply.run_id
+                    if reply.run_id != self.owner_run:  # placed in a run, or freed when it ended: the title says so
+                        self.owner_run = reply.run_id
+                        set_process_title(self.options.role, reply.run_id, self.port)
                     if not reply.known:
                         log.warning("coordinator does not know this worker (it restarted?); registering again")
                         await self.register()

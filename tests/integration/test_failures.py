@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -92,6 +93,8 @@ def test_admin_calls_that_would_break_a_running_run_are_refused_while_it_owns_th
     time.sleep(1.0)  # a heartbeat has told every worker which run holds it
     replay_worker = next(w for w in client.workers() if w.role == common_pb2.REPLAY)
     assert replay_worker.run_id == status.run_id
+    title = Path(f"/proc/{replay_worker.pid}/cmdline")
+    assert f"rlfabric-replay run={status.run_id} " in title.read_bytes().replace(b"\0", b" ").decode()
     with grpc_channel(replay_worker.endpoint.grpc) as channel:
         replay = replay_pb2_grpc.ReplayStub(channel)
         with pytest.raises(grpc.RpcError) as err:
@@ -109,3 +112,4 @@ def test_admin_calls_that_would_break_a_running_run_are_refused_while_it_owns_th
             assert client.wait(status.run_id).state != coordinator_pb2.FAILED
             time.sleep(1.0)  # the next heartbeat frees the replay
             assert replay.Clear(replay_pb2.ClearRequest(), timeout=10).transitions == 0
+            assert "run=" not in title.read_bytes().decode(errors="replace")  # its title no longer names the run
