@@ -127,6 +127,9 @@ class VLAConfig(_Strict):
     def _heads(self) -> VLAConfig:
         if self.width % self.heads:
             raise ValueError(f"width={self.width} is not divisible by heads={self.heads}")
+        if self.encoder == "nature" and self.keypoints:
+            raise ValueError("keypoints read the image at full resolution beside per-patch tokens; with encoder: "
+                             "nature set keypoints: 0")
         return self
 
 

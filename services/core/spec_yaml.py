@@ -90,7 +90,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def read_spec(text: str, source: str = "config", overrides: list[str] | None = None) -> dict[str, Any]:
     """The spec's sections as a dict with the overrides applied; malformed YAML names the line and column. Specs
     over MAX_SPEC_BYTES, with more than MAX_ALIASES aliases or more than MAX_NODES values expanded are refused."""
-    size = len(text.encode()) if isinstance(text, str) else len(text)
+    size = len(text.encode())
     if size > MAX_SPEC_BYTES:
         raise ConfigError(f"{source}: the spec is {size} bytes, over the {MAX_SPEC_BYTES} a run spec may have. Fix: "
                           f"put data sets and long prompts in files the spec names (env.options paths)")

@@ -96,7 +96,7 @@ def test_a_gateway_hold_ends_the_episode_with_its_reason(gateway_address):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def chunked_env(address: str, hz: int, horizon: int, **options):
+def robot_env(address: str, hz: int, horizon: int, **options):
     from services.env.adapters.robot import RobotVectorEnv
 
     auth.configure(TOKEN)
@@ -106,7 +106,7 @@ def chunked_env(address: str, hz: int, horizon: int, **options):
 
 
 def test_a_chunk_runs_one_move_per_tick_and_reports_every_step(gateway_address):
-    env = chunked_env(gateway_address, hz=50, horizon=4, episode_steps=1000)
+    env = robot_env(gateway_address, hz=50, horizon=4, episode_steps=1000)
     try:
         env.reset(seed=0)
         start = env.commanded[0].copy()
@@ -127,7 +127,7 @@ def test_realtime_chunking_keeps_the_arm_moving_while_the_policy_computes(gatewa
     delay) and the chunk's tail fills the wait, so the arm has a fresh command nearly every tick."""
     idle = {}
     for realtime in (False, True):
-        env = chunked_env(gateway_address, hz=20, horizon=8, episode_steps=10_000, realtime_chunks=realtime)
+        env = robot_env(gateway_address, hz=20, horizon=8, episode_steps=10_000, realtime_chunks=realtime)
         rng = np.random.default_rng(0)
         try:
             env.reset(seed=0)
@@ -145,7 +145,7 @@ def test_realtime_chunking_keeps_the_arm_moving_while_the_policy_computes(gatewa
 
 
 def test_an_episode_that_ends_in_a_chunks_tail_ends_the_next_decision_without_running_its_chunk(gateway_address):
-    env = chunked_env(gateway_address, hz=20, horizon=8, episode_steps=15, realtime_chunks=True)
+    env = robot_env(gateway_address, hz=20, horizon=8, episode_steps=15, realtime_chunks=True)
     try:
         env.reset(seed=0)
         moves = np.zeros((1, 8, 3), np.float32)
@@ -168,9 +168,9 @@ def test_camera_frames_come_over_the_data_plane_and_show_the_arm_move(gateway_ad
     ZeroMQ camera port, not gRPC), the frames follow the arm, and the port refuses strangers and unknown robots."""
     from services.core.batch import TensorBatch
     from services.core.dataplane import DataClient, PeerTimeout, RemoteError
-    from services.env.adapters.robot import FRAME_BYTES
+    from services.robot_gateway.cameras import FRAME_BYTES
 
-    env = chunked_env(gateway_address, hz=50, horizon=1, episode_steps=1000, camera=32)
+    env = robot_env(gateway_address, hz=50, horizon=1, episode_steps=1000, camera=32)
     try:
         obs, _ = env.reset(seed=0)
         assert obs["image"].shape == (1, 32, 32, 3) and obs["image"].dtype == np.uint8 and obs["state"].shape == (1, 12)

@@ -82,51 +82,17 @@ class VLAPolicy(nn.Module):
             nn.init.zeros_(self.expert[-1].bias)
 
     def _inputs(self, space: dict[str, Any], v: Any, cfg: Any) -> None:
-        """Token embeddings of each observation entry: an image's patches, an instruction's ids (an int64 Box
-        named ``instruction``; 0 pads), the rest flattened into one proprioception token."""
+        """Token embeddings of each observation entry: an image (see ``_image_inputs``), an instruction's ids (an
+        int64 Box named ``instruction``; 0 pads), the rest flattened into one proprioception token."""
         spaces = space["spaces"] if space["kind"] == "dict" else {"image" if is_image(space) else "state": space}
         self.image_key = next((k for k, s in sorted(spaces.items()) if is_image(s)), None)
         self.text_key = "instruction" if "instruction" in spaces else None
         self.state_keys = sorted(k for k in spaces if k not in (self.image_key, self.text_key))
         self.dict_obs = space["kind"] == "dict"
         self.image_cnn: CNN | None = None
+        self.keypoints = 0
         if self.image_key is not None:
-            shape = list(spaces[self.image_key]["shape"])
-            self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
-            c, h, w = (shape[2], shape[0], shape[1]) if self.channels_last else shape
-            if v.encoder == "nature":
-                if v.keypoints:
-                    raise ValueError("policy.vla.keypoints reads the image at full resolution beside patch tokens; "
-                                     "with encoder: nature set keypoints: 0")
-                self.image_cnn = CNN(spaces[self.image_key], cfg.cnn, activation="relu")
-                self.image_proj = nn.Linear(self.image_cnn.out_dim, v.image_tokens * v.width)
-                self.image_pos = nn.Parameter(0.02 * torch.randn(1, v.image_tokens, v.width))
-                for m in self.image_cnn.modules():  # orthogonal sqrt(2), as the CNN actor-critic that learns it
-                    if isinstance(m, nn.Linear | nn.Conv2d):
-                        nn.init.orthogonal_(m.weight, math.sqrt(2))
-                        nn.init.zeros_(m.bias)
-                self.keypoints = 0
-                return self._text_and_state(spaces, v)
-            if h % v.patch or w % v.patch:
-                raise ValueError(f"policy.vla.patch={v.patch} does not divide the {h}x{w} image; pick a divisor")
-            if v.encoder == "vit":
-                self.patchify = nn.Conv2d(c, v.width, v.patch, v.patch)
-            else:  # a conv stem: localises small objects with far fewer samples than a linear patch embedding
-                if v.patch != 8:
-                    raise ValueError(f"policy.vla.encoder=cnn makes 8x8-pixel tokens; set policy.vla.patch: 8 (got "
-                                     f"{v.patch}) or encoder: vit")
-                self.patchify = nn.Sequential(nn.Conv2d(c, 16, 3, 2, 1), nn.GELU(), nn.Conv2d(16, 32, 3, 2, 1),
-                                              nn.GELU(), nn.Conv2d(32, v.width, 3, 2, 1))
-            self.keypoints = v.keypoints
-            if self.keypoints:
-                self.keypoint_conv = nn.Conv2d(c, self.keypoints, 5, 1, 2)
-                self.keypoint_proj = nn.Linear(2 * self.keypoints, v.width)
-                self.register_buffer("grid_x", torch.linspace(-1.0, 1.0, w).repeat(h))
-                self.register_buffer("grid_y", torch.linspace(-1.0, 1.0, h).repeat_interleave(w))
-            self.image_pos = nn.Parameter(0.02 * torch.randn(1, (h // v.patch) * (w // v.patch), v.width))
-        self._text_and_state(spaces, v)
-
-    def _text_and_state(self, spaces: dict[str, Any], v: Any) -> None:
+            self._image_inputs(spaces[self.image_key], v, cfg)
         if self.text_key is not None:
             s = spaces[self.text_key]
             self.vocab = int(np.max(s["high"])) + 1
@@ -134,6 +100,39 @@ class VLAPolicy(nn.Module):
             self.text_pos = nn.Parameter(0.02 * torch.randn(1, s["shape"][0], v.width))
         n = sum(int(np.prod(spaces[k]["shape"])) if spaces[k]["shape"] else 1 for k in self.state_keys)
         self.state_proj = nn.Linear(n, v.width) if n else None
+
+    def _image_inputs(self, space: dict[str, Any], v: Any, cfg: Any) -> None:
+        """The image's tokens: a Nature-CNN summary (``image_tokens`` tokens), or one token per patch (a conv stem
+        or a ViT patch embedding), optionally with a keypoint token."""
+        shape = list(space["shape"])
+        self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
+        c, h, w = (shape[2], shape[0], shape[1]) if self.channels_last else shape
+        if v.encoder == "nature":
+            self.image_cnn = CNN(space, cfg.cnn, activation="relu")
+            self.image_proj = nn.Linear(self.image_cnn.out_dim, v.image_tokens * v.width)
+            self.image_pos = nn.Parameter(0.02 * torch.randn(1, v.image_tokens, v.width))
+            for m in self.image_cnn.modules():  # orthogonal sqrt(2), as the CNN actor-critic that learns it
+                if isinstance(m, nn.Linear | nn.Conv2d):
+                    nn.init.orthogonal_(m.weight, math.sqrt(2))
+                    nn.init.zeros_(m.bias)
+            return
+        if h % v.patch or w % v.patch:
+            raise ValueError(f"policy.vla.patch={v.patch} does not divide the {h}x{w} image; pick a divisor")
+        if v.encoder == "vit":
+            self.patchify = nn.Conv2d(c, v.width, v.patch, v.patch)
+        else:  # a conv stem: localises small objects with far fewer samples than a linear patch embedding
+            if v.patch != 8:
+                raise ValueError(f"policy.vla.encoder=cnn makes 8x8-pixel tokens; set policy.vla.patch: 8 (got "
+                                 f"{v.patch}) or encoder: vit")
+            self.patchify = nn.Sequential(nn.Conv2d(c, 16, 3, 2, 1), nn.GELU(), nn.Conv2d(16, 32, 3, 2, 1),
+                                          nn.GELU(), nn.Conv2d(32, v.width, 3, 2, 1))
+        self.keypoints = v.keypoints
+        if self.keypoints:
+            self.keypoint_conv = nn.Conv2d(c, self.keypoints, 5, 1, 2)
+            self.keypoint_proj = nn.Linear(2 * self.keypoints, v.width)
+            self.register_buffer("grid_x", torch.linspace(-1.0, 1.0, w).repeat(h))
+            self.register_buffer("grid_y", torch.linspace(-1.0, 1.0, h).repeat_interleave(w))
+        self.image_pos = nn.Parameter(0.02 * torch.randn(1, (h // v.patch) * (w // v.patch), v.width))
 
     # -- trunk ---------------------------------------------------------------------------------------------
     def _tokens(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -143,18 +142,19 @@ class VLAPolicy(nn.Module):
         pads = [torch.zeros(B, 1, dtype=torch.bool, device=self.cls.device)]  # True where a token is padding
         feats = None
         if self.image_key is not None:
-            x = parts[self.image_key].float() / 255.0 - 0.5
-            if self.channels_last:
-                x = x.permute(0, 3, 1, 2)
-            if self.image_cnn is not None:
+            first = len(tokens)
+            if self.image_cnn is not None:  # the CNN scales and permutes the uint8 image itself
                 feats = self.image_cnn(parts[self.image_key])
                 tokens.append(self.image_proj(feats).reshape(B, self.image_pos.shape[1], -1) + self.image_pos)
             else:
+                x = parts[self.image_key].float() / 255.0 - 0.5
+                if self.channels_last:
+                    x = x.permute(0, 3, 1, 2)
                 tokens.append(self.patchify(x).flatten(2).transpose(1, 2) + self.image_pos)
-            if self.keypoints:
-                tokens.append(self.keypoint_proj(self._keypoints(x)).unsqueeze(1))
-            pads.append(torch.zeros(B, sum(t.shape[1] for t in tokens[-1 - bool(self.keypoints):]), dtype=torch.bool,
-                                    device=x.device))
+                if self.keypoints:
+                    tokens.append(self.keypoint_proj(self._keypoints(x)).unsqueeze(1))
+            pads.append(torch.zeros(B, sum(t.shape[1] for t in tokens[first:]), dtype=torch.bool,
+                                    device=self.cls.device))
         if self.text_key is not None:
             ids = parts[self.text_key].long().clamp(0, self.vocab - 1)
             tokens.append(self.embed(ids) + self.text_pos)

@@ -52,10 +52,13 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
+from services.core.batch import TensorBatch
+from services.core.dataplane import DataClient
+from services.robot_gateway.cameras import FRAME_BYTES
+
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
            "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float),
            "start_noise": (int, float), "target": str, "realtime_chunks": bool, "camera": int}
-FRAME_BYTES = 4 << 20  # one camera frame answer (256 x 256 x 3 at most) and its header
 TASKS = ("reach",)
 log = logging.getLogger(__name__)
 _pools = itertools.count()
@@ -210,9 +213,6 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         """What the policy sees: the state vector, with the camera's newest frame beside it when there is one."""
         if not self.opts["camera"]:
             return vector
-        from services.core.batch import TensorBatch
-        from services.core.dataplane import DataClient
-
         if self.frames is None:
             self.frames = DataClient(self.camera_endpoint, max_bytes=FRAME_BYTES, timeout_s=10.0)
         kind, frame = self.frames.request("frame", TensorBatch(meta={"robot_id": self.ids[i]}))
@@ -331,7 +331,7 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         stop = [max(self.horizon - lead, k + 1) for k in index]
         while True:
             now = {i: moves[i, index[i]] for i in range(self.num_envs)
-                   if index[i] < min(stop[i], self.horizon) and not (ticks[i] and ticks[i][-1].done)}
+                   if index[i] < stop[i] and not (ticks[i] and ticks[i][-1].done)}
             if not now:
                 break
             for i, tick in self._ticks(now).items():
@@ -392,8 +392,10 @@ class RobotVectorEnv(gym.vector.VectorEnv):
                 log.warning("could not disconnect robot %s: %s", rid, exc.details())
 
     def close_extras(self, **kwargs: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # a tail's failure was the run's problem; closing goes on
+        try:
             self._stop_tail()
+        except RuntimeError as exc:  # closing goes on (the arms are freed below), but the failure is said
+            log.warning("%s", exc)
         for box in self.outbox:
             with contextlib.suppress(queue.Full):  # a full box's stream is cancelled just below anyway
                 box.put_nowait(None)
