@@ -20,9 +20,11 @@ import time
 from collections import deque
 from contextlib import aclosing
 
+from services.coordinator import recovery
 from services.coordinator.dynamic import DynamicScheduler
 from services.coordinator.plan import Acquire, PlanExecutor, Step
 from services.coordinator.records import IterationRecord
+from services.coordinator.recovery import Loss
 from services.coordinator.registry import Worker
 from services.coordinator.run import Run, RunFailed, StopRequested
 from services.coordinator.runlog import RunLog
@@ -48,12 +50,13 @@ def episode_counts(shards: list) -> dict[str, float]:
     return counts
 
 class TrainingLoop:
-    def __init__(self, run: Run, workers: dict[str, list[Worker]], resume: bool = False,
-                 acquire: Acquire | None = None, release=None):
+    def __init__(self, run: Run, workers: dict[str, list[Worker]], resume: bool | str = False,
+                 acquire: Acquire | None = None, release=None, recovery: Loss | None = None):
         self.run = run
         self.cfg = run.config
         self.spec = self.cfg.spec
-        self.resume = resume
+        self.resume = resume  # True: from the newest checkpoint; "if_any": a recovery, from the start if none
+        self.recovery = recovery  # the loss this attempt recovers from
         self.plan = PlanExecutor(run, workers, acquire, release)
         self.start = 0  # first iteration to run (> 0 when resumed from a checkpoint)
         self.base_version = 0
@@ -121,6 +124,13 @@ class TrainingLoop:
             self.restore(detail)
         self.runlog = await asyncio.to_thread(RunLog, run.run_dir, cfg, self.start if self.resume else None,
                                               run.env_steps)
+        if self.recovery is not None:
+            event = recovery.event(run, self.recovery, recovery.discarded(run, self.recovery), detail, self.start)
+            run.recovered(event)
+            self.runlog.recovery(event)
+            run.log(f"recovered from losing {self.recovery.describe()}: discarded {event.discarded}; resumed from "
+                    f"{event.resumed_from or 'the start (no checkpoint yet)'} at iteration {self.start} in "
+                    f"{event.seconds:.1f}s", level="warning")
         if cfg.scheduling.mode == "auto" and cfg.collects:
             self.static = StaticScheduler(plan, cfg, run.run_dir)
             name, sched = self.static.first()
@@ -169,6 +179,9 @@ class TrainingLoop:
         self.t0 = time.time() - float(extra.get("wall_time_s", 0.0))
         for reason in detail.get("skipped", []):
             self.run.log(f"skipped checkpoint {reason}; using an older one", level="warning")
+        if not detail.get("resumed_from"):
+            self.run.log("no checkpoint to resume from yet: the run starts over", level="warning")
+            return
         self.run.log(f"resumed from {detail['resumed_from']} at iteration {self.start}, "
                      f"{self.run.env_steps} env steps, weight version {self.start}, "
                      f"{detail.get('optimizer_steps', 0)} optimiser steps")

@@ -256,6 +256,7 @@ class PlanExecutor:
         arrived = asyncio.Event()
         producers = [self._open(r, i, until - i, k, failure, arrived) for r in self.rollouts]
         drain_at: int | None = None
+        train: asyncio.Task | None = None
         try:
             while i < until:
                 if drain_at is not None and i > drain_at:
@@ -290,6 +291,8 @@ class PlanExecutor:
             if failure:
                 raise failure[0]
         finally:
+            if train is not None and not train.done():
+                train.cancel()  # the learner stops waiting for this batch (a lost worker, a stop)
             for p in producers:
                 p.call.cancel()
                 if p.task is not None:

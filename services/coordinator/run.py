@@ -21,6 +21,14 @@ class RunFailed(Exception):
         self.bad_input = bad_input
 
 
+class WorkerLost(RunFailed):
+    """Workers of the run died or became unreachable: the attempt ends, and the run may recover."""
+
+    def __init__(self, reason: str, loss):
+        super().__init__(reason)
+        self.loss = loss  # recovery.Loss
+
+
 class StopRequested(Exception):
     """Raised by a workflow at an iteration boundary after StopRun: everything recorded so far is consistent."""
 
@@ -41,16 +49,18 @@ class Run:
         self.history: list[coordinator_pb2.RunEvent] = []
         self.watchers: set[asyncio.Queue] = set()
         self.task: asyncio.Task | None = None
-        self.failure: RunFailed | None = None
         self.stop_requested = asyncio.Event()
         self.plan = config.scheduling.mode  # the plan executing now (mode auto: the one the scheduler chose)
         self.loop = None  # the TrainingLoop once placed
+        self.attempt: asyncio.Task | None = None  # the placed workflow; a lost worker ends it, and the run recovers
+        self.lost: list = []  # [(Worker, why)] since the attempt started
+        self.recoveries = 0
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(
             run_id=self.run_id, state=self.state, reason=self.reason, bad_input=self.bad_input,
             run_dir=str(self.run_dir), env_steps=self.env_steps, weight_version=self.weight_version,
-            iteration=self.iteration, latest=self.latest, mode=self.plan)
+            iteration=self.iteration, latest=self.latest, mode=self.plan, recoveries=self.recoveries)
 
     @property
     def finished(self) -> bool:
@@ -79,10 +89,14 @@ class Run:
             iteration=self.iteration, env_steps=self.env_steps, wall_time_s=time.time() - self.started,
             weight_version=self.weight_version, values=values)))
 
-    def fail(self, failure: RunFailed) -> None:
-        """Fail from outside the workflow (e.g. a worker died): record why, then cancel the workflow."""
-        if self.finished or self.failure is not None:
+    def recovered(self, event: coordinator_pb2.RecoveryEvent) -> None:
+        self.recoveries = event.attempt
+        self._emit(coordinator_pb2.RunEvent(recovery=event))
+
+    def lose(self, worker, why: str) -> None:
+        """A worker of this run died or left: end the running attempt (the run then recovers or fails)."""
+        if self.finished:
             return
-        self.failure = failure
-        if self.task is not None:
-            self.task.cancel()
+        self.lost.append((worker, why))
+        if self.attempt is not None and not self.attempt.done():
+            self.attempt.cancel()

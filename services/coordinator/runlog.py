@@ -96,6 +96,18 @@ class RunLog:
                 group = "eval" if key.startswith("eval_") else "train" if key.startswith("train_") else "stats"
                 self._tb.add_scalar(f"{group}/{key}", float(value), step)
 
+    def recovery(self, event) -> None:
+        """A row of recoveries.csv: a lost worker the run recovered from, what was discarded and where it resumed."""
+        path = self.run_dir / "recoveries.csv"
+        fields = ["time", "attempt", "role", "worker_id", "cause", "discarded", "resumed_from",
+                  "resumed_at_iteration", "weight_version", "seconds"]
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            if new:
+                writer.writeheader()
+            writer.writerow({k: getattr(event, k) for k in fields})
+
     def close(self) -> None:
         self._tb.close()
         self._csv_file.close()

@@ -14,8 +14,9 @@ from pathlib import Path
 import grpc
 
 from services.coordinator.loop import TrainingLoop
+from services.coordinator.recovery import Loss, unreachable
 from services.coordinator.registry import WorkerRegistry
-from services.coordinator.run import Run, RunFailed, StopRequested
+from services.coordinator.run import Run, RunFailed, StopRequested, WorkerLost
 from services.core.config import ConfigError, parse_config
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
@@ -82,8 +83,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _worker_lost(self, worker, why: str) -> None:
         run = self.runs.get(worker.run_id)
         if run is not None and not run.finished:
-            run.fail(RunFailed(f"{worker.describe()} {why}; its in-flight work was discarded and the run "
-                               f"cannot continue without a {worker.role} worker"))
+            run.lose(worker, why)
 
     # -- runs ----------------------------------------------------------------------------------------------
     def confine(self, run_dir: str) -> Path:
@@ -176,10 +176,43 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return {"env": env_workers, "replay": 1, "learner": 1, "rollout": s.rollout_workers}
 
     async def _execute(self, run: Run, resume: bool = False) -> None:
-        """Run the workflow; the terminal state is published only after artefacts are written and workers freed,
-        so anyone who sees SUCCEEDED can read curve.png and the checkpoint."""
+        """Run the workflow, recovering from lost workers (recovery.py) at most runtime.max_recoveries times. The
+        terminal state is published only after artefacts are written and workers freed, so anyone who sees
+        SUCCEEDED can read curve.png and the checkpoint."""
+        loss: Loss | None = None
+        while True:
+            run.lost = []
+            run.attempt = asyncio.create_task(self._attempt(run, resume, loss))
+            try:
+                outcome = await run.attempt
+                break
+            except WorkerLost as exc:
+                loss = exc.loss
+                limit = run.config.runtime.max_recoveries
+                if run.recoveries >= limit or run.stop_requested.is_set() or asyncio.current_task().cancelling():
+                    why = (f"the run already recovered {run.recoveries} time(s), runtime.max_recoveries={limit}"
+                           if limit else f"runtime.max_recoveries=0: the run cannot continue without a "
+                                         f"{'/'.join(loss.roles)} worker")
+                    outcome = (coordinator_pb2.FAILED, f"{exc.reason}; its in-flight work was discarded and {why}",
+                               False)
+                    break
+                for worker, _ in loss.lost:  # never placed again; if it lives, it registers anew
+                    worker.alive = False
+                self.registry.release(run.run_id)
+                run.log(f"lost {loss.describe()}; recovering (recovery {run.recoveries + 1} of at most {limit}): "
+                        f"re-placing the run on live workers and resuming from the newest checkpoint",
+                        level="warning")
+                resume = "if_any"
+        self.registry.release(run.run_id)
+        run.set_state(*outcome)
+        log.info("run finished", extra={"run_id": run.run_id, "state": run.state, "reason": run.reason})
+
+    async def _attempt(self, run: Run, resume: bool | str, loss: Loss | None) -> tuple[int, str, bool]:
+        """One placement of the run, to its outcome; raises WorkerLost when a worker of it dies (after the
+        surviving learner checkpointed, so the next attempt resumes from its newest state)."""
         loop = None
         outcome: tuple[int, str, bool]
+        lost: list = []
         try:
             workers = await self._acquire(run, self.worker_counts(run.config))
             run.set_state(coordinator_pb2.RUNNING, "workers: " + ", ".join(w.worker_id for ws in workers.values()
@@ -191,11 +224,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             def release(worker) -> None:
                 worker.run_id = ""
 
-            loop = TrainingLoop(run, workers, resume, acquire, release)
+            loop = TrainingLoop(run, workers, resume, acquire, release, recovery=loss)
             run.loop = loop
             outcome = (coordinator_pb2.SUCCEEDED, await loop.fit(), False)
         except RunFailed as exc:
             outcome = (coordinator_pb2.FAILED, exc.reason, exc.bad_input)
+            if not exc.bad_input:  # a failed call may be a dead worker's doing: probe every placed one
+                lost = run.lost or (await unreachable([s for ss in loop.plan.pools.values() for s in ss])
+                                    if loop is not None else [])
         except StopRequested:
             outcome = (coordinator_pb2.STOPPED, "stopped by request at an iteration boundary", False)
             try:
@@ -205,22 +241,33 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             except RunFailed as exc:
                 outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; no checkpoint on stop: {exc.reason}", False)
         except asyncio.CancelledError:
-            if run.failure is not None:
-                outcome = (coordinator_pb2.FAILED, run.failure.reason, run.failure.bad_input)
-            else:
-                outcome = (coordinator_pb2.STOPPED, "stopped by force (no iteration boundary in time); in-flight "
-                           "work was discarded; resume continues from the last periodic checkpoint", False)
+            outcome = (coordinator_pb2.STOPPED, "stopped by force (no iteration boundary in time); in-flight "
+                       "work was discarded; resume continues from the last periodic checkpoint", False)
+            if run.lost and not (run.task is not None and run.task.cancelling()):
+                asyncio.current_task().uncancel()  # a lost worker ended this attempt, not a stop: recover
+                lost = run.lost
         except Exception as exc:  # noqa: BLE001 — a bug must fail the run loudly, not hang it
             log.exception("run %s crashed", run.run_id)
             outcome = (coordinator_pb2.FAILED, f"coordinator error: {exc.__class__.__name__}: {exc}", False)
+        if lost:
+            loss = Loss(list(lost), run.iteration)
+            if loop is not None and loop.runlog is not None and "learner" not in loss.roles:
+                try:  # the surviving learner's newest state: the next attempt loses only in-flight work
+                    await asyncio.wait_for(loop.save_checkpoint(), run.config.data_plane.timeout_s + 30)
+                except (RunFailed, TimeoutError) as exc:
+                    run.log(f"no checkpoint before recovering ({exc}); resuming from an older one", level="warning")
+        await self._close(run, loop)
+        if lost:
+            raise WorkerLost(loss.describe(), loss)
+        return outcome
+
+    @staticmethod
+    async def _close(run: Run, loop: TrainingLoop | None) -> None:
         if loop is not None:
             try:
                 await asyncio.shield(loop.close())
             except Exception:  # noqa: BLE001 — a failed plot must not hide the run's outcome
                 log.exception("closing run %s failed", run.run_id)
-        self.registry.release(run.run_id)
-        run.set_state(*outcome)
-        log.info("run finished", extra={"run_id": run.run_id, "state": run.state, "reason": run.reason})
 
     async def _run(self, request, context) -> Run:
         run = self.runs.get(request.run_id)

@@ -359,6 +359,10 @@ class RuntimeConfig(_Strict):
         description="where learner and rollout models live: cpu, cuda, cuda:N, or auto (cuda where the host has "
                     "one, else cpu); each worker resolves it on its own host")
     worker_wait_s: float = Field(60.0, gt=0, description="how long a run waits for workers to register")
+    max_recoveries: int = Field(
+        5, ge=0, le=1000, description="lost workers (killed, crashed, unreachable) a run recovers from: it re-places "
+                                      "the work on live or restarted workers and resumes from the learner's newest "
+                                      "state; 0 = the first loss fails the run")
     learner_ranks: int = Field(
         1, ge=1, le=64, description="torch.distributed ranks of the learner (FSDP2 data parallelism): the learner "
                                     "service starts ranks 1..N-1 on its host; gloo on CPU, NCCL with one GPU per "

@@ -13,6 +13,7 @@ Both speak to the replay service over one DataClient (owned by the learner's tra
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,11 @@ from services.core.batch import TensorBatch
 from services.core.dataplane import DataClient, PeerTimeout
 
 log = logging.getLogger(__name__)
+WAIT_SLICE_S = 1.0  # a wait for shards is asked in slices this long, so a cancelled update stops within one
+
+
+class UpdateCancelled(Exception):
+    """The caller of the update went away (its Train call was cancelled): stop waiting for its data."""
 
 
 @dataclass
@@ -38,7 +44,8 @@ class OnPolicyFeed:
         self.replay, self.num_envs = replay, num_envs
         self.held: dict[int, list[TensorBatch]] = {}  # shards of later updates, taken early
 
-    def take(self, batch_index: int, min_version: int, timeout_s: float) -> TensorBatch:
+    def take(self, batch_index: int, min_version: int, timeout_s: float,
+             cancelled: threading.Event | None = None) -> TensorBatch:
         """Update ``batch_index``'s batch: the shards of that index, joined along "env" once they hold every env.
         Shards arrive FIFO from replay; one of a later index (a worker running ahead within the staleness bound) is
         held for its own update; one of an earlier index (left over from before a re-plan) is dropped."""
@@ -46,9 +53,14 @@ class OnPolicyFeed:
         shards = self.held.pop(batch_index, [])
         envs = sum(_envs(b) for b in shards)
         while envs < self.num_envs:
-            wait = max(0.0, deadline - time.monotonic())
+            if cancelled is not None and cancelled.is_set():
+                raise UpdateCancelled(f"update {batch_index} cancelled while waiting for its shards")
+            left = max(0.0, deadline - time.monotonic())
+            wait = min(left, WAIT_SLICE_S)
             kind, shard = self.replay.request("get", TensorBatch(meta={"min_version": min_version, "wait_s": wait}),
                                               timeout_s=wait + 5)
+            if kind != "batch" and left > wait:
+                continue  # nothing yet in this slice: ask again until the deadline
             if kind != "batch":
                 raise PeerTimeout(f"no trajectory batch with version >= {min_version} arrived in replay within "
                                   f"{timeout_s:.1f}s (have {envs} of {self.num_envs} envs of batch {batch_index}); "
@@ -72,8 +84,9 @@ class OnPolicyFeed:
                        "batch_index": batch_index}
         return joined
 
-    def next(self, algo: Any, batch_index: int, min_version: int, timeout_s: float) -> Fed:
-        batch = self.take(batch_index, min_version, timeout_s)
+    def next(self, algo: Any, batch_index: int, min_version: int, timeout_s: float,
+             cancelled: threading.Event | None = None) -> Fed:
+        batch = self.take(batch_index, min_version, timeout_s, cancelled)
         return Fed(batch, batch.version)
 
 
@@ -88,9 +101,11 @@ class SampledFeed:
         self.replay, self.access, self.collects = replay, access, collects
         self.fifo = OnPolicyFeed(replay, num_envs) if collects else None
 
-    def next(self, algo: Any, batch_index: int, min_version: int, timeout_s: float) -> Fed:
+    def next(self, algo: Any, batch_index: int, min_version: int, timeout_s: float,
+             cancelled: threading.Event | None = None) -> Fed:
         """The [U, B, ...] minibatches the algorithm owes now (None before it owes any)."""
-        collected = self.fifo.take(batch_index, min_version, timeout_s) if self.fifo is not None else None
+        collected = (self.fifo.take(batch_index, min_version, timeout_s, cancelled) if self.fifo is not None
+                     else None)
         version = collected.version if collected is not None else -1
         updates = algo.updates_for(collected.rows if collected is not None else 0)
         if updates <= 0:

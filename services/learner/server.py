@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -26,7 +27,7 @@ from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
 from services.learner import checkpoint as ckpt
-from services.learner.feeds import feed_for
+from services.learner.feeds import UpdateCancelled, feed_for
 from services.learner.ranks import RankGroup, initial_policy, rank_device
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,14 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         detail: dict = {}
         state = None
         if resume:
-            key, state, skipped = ckpt.load_latest(self.store)
-            detail = {"resumed_from": key, "skipped": skipped, "extra": json.loads(state.get("extra_json", "{}"))}
+            try:
+                key, state, skipped = ckpt.load_latest(self.store)
+                detail = {"resumed_from": key, "skipped": skipped,
+                          "extra": json.loads(state.get("extra_json", "{}"))}
+            except FileNotFoundError:
+                if resume != "if_any":  # a recovery (if_any) with no checkpoint yet starts the run over
+                    raise
+                detail = {"resumed_from": "", "skipped": [], "extra": {}}
         warm = None
         if config.policy.init_checkpoint and not resume:  # a warm start (a supervised run's weights)
             warm = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint")["policy"]
@@ -190,7 +197,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         set_torch_threads(config.runtime.torch_threads)
         try:
             detail = await self._run(self._configure, config, env_spec, replay_endpoint,
-                                     context_info.get("run_dir", "."), bool(context_info.get("resume")),
+                                     context_info.get("run_dir", "."), context_info.get("resume") or False,
                                      request.run_id)
         except FileNotFoundError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {exc}")
@@ -203,11 +210,12 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                                       "resumed_from": detail.get("resumed_from", "")})
         return common_pb2.ConfigureReply(data_endpoint=detail["weights_endpoint"], detail_json=json.dumps(detail))
 
-    def _train(self, batch_index: int, min_version: int, timeout_s: float) -> learner_pb2.TrainReply:
+    def _train(self, batch_index: int, min_version: int, timeout_s: float,
+               cancelled: threading.Event | None = None) -> learner_pb2.TrainReply:
         t0 = time.perf_counter()
         # what the algorithm's data access gives for this iteration: the on-policy batch, or the minibatches it
         # owes sampled from the window (None before it owes any)
-        fed = self.feed.next(self.algo, batch_index, min_version, timeout_s)
+        fed = self.feed.next(self.algo, batch_index, min_version, timeout_s, cancelled)
         batch = fed.batch
         waited = time.perf_counter() - t0
         if self.offload is not None:
@@ -242,8 +250,14 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if self.algo is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
         timeout = request.timeout_s or self.config.data_plane.timeout_s
+        cancelled = threading.Event()
         try:
-            return await self._run(self._train, request.batch_index, request.min_version, timeout)
+            return await self._run(self._train, request.batch_index, request.min_version, timeout, cancelled)
+        except asyncio.CancelledError:  # the caller went away: stop waiting for its shards (the thread ends)
+            cancelled.set()
+            raise
+        except UpdateCancelled as exc:
+            await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except PeerTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RemoteError as exc:

@@ -27,10 +27,11 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def test_sigkilled_env_worker_fails_the_run_with_the_reason(private_stack, tmp_path):
+def test_sigkilled_env_worker_fails_the_run_with_the_reason_when_recovery_is_off(private_stack, tmp_path):
     stack, client = private_stack, private_stack.client
     cfg = short_config(train={"total_env_steps": 10_000_000, "eval_every_iterations": 0},
-                       data_plane={"timeout_s": 20}, scheduling={"mode": "disaggregated"})  # env in its service
+                       data_plane={"timeout_s": 20}, scheduling={"mode": "disaggregated"},  # env in its service
+                       runtime={"worker_wait_s": 30, "max_recoveries": 0})
     status = client.submit(cfg)
     deadline = time.monotonic() + 60
     while client.status(status.run_id).env_steps < 1000:
@@ -42,6 +43,7 @@ def test_sigkilled_env_worker_fails_the_run_with_the_reason(private_stack, tmp_p
     took = time.monotonic() - killed_at
     assert final.state == coordinator_pb2.FAILED and not final.bad_input
     assert "env worker" in final.reason and "heartbeats" in final.reason and "discarded" in final.reason
+    assert "runtime.max_recoveries=0" in final.reason and final.recoveries == 0
     assert took < 10, f"failure took {took:.1f}s to surface (heartbeat timeout 1.5s)"
     workers = {w.worker_id: w for w in client.workers()}
     assert not [w for w in workers.values() if w.worker_id.startswith("env")][0].alive

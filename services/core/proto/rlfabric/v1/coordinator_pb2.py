@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/coordinator.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xeb\x01\n\x15RegisterWorkerRequest\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.rlfabric.v1.Role\x12\'\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x15.rlfabric.v1.Endpoint\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\x12>\n\x06labels\x18\x05 \x03(\x0b\x32..rlfabric.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"4\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\"/\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"K\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\xc6\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.rlfabric.v1.Role\x12\'\n\x08\x65ndpoint\x18\x03 \x01(\x0b\x32\x15.rlfabric.v1.Endpoint\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\r\n\x05\x61live\x18\x06 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x07 \x01(\x01\x12\x0e\n\x06run_id\x18\x08 \x01(\t\">\n\x10ListWorkersReply\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.rlfabric.v1.WorkerStatus\"[\n\x10SubmitRunRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\x12\x0f\n\x07run_dir\x18\x03 \x01(\t\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"\x18\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa4\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.RunState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tbad_input\x18\x04 \x01(\x08\x12\x0f\n\x07run_dir\x18\x05 \x01(\t\x12\x11\n\tenv_steps\x18\x06 \x01(\x03\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x11\n\titeration\x18\x08 \x01(\x03\x12\x32\n\x06latest\x18\t \x03(\x0b\x32\".rlfabric.v1.RunStatus.LatestEntry\x12\x0c\n\x04mode\x18\n \x01(\t\x1a-\n\x0bLatestEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\rListRunsReply\x12$\n\x04runs\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.RunStatus\"\xc1\x01\n\tMetricRow\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x11\n\tenv_steps\x18\x02 \x01(\x03\x12\x13\n\x0bwall_time_s\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x32\n\x06values\x18\x05 \x03(\x0b\x32\".rlfabric.v1.MetricRow.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x08LogEvent\x12\r\n\x05level\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04time\x18\x03 \x01(\x01\"\x8e\x01\n\x08RunEvent\x12)\n\x07metrics\x18\x01 \x01(\x0b\x32\x16.rlfabric.v1.MetricRowH\x00\x12$\n\x03log\x18\x02 \x01(\x0b\x32\x15.rlfabric.v1.LogEventH\x00\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x16.rlfabric.v1.RunStatusH\x00\x42\x07\n\x05\x65vent\"]\n\x0cScaleRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x05\x12\r\n\x05\x63ount\x18\x04 \x01(\x05\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"m\n\nScaleReply\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\x05\x12\x12\n\nworker_ids\x18\x03 \x03(\t\x12\x1c\n\x14\x61pplied_at_iteration\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"y\n\x07PlanRow\x12\x0c\n\x04plan\x18\x01 \x01(\t\x12\x1d\n\x15predicted_iteration_s\x18\x02 \x01(\x01\x12\x1c\n\x14measured_iteration_s\x18\x03 \x01(\x01\x12\x0e\n\x06\x63hosen\x18\x04 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"W\n\tPlanReply\x12\x0c\n\x04plan\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\'\n\tdecisions\x18\x03 \x03(\x0b\x32\x14.rlfabric.v1.PlanRow*g\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07STOPPED\x10\x05\x32\xdc\x05\n\x0b\x43oordinator\x12V\n\x0eRegisterWorker\x12\".rlfabric.v1.RegisterWorkerRequest\x1a .rlfabric.v1.RegisterWorkerReply\x12G\n\tHeartbeat\x12\x1d.rlfabric.v1.HeartbeatRequest\x1a\x1b.rlfabric.v1.HeartbeatReply\x12L\n\x10\x44\x65registerWorker\x12$.rlfabric.v1.DeregisterWorkerRequest\x1a\x12.rlfabric.v1.Empty\x12@\n\x0bListWorkers\x12\x12.rlfabric.v1.Empty\x1a\x1d.rlfabric.v1.ListWorkersReply\x12\x42\n\tSubmitRun\x12\x1d.rlfabric.v1.SubmitRunRequest\x1a\x16.rlfabric.v1.RunStatus\x12\x35\n\x06GetRun\x12\x13.rlfabric.v1.RunRef\x1a\x16.rlfabric.v1.RunStatus\x12:\n\x08ListRuns\x12\x12.rlfabric.v1.Empty\x1a\x1a.rlfabric.v1.ListRunsReply\x12\x38\n\x08WatchRun\x12\x13.rlfabric.v1.RunRef\x1a\x15.rlfabric.v1.RunEvent0\x01\x12\x36\n\x07StopRun\x12\x13.rlfabric.v1.RunRef\x1a\x16.rlfabric.v1.RunStatus\x12;\n\x05Scale\x12\x19.rlfabric.v1.ScaleRequest\x1a\x17.rlfabric.v1.ScaleReply\x12\x36\n\x07GetPlan\x12\x13.rlfabric.v1.RunRef\x1a\x16.rlfabric.v1.PlanReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfabric/v1/coordinator.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xeb\x01\n\x15RegisterWorkerRequest\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.rlfabric.v1.Role\x12\'\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x15.rlfabric.v1.Endpoint\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\x12>\n\x06labels\x18\x05 \x03(\x0b\x32..rlfabric.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"4\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\"/\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"K\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\xc6\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.rlfabric.v1.Role\x12\'\n\x08\x65ndpoint\x18\x03 \x01(\x0b\x32\x15.rlfabric.v1.Endpoint\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\r\n\x05\x61live\x18\x06 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x07 \x01(\x01\x12\x0e\n\x06run_id\x18\x08 \x01(\t\">\n\x10ListWorkersReply\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.rlfabric.v1.WorkerStatus\"[\n\x10SubmitRunRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x11\n\toverrides\x18\x02 \x03(\t\x12\x0f\n\x07run_dir\x18\x03 \x01(\t\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"\x18\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xb8\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.RunState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tbad_input\x18\x04 \x01(\x08\x12\x0f\n\x07run_dir\x18\x05 \x01(\t\x12\x11\n\tenv_steps\x18\x06 \x01(\x03\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x11\n\titeration\x18\x08 \x01(\x03\x12\x32\n\x06latest\x18\t \x03(\x0b\x32\".rlfabric.v1.RunStatus.LatestEntry\x12\x0c\n\x04mode\x18\n \x01(\t\x12\x12\n\nrecoveries\x18\x0b \x01(\x05\x1a-\n\x0bLatestEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\rListRunsReply\x12$\n\x04runs\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.RunStatus\"\xc1\x01\n\tMetricRow\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x11\n\tenv_steps\x18\x02 \x01(\x03\x12\x13\n\x0bwall_time_s\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x32\n\x06values\x18\x05 \x03(\x0b\x32\".rlfabric.v1.MetricRow.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x08LogEvent\x12\r\n\x05level\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04time\x18\x03 \x01(\x01\"\xce\x01\n\rRecoveryEvent\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x05\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05\x63\x61use\x18\x04 \x01(\t\x12\x11\n\tdiscarded\x18\x05 \x01(\t\x12\x14\n\x0cresumed_from\x18\x06 \x01(\t\x12\x1c\n\x14resumed_at_iteration\x18\x07 \x01(\x03\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\x0c\n\x04time\x18\n \x01(\x01\"\xbe\x01\n\x08RunEvent\x12)\n\x07metrics\x18\x01 \x01(\x0b\x32\x16.rlfabric.v1.MetricRowH\x00\x12$\n\x03log\x18\x02 \x01(\x0b\x32\x15.rlfabric.v1.LogEventH\x00\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x16.rlfabric.v1.RunStatusH\x00\x12.\n\x08recovery\x18\x04 \x01(\x0b\x32\x1a.rlfabric.v1.RecoveryEventH\x00\x42\x07\n\x05\x65vent\"]\n\x0cScaleRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x05\x12\r\n\x05\x63ount\x18\x04 \x01(\x05\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"m\n\nScaleReply\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\x05\x12\x12\n\nworker_ids\x18\x03 \x03(\t\x12\x1c\n\x14\x61pplied_at_iteration\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"y\n\x07PlanRow\x12\x0c\n\x04plan\x18\x01 \x01(\t\x12\x1d\n\x15predicted_iteration_s\x18\x02 \x01(\x01\x12\x1c\n\x14measured_iteration_s\x18\x03 \x01(\x01\x12\x0e\n\x06\x63hosen\x18\x04 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"W\n\tPlanReply\x12\x0c\n\x04plan\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\'\n\tdecisions\x18\x03 \x03(\x0b\x32\x14.rlfabric.v1.PlanRow*g\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07STOPPED\x10\x05\x32\xdc\x05\n\x0b\x43oordinator\x12V\n\x0eRegisterWorker\x12\".rlfabric.v1.RegisterWorkerRequest\x1a .rlfabric.v1.RegisterWorkerReply\x12G\n\tHeartbeat\x12\x1d.rlfabric.v1.HeartbeatRequest\x1a\x1b.rlfabric.v1.HeartbeatReply\x12L\n\x10\x44\x65registerWorker\x12$.rlfabric.v1.DeregisterWorkerRequest\x1a\x12.rlfabric.v1.Empty\x12@\n\x0bListWorkers\x12\x12.rlfabric.v1.Empty\x1a\x1d.rlfabric.v1.ListWorkersReply\x12\x42\n\tSubmitRun\x12\x1d.rlfabric.v1.SubmitRunRequest\x1a\x16.rlfabric.v1.RunStatus\x12\x35\n\x06GetRun\x12\x13.rlfabric.v1.RunRef\x1a\x16.rlfabric.v1.RunStatus\x12:\n\x08ListRuns\x12\x12.rlfabric.v1.Empty\x1a\x1a.rlfabric.v1.ListRunsReply\x12\x38\n\x08WatchRun\x12\x13.rlfabric.v1.RunRef\x1a\x15.rlfabric.v1.RunEvent0\x01\x12\x36\n\x07StopRun\x12\x13.rlfabric.v1.RunRef\x1a\x16.rlfabric.v1.RunStatus\x12;\n\x05Scale\x12\x19.rlfabric.v1.ScaleRequest\x1a\x17.rlfabric.v1.ScaleReply\x12\x36\n\x07GetPlan\x12\x13.rlfabric.v1.RunRef\x1a\x16.rlfabric.v1.PlanReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNSTATUS_LATESTENTRY']._serialized_options = b'8\001'
   _globals['_METRICROW_VALUESENTRY']._loaded_options = None
   _globals['_METRICROW_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=2113
-  _globals['_RUNSTATE']._serialized_end=2216
+  _globals['_RUNSTATE']._serialized_start=2390
+  _globals['_RUNSTATE']._serialized_end=2493
   _globals['_REGISTERWORKERREQUEST']._serialized_start=73
   _globals['_REGISTERWORKERREQUEST']._serialized_end=308
   _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_start=263
@@ -61,27 +61,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNREF']._serialized_start=920
   _globals['_RUNREF']._serialized_end=944
   _globals['_RUNSTATUS']._serialized_start=947
-  _globals['_RUNSTATUS']._serialized_end=1239
-  _globals['_RUNSTATUS_LATESTENTRY']._serialized_start=1194
-  _globals['_RUNSTATUS_LATESTENTRY']._serialized_end=1239
-  _globals['_LISTRUNSREPLY']._serialized_start=1241
-  _globals['_LISTRUNSREPLY']._serialized_end=1294
-  _globals['_METRICROW']._serialized_start=1297
-  _globals['_METRICROW']._serialized_end=1490
-  _globals['_METRICROW_VALUESENTRY']._serialized_start=1445
-  _globals['_METRICROW_VALUESENTRY']._serialized_end=1490
-  _globals['_LOGEVENT']._serialized_start=1492
-  _globals['_LOGEVENT']._serialized_end=1548
-  _globals['_RUNEVENT']._serialized_start=1551
-  _globals['_RUNEVENT']._serialized_end=1693
-  _globals['_SCALEREQUEST']._serialized_start=1695
-  _globals['_SCALEREQUEST']._serialized_end=1788
-  _globals['_SCALEREPLY']._serialized_start=1790
-  _globals['_SCALEREPLY']._serialized_end=1899
-  _globals['_PLANROW']._serialized_start=1901
-  _globals['_PLANROW']._serialized_end=2022
-  _globals['_PLANREPLY']._serialized_start=2024
-  _globals['_PLANREPLY']._serialized_end=2111
-  _globals['_COORDINATOR']._serialized_start=2219
-  _globals['_COORDINATOR']._serialized_end=2951
+  _globals['_RUNSTATUS']._serialized_end=1259
+  _globals['_RUNSTATUS_LATESTENTRY']._serialized_start=1214
+  _globals['_RUNSTATUS_LATESTENTRY']._serialized_end=1259
+  _globals['_LISTRUNSREPLY']._serialized_start=1261
+  _globals['_LISTRUNSREPLY']._serialized_end=1314
+  _globals['_METRICROW']._serialized_start=1317
+  _globals['_METRICROW']._serialized_end=1510
+  _globals['_METRICROW_VALUESENTRY']._serialized_start=1465
+  _globals['_METRICROW_VALUESENTRY']._serialized_end=1510
+  _globals['_LOGEVENT']._serialized_start=1512
+  _globals['_LOGEVENT']._serialized_end=1568
+  _globals['_RECOVERYEVENT']._serialized_start=1571
+  _globals['_RECOVERYEVENT']._serialized_end=1777
+  _globals['_RUNEVENT']._serialized_start=1780
+  _globals['_RUNEVENT']._serialized_end=1970
+  _globals['_SCALEREQUEST']._serialized_start=1972
+  _globals['_SCALEREQUEST']._serialized_end=2065
+  _globals['_SCALEREPLY']._serialized_start=2067
+  _globals['_SCALEREPLY']._serialized_end=2176
+  _globals['_PLANROW']._serialized_start=2178
+  _globals['_PLANROW']._serialized_end=2299
+  _globals['_PLANREPLY']._serialized_start=2301
+  _globals['_PLANREPLY']._serialized_end=2388
+  _globals['_COORDINATOR']._serialized_start=2496
+  _globals['_COORDINATOR']._serialized_end=3228
 # @@protoc_insertion_point(module_scope)

@@ -123,7 +123,7 @@ class RunRef(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "reason", "bad_input", "run_dir", "env_steps", "weight_version", "iteration", "latest", "mode")
+    __slots__ = ("run_id", "state", "reason", "bad_input", "run_dir", "env_steps", "weight_version", "iteration", "latest", "mode", "recoveries")
     class LatestEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class RunStatus(_message.Message):
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     reason: str
@@ -151,7 +152,8 @@ class RunStatus(_message.Message):
     iteration: int
     latest: _containers.ScalarMap[str, float]
     mode: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., reason: _Optional[str] = ..., bad_input: _Optional[bool] = ..., run_dir: _Optional[str] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., iteration: _Optional[int] = ..., latest: _Optional[_Mapping[str, float]] = ..., mode: _Optional[str] = ...) -> None: ...
+    recoveries: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., reason: _Optional[str] = ..., bad_input: _Optional[bool] = ..., run_dir: _Optional[str] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., iteration: _Optional[int] = ..., latest: _Optional[_Mapping[str, float]] = ..., mode: _Optional[str] = ..., recoveries: _Optional[int] = ...) -> None: ...
 
 class ListRunsReply(_message.Message):
     __slots__ = ("runs",)
@@ -190,15 +192,41 @@ class LogEvent(_message.Message):
     time: float
     def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
+class RecoveryEvent(_message.Message):
+    __slots__ = ("attempt", "role", "worker_id", "cause", "discarded", "resumed_from", "resumed_at_iteration", "weight_version", "seconds", "time")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AT_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    role: str
+    worker_id: str
+    cause: str
+    discarded: str
+    resumed_from: str
+    resumed_at_iteration: int
+    weight_version: int
+    seconds: float
+    time: float
+    def __init__(self, attempt: _Optional[int] = ..., role: _Optional[str] = ..., worker_id: _Optional[str] = ..., cause: _Optional[str] = ..., discarded: _Optional[str] = ..., resumed_from: _Optional[str] = ..., resumed_at_iteration: _Optional[int] = ..., weight_version: _Optional[int] = ..., seconds: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...
+
 class RunEvent(_message.Message):
-    __slots__ = ("metrics", "log", "status")
+    __slots__ = ("metrics", "log", "status", "recovery")
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     metrics: MetricRow
     log: LogEvent
     status: RunStatus
-    def __init__(self, metrics: _Optional[_Union[MetricRow, _Mapping]] = ..., log: _Optional[_Union[LogEvent, _Mapping]] = ..., status: _Optional[_Union[RunStatus, _Mapping]] = ...) -> None: ...
+    recovery: RecoveryEvent
+    def __init__(self, metrics: _Optional[_Union[MetricRow, _Mapping]] = ..., log: _Optional[_Union[LogEvent, _Mapping]] = ..., status: _Optional[_Union[RunStatus, _Mapping]] = ..., recovery: _Optional[_Union[RecoveryEvent, _Mapping]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("run_id", "role", "delta", "count", "timeout_s")

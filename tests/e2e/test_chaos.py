@@ -1,0 +1,71 @@
+"""Chaos: SIGKILL one service of a live run, whatever its role, and the run still reaches the CartPole threshold.
+
+The stack restarts the dead process (its restart policy), the coordinator re-places the run on live workers and
+resumes it from the learner's newest state inside the same run id; the loss is a RecoveryEvent on WatchRun and a
+row of recoveries.csv that says what was discarded."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import time
+
+import pytest
+
+from services.core.config import RunConfig
+from services.core.proto.rlfabric.v1 import coordinator_pb2
+
+THRESHOLD = 475.0
+
+
+def cartpole(**scheduling) -> RunConfig:
+    """examples/cartpole_ppo.yaml's hyper-parameters, disaggregated so every role is a process of its own."""
+    return RunConfig.model_validate({
+        "name": "chaos", "seed": 0, "env": {"id": "CartPole-v1", "num_envs": 8, "eval_envs": 10},
+        "policy": {"hidden_sizes": [64, 64], "activation": "tanh"},
+        "algorithm": {"name": "ppo", "n_steps": 32, "batch_size": 256, "n_epochs": 20, "gamma": 0.98,
+                      "gae_lambda": 0.8, "learning_rate": 0.001, "lr_schedule": "linear", "clip_range": 0.2,
+                      "clip_schedule": "linear", "ent_coef": 0.0},
+        "train": {"total_env_steps": 100_000, "eval_every_iterations": 10, "eval_episodes": 10,
+                  "stop_at_eval_return": THRESHOLD},
+        "checkpoint": {"every_iterations": 5},
+        "scheduling": {"mode": "disaggregated", **scheduling},
+        "data_plane": {"timeout_s": 10},
+        "runtime": {"worker_wait_s": 60},
+    })
+
+
+def wait_steps(client, run_id: str, steps: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (status := client.status(run_id)).env_steps < steps:
+        assert status.state in (coordinator_pb2.PENDING, coordinator_pb2.RUNNING), status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["env", "rollout", "replay", "learner"])
+def test_a_run_survives_a_sigkill_of_any_role_and_reaches_the_threshold(private_stack, role):
+    stack, client = private_stack, private_stack.client
+    stack.supervise(max_restarts=3, backoff_s=0.5)
+    status = client.submit(cartpole())
+    wait_steps(client, status.run_id, 6000)  # past the first periodic checkpoint (iteration 5: 1,280 steps)
+    victim = stack.procs[role].pid
+    os.kill(victim, signal.SIGKILL)
+    events = list(client.watch(status.run_id))
+    final = client.status(status.run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+    assert f"reached eval return >= {THRESHOLD:g}" in final.reason
+    assert stack.procs[role].pid != victim and stack.restarts == {role: 1}
+    recoveries = [e.recovery for e in events if e.HasField("recovery")]
+    assert final.recoveries == 1 and len(recoveries) == 1, recoveries
+    event = recoveries[0]
+    assert event.role == role and event.cause and event.discarded
+    assert event.resumed_from and event.resumed_at_iteration > 0  # not from scratch
+    rows = list(csv.DictReader(open(os.path.join(final.run_dir, "recoveries.csv"))))
+    assert [r["role"] for r in rows] == [role] and rows[0]["discarded"] == event.discarded
+    metrics = list(csv.DictReader(open(os.path.join(final.run_dir, "metrics.csv"))))
+    versions = [int(r["weight_version"]) for r in metrics]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)  # continued, never went back
+    assert float(metrics[-1]["eval_return_mean"]) >= THRESHOLD
