@@ -77,8 +77,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await asyncio.sleep(0.2)
             for worker in self.registry.reap():
                 log.warning("worker missed heartbeats", extra={"worker_id": worker.worker_id})
-                self._worker_lost(worker, f"stopped sending heartbeats for {self.registry.heartbeat_timeout_s:.1f}s "
-                                          f"(crashed or unreachable)")
+                try:
+                    self._worker_lost(worker, f"stopped sending heartbeats for "
+                                              f"{self.registry.heartbeat_timeout_s:.1f}s (crashed or unreachable)")
+                except Exception:  # noqa: BLE001 — the reaper must outlive any one run's bookkeeping
+                    log.exception("handling the loss of %s failed", worker.worker_id)
 
     def _worker_lost(self, worker, why: str) -> None:
         run = self.runs.get(worker.run_id)
@@ -182,9 +185,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         loss: Loss | None = None
         while True:
             run.lost = []
-            run.attempt = asyncio.create_task(self._attempt(run, resume, loss))
+            run.attempt = attempt = asyncio.create_task(self._attempt(run, resume, loss))
             try:
-                outcome = await run.attempt
+                outcome = await attempt
+                break
+            except asyncio.CancelledError:  # a forced stop or a shutdown: the attempt said why, if it could
+                outcome = (coordinator_pb2.STOPPED, "stopped by force (no iteration boundary in time); in-flight "
+                           "work was discarded; resume continues from the last periodic checkpoint", False)
                 break
             except WorkerLost as exc:
                 loss = exc.loss
@@ -229,9 +236,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             outcome = (coordinator_pb2.SUCCEEDED, await loop.fit(), False)
         except RunFailed as exc:
             outcome = (coordinator_pb2.FAILED, exc.reason, exc.bad_input)
-            if not exc.bad_input:  # a failed call may be a dead worker's doing: probe every placed one
-                lost = run.lost or (await unreachable([s for ss in loop.plan.pools.values() for s in ss])
-                                    if loop is not None else [])
+            if not exc.bad_input and loop is not None:  # a failed call may be a dead worker's doing: probe
+                if not run.lost:
+                    run.lost.extend(await unreachable([s for ss in loop.plan.pools.values() for s in ss]))
+                lost = run.lost
         except StopRequested:
             outcome = (coordinator_pb2.STOPPED, "stopped by request at an iteration boundary", False)
             try:
@@ -250,7 +258,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             log.exception("run %s crashed", run.run_id)
             outcome = (coordinator_pb2.FAILED, f"coordinator error: {exc.__class__.__name__}: {exc}", False)
         if lost:
-            loss = Loss(list(lost), run.iteration)
+            run.attempt = None  # more losses from here on join this one instead of cancelling the recovery
+            loss = Loss(lost, run.iteration)
             if loop is not None and loop.runlog is not None and "learner" not in loss.roles:
                 try:  # the surviving learner's newest state: the next attempt loses only in-flight work
                     await asyncio.wait_for(loop.save_checkpoint(), run.config.data_plane.timeout_s + 30)
@@ -258,7 +267,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     run.log(f"no checkpoint before recovering ({exc}); resuming from an older one", level="warning")
         await self._close(run, loop)
         if lost:
-            raise WorkerLost(loss.describe(), loss)
+            raise WorkerLost(loss.describe(), loss)  # (describes every loss, those during the checkpoint too)
         return outcome
 
     @staticmethod

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import signal
 import time
 
 import pytest
+import redis
 
 from services.core.config import RunConfig
 from services.core.proto.rlfabric.v1 import coordinator_pb2
+from tests.support_redis import redis_server  # noqa: F401
 
 THRESHOLD = 475.0
+TERMINAL = (coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED)
 
 
 def cartpole(**scheduling) -> RunConfig:
@@ -69,3 +73,57 @@ def test_a_run_survives_a_sigkill_of_any_role_and_reaches_the_threshold(private_
     versions = [int(r["weight_version"]) for r in metrics]
     assert versions == sorted(versions) and len(set(versions)) == len(versions)  # continued, never went back
     assert float(metrics[-1]["eval_return_mean"]) >= THRESHOLD
+
+
+@pytest.mark.slow
+def test_sac_on_redis_survives_a_sigkill_of_its_replay_service_with_the_window_intact(private_stack,
+                                                                                      redis_server):  # noqa: F811
+    """Off-policy: the replay service dies, Redis keeps the window, and the recovered run samples the same window
+    (nothing acknowledged is lost) and still reaches SAC's Pendulum target."""
+    stack, client = private_stack, private_stack.client
+    stack.supervise(max_restarts=3, backoff_s=0.5)
+    spec = open("examples/pendulum_sac.yaml").read()
+    status = client.submit(spec, ["replay.store=redis", f"replay.redis_url={redis_server}",
+                                  "checkpoint.every_iterations=5", "scheduling.mode=disaggregated",
+                                  "train.total_env_steps=15000", "data_plane.timeout_s=10"])
+    wait_steps(client, status.run_id, 2500)  # past learning_starts: the learner samples the window
+    store = redis.Redis.from_url(redis_server)
+    os.kill(stack.procs["replay"].pid, signal.SIGKILL)
+    window = int(store.hget(f"rlfabric:{status.run_id}:stats", "transitions"))
+    events = list(client.watch(status.run_id))
+    final = client.status(status.run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+    assert "reached eval return >= -300" in final.reason
+    [event] = [e.recovery for e in events if e.HasField("recovery")]
+    assert event.role == "replay" and "nothing from replay" in event.discarded
+    kept = [e.log.message for e in events if e.HasField("log") and "transitions in the replay window" in e.log.message]
+    assert kept and int(kept[0].split()[1]) >= window, (kept, window)  # the window the dead replay had, or more
+
+
+@pytest.mark.slow
+def test_soak_a_random_service_killed_every_few_seconds_and_the_run_still_finishes(private_stack):
+    """For a minute of training (a fixed 80k-step run, no early stop), a random service (env, rollout, replay or
+    learner) is SIGKILLed every 3 s; the run recovers from each loss, finishes, and its final evaluation is at the
+    threshold."""
+    stack, client = private_stack, private_stack.client
+    stack.supervise(max_restarts=20, backoff_s=0.2, max_backoff_s=1.0)
+    status = client.submit(cartpole(), ["runtime.max_recoveries=40", "train.stop_at_eval_return=null",
+                                        "train.total_env_steps=80000"])
+    rng = random.Random(0)
+    kills: list[str] = []
+    start = time.monotonic()
+    wait_steps(client, status.run_id, 1000)
+    while time.monotonic() - start < 60 and client.status(status.run_id).state not in TERMINAL:
+        time.sleep(3.0)
+        role = rng.choice(["env", "rollout", "replay", "learner"])
+        proc = stack.procs[role]
+        if proc.poll() is None and client.status(status.run_id).state not in TERMINAL:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills.append(role)
+    final = client.wait(status.run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, (final.reason, kills)
+    assert len(kills) >= 10 and final.recoveries >= 10, (kills, final.recoveries)
+    rows = list(csv.DictReader(open(os.path.join(final.run_dir, "recoveries.csv"))))
+    assert len(rows) == final.recoveries and {role for r in rows for role in r["role"].split(",")} <= set(kills)
+    metrics = list(csv.DictReader(open(os.path.join(final.run_dir, "metrics.csv"))))
+    assert int(metrics[-1]["env_steps"]) >= 80_000 and float(metrics[-1]["eval_return_mean"]) >= THRESHOLD
