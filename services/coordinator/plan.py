@@ -22,7 +22,7 @@ import grpc
 
 from services.coordinator.registry import Worker
 from services.coordinator.run import Run, RunFailed
-from services.coordinator.stages import Stage, rpc
+from services.coordinator.stages import Stage, healthy, rpc
 from services.core.config import RunConfig, SchedulingConfig
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
@@ -139,6 +139,19 @@ class PlanExecutor:
         return self.pools[role][0]
 
     async def close(self) -> None:
+        """End this placement: scale changes still queued fail (their joiners go back to the registry), and the
+        stages' channels close."""
+        for change in self.changes:
+            if isinstance(change, ScaleChange):
+                for worker in change.joiners:
+                    if self.release is not None:
+                        self.release(worker)
+                if not change.done.done():
+                    change.done.set_exception(RunFailed(
+                        f"scaling {change.role} to {change.target} did not apply: the run ended or re-placed itself "
+                        f"first (ask again if it goes on)"))
+                    change.done.exception()  # retrieved here: the Scale call may have stopped waiting
+        self.changes = []
         for stages in self.pools.values():
             for s in stages:
                 await s.channel.close()
@@ -318,9 +331,31 @@ class PlanExecutor:
             if self.acquire is None:
                 raise RunFailed("this coordinator cannot acquire workers for a run")
             joiners = await self.acquire(role, target - current, timeout_s)
+            await self._probe(joiners)
         change = ScaleChange(role, target, joiners, asyncio.get_running_loop().create_future())
         self.changes.append(change)
         return change
+
+    async def _probe(self, joiners: list[Worker]) -> None:
+        """A worker joins a live run only if its health check answers SERVING (a registered worker may be dead or
+        fake); otherwise every joiner goes back, the unhealthy ones are never placed again, and the request fails.
+        (A joiner is version-synced when configured: its first batch waits for the run's current weights.)"""
+        stages = [Stage.of(w) for w in joiners]
+        try:
+            answers = await asyncio.gather(*(healthy(s) for s in stages))
+        finally:
+            for s in stages:
+                await s.channel.close()
+        bad = [w for w, ok in zip(joiners, answers, strict=True) if not ok]
+        if bad:
+            for w in bad:
+                w.alive = False
+            for w in joiners:
+                if self.release is not None:
+                    self.release(w)
+            raise RunFailed(f"{', '.join(w.describe() for w in bad)} did not answer its health check, so it was not "
+                            f"placed in the live run (marked dead; it registers again if it lives). Fix: check that "
+                            f"worker, or scale again to take another")
 
     async def apply_changes(self, next_index: int) -> None:
         """Apply queued changes between iterations: joiners are configured (current weights first), leavers were

@@ -136,8 +136,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         run.task = asyncio.create_task(self._execute(run, request.resume))
         return run.status()
 
-    async def _acquire(self, run: Run, counts: dict[str, int], wait_s: float | None = None) -> dict[str, list]:
-        """``counts[role]`` idle workers per role for ``run``, waiting up to ``wait_s`` for them to register."""
+    async def _acquire(self, run: Run, counts: dict[str, int], wait_s: float | None = None,
+                       current=None) -> dict[str, list]:
+        """``counts[role]`` idle workers per role for ``run``, waiting up to ``wait_s`` for them to register. With
+        ``current`` (a check that the placement asking is still the run's), a wait outlived by its placement (the
+        run ended, or re-placed itself after a lost worker) gives back what it took and fails: a Scale request dies
+        with its run and never keeps a worker."""
         wait_s = run.config.runtime.worker_wait_s if wait_s is None else wait_s
         sched = run.config.scheduling
         # stages placed on declared pools run on the workers registered in them (replay goes with the learner)
@@ -153,6 +157,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         if w is None:
                             break
                         workers[role].append(w)
+                if current is not None and not current():
+                    raise RunFailed(f"run {run.run_id} ended or re-placed itself while waiting for "
+                                    f"{', '.join(f'{n} {r}' for r, n in counts.items())} worker(s); nothing was "
+                                    f"placed (ask again if the run goes on)")
                 missing = {r: n - len(workers[r]) for r, n in counts.items() if len(workers[r]) < n}
                 if not missing:
                     return workers
@@ -225,8 +233,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run.set_state(coordinator_pb2.RUNNING, "workers: " + ", ".join(w.worker_id for ws in workers.values()
                                                                              for w in ws))
 
+            attempt = asyncio.current_task()
+
             async def acquire(role: str, n: int, wait_s: float) -> list:
-                return (await self._acquire(run, {role: n}, wait_s))[role]
+                def current() -> bool:
+                    return run.attempt is attempt and not run.finished
+
+                return (await self._acquire(run, {role: n}, wait_s, current))[role]
 
             def release(worker) -> None:
                 worker.run_id = ""

@@ -259,3 +259,61 @@ def test_a_slow_learner_finishes_the_batches_that_ended_streams_delivered(stack,
     rows = _rows(str(tmp_path / "slow"))
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert min(r["update_seconds"] for r in rows[1:]) > 1.0  # each update outlasted the old 1 s grace
+
+
+def test_a_scale_request_dies_with_its_run_and_keeps_no_worker(scaling_stack, tmp_path):
+    """Regression: a Scale still waiting for workers when its run ended took the worker that run freed, and nothing
+    released it; every later run then waited for a rollout worker that never came."""
+    client = scaling_stack.client
+    cfg = short_config(train={"total_env_steps": 64 * 40, "eval_every_iterations": 0})
+    run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id
+    _wait_iteration(client, run_id, 1)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError, match="ended or re-placed itself") as err:
+        client.scale(run_id, "rollout", count=3, timeout_s=60)  # 2 more: only 1 idle, so it waits past the run
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert time.monotonic() - t0 < 30
+    assert STATE_NAMES[client.wait(run_id).state] == "SUCCEEDED"
+    assert all(not w.run_id for w in client.workers())  # nothing kept
+    both = short_config(scheduling={"mode": "disaggregated", "rollout_workers": 2},
+                        train={"total_env_steps": 64 * 4, "eval_every_iterations": 0})
+    later = client.wait(client.submit(both, run_dir=tmp_path / "later").run_id)
+    assert STATE_NAMES[later.state] == "SUCCEEDED", later.reason
+
+
+def test_a_worker_that_does_not_answer_is_not_placed_by_scale(private_stack, tmp_path):
+    """Regression: a registered worker whose control plane is not there (dead, or fake) was placed by Scale and
+    failed the live run. Now it is probed first: the Scale fails naming it, and the run goes on."""
+    import threading
+
+    from services.core.proto.rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from tests.conftest import free_port, grpc_channel
+
+    client = private_stack.client
+    deadline = time.monotonic() + 30
+    while len([w for w in client.workers() if w.alive]) < 4:  # the stack's own first: they register before the fake
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stub = coordinator_pb2_grpc.CoordinatorStub(grpc_channel(private_stack.address))
+    fake = stub.RegisterWorker(coordinator_pb2.RegisterWorkerRequest(
+        role=common_pb2.ROLLOUT, endpoint=common_pb2.Endpoint(grpc=f"127.0.0.1:{free_port()}"), pid=1, host="fake"))
+    done = threading.Event()
+
+    def beat() -> None:  # it keeps its heartbeats up, so only a probe can tell
+        while not done.wait(0.2):
+            stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=fake.worker_id), timeout=5)
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        cfg = short_config(scheduling={"mode": "disaggregated"},
+                           train={"total_env_steps": 64 * 60, "eval_every_iterations": 0})
+        run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id
+        _wait_iteration(client, run_id, 1)
+        with pytest.raises(grpc.RpcError, match="did not answer its health check"):
+            client.scale(run_id, "rollout", delta=+1, timeout_s=30)
+        final = client.wait(run_id)
+        assert STATE_NAMES[final.state] == "SUCCEEDED", final.reason
+        assert final.recoveries == 0
+        assert not [w for w in client.workers() if w.worker_id == fake.worker_id][0].alive
+    finally:
+        done.set()
