@@ -42,10 +42,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         runtime.on_shutdown(self.close)
         runtime.watch("rollout-worker", lambda: self.worker.health() if self.worker is not None else None)
 
-    async def _call(self, context, fut: Future):
-        """Await a worker job, mapping failures to gRPC codes with the worker's own message."""
+    async def _call(self, context, fut: Future, stop: threading.Event | None = None):
+        """Await a worker job, mapping failures to gRPC codes with the worker's own message. A caller that goes away
+        (cancelled, deadline passed) sets ``stop``: the job stops at its next step instead of running on."""
         try:
             return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if stop is not None:
+                stop.set()
+            raise
         except (PeerTimeout, TimeoutError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RemoteError as exc:
@@ -106,7 +111,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
     async def Collect(self, request, context):
         worker = await self._require(context)
-        result = await self._call(context, worker.submit(worker.collect, request.batch_index, request.min_version))
+        stop = threading.Event()
+        result = await self._call(context, worker.submit(worker.collect, request.batch_index, request.min_version,
+                                                         stop), stop)
         BATCHES.inc()
         SERVING.set(worker.version)
         return _reply(result)
@@ -150,7 +157,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         seed = request.seed or worker.config.eval_seed()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        ev = await self._call(context, worker.submit(worker.evaluate, episodes, not request.stochastic, seed))
+        stop = threading.Event()
+        ev = await self._call(context, worker.submit(worker.evaluate, episodes, not request.stochastic, seed, stop),
+                              stop)
         return rollout_pb2.EvaluateReply(episodes=episode_stats(ev.returns), weight_version=worker.version,
                                          returns=ev.returns, successes=ev.successes, seconds=loop.time() - t0)
 
@@ -164,7 +173,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         if not 0 <= request.round_trips <= MAX_PROBE_ROUND_TRIPS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"round_trips must be within "
                                                                   f"[0, {MAX_PROBE_ROUND_TRIPS}], got {request.round_trips}")
-        rtt, size, local = await self._call(context, worker.submit(worker.probe, request.round_trips or 64))
+        stop = threading.Event()
+        rtt, size, local = await self._call(context, worker.submit(worker.probe, request.round_trips or 64, stop),
+                                            stop)
         return rollout_pb2.ProbeReply(round_trip_seconds=rtt, payload_bytes=size, in_process=local)
 
     async def GetState(self, request, context):

@@ -265,11 +265,12 @@ class RolloutWorker:
             i += 1
         return i - first
 
-    def probe(self, round_trips: int) -> tuple[float, int, bool]:
-        rtt, size = self.collector.probe(round_trips)
+    def probe(self, round_trips: int, stop: threading.Event | None = None) -> tuple[float, int, bool]:
+        rtt, size = self.collector.probe(round_trips, stop)
         return rtt, size, self.config.scheduling.env_in_rollout()
 
-    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> Evaluation:
+    def evaluate(self, episodes: int, deterministic: bool, seed: int,
+                 stop: threading.Event | None = None) -> Evaluation:
         """Play ``episodes`` evaluation episodes with the newest published weight version (what a checkpoint taken
         now would hold)."""
         with self._turn():
@@ -280,4 +281,4 @@ class RolloutWorker:
                     raise
                 log.warning("learner unreachable; evaluating the weight version this worker holds (%d)",
                             self.version)
-            return self.collector.evaluate(episodes, deterministic, seed)
+            return self.collector.evaluate(episodes, deterministic, seed, stop)

@@ -115,3 +115,23 @@ def test_admin_calls_that_would_break_a_running_run_are_refused_while_it_owns_th
             time.sleep(1.0)  # the next heartbeat frees the replay
             assert replay.Clear(replay_pb2.ClearRequest(), timeout=10).transitions == 0
             assert "run=" not in title.read_bytes().decode(errors="replace")  # its title no longer names the run
+
+
+def test_a_long_call_whose_caller_went_away_stops_and_frees_the_worker(private_stack, tmp_path):
+    """Regression: Evaluate with a huge episode count kept burning CPU after the caller gave up, and blocked later
+    calls. Now the job stops at its next step once its caller is gone (Collect and Probe stop the same way)."""
+    from services.core.proto.rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+
+    client = private_stack.client
+    final = client.wait(client.submit(short_config(), run_dir=tmp_path / "run").run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+    [rollout] = [w for w in client.workers() if w.role == common_pb2.ROLLOUT]
+    stub = rollout_pb2_grpc.RolloutStub(grpc_channel(rollout.endpoint.grpc))
+    for call, request in (("Evaluate", rollout_pb2.EvaluateRequest(episodes=10_000)),):
+        with pytest.raises(grpc.RpcError) as err:
+            getattr(stub, call)(request, timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        t0 = time.monotonic()
+        reply = stub.Evaluate(rollout_pb2.EvaluateRequest(episodes=2), timeout=20)
+        assert len(reply.returns) == 2
+        assert time.monotonic() - t0 < 5, f"the abandoned {call} still held the worker"

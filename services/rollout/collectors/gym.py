@@ -235,14 +235,17 @@ class GymCollector:
         return out
 
     # -- evaluation ----------------------------------------------------------------------------------------
-    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> Evaluation:
+    def evaluate(self, episodes: int, deterministic: bool, seed: int,
+                 stop: threading.Event | None = None) -> Evaluation:
         """``episodes`` episodes on the eval pool, spread evenly over its envs (no short-episode bias)."""
-        evaluation, _ = play(self.env, self.backend, self.config.env.eval_envs, episodes, seed, deterministic)
+        evaluation, _ = play(self.env, self.backend, self.config.env.eval_envs, episodes, seed, deterministic,
+                             stop=stop)
         return evaluation
 
-    def probe(self, round_trips: int) -> tuple[float, int]:
+    def probe(self, round_trips: int, stop: threading.Event | None = None) -> tuple[float, int]:
         """Median round trip of a message as large as one chunk's step (its observations) to the env and back."""
-        return probe_echo(self.env, TensorBatch({"obs": _copy(_rows(self.obs, slice(0, self.S)))}), round_trips)
+        return probe_echo(self.env, TensorBatch({"obs": _copy(_rows(self.obs, slice(0, self.S)))}), round_trips,
+                          stop)
 
 
 def intervened_transitions(batch: TensorBatch) -> TensorBatch | None:
@@ -260,10 +263,13 @@ def intervened_transitions(batch: TensorBatch) -> TensorBatch | None:
     return out
 
 
-def probe_echo(env: Any, payload: TensorBatch, round_trips: int) -> tuple[float, int]:
+def probe_echo(env: Any, payload: TensorBatch, round_trips: int,
+               stop: threading.Event | None = None) -> tuple[float, int]:
     """(median seconds, bytes) of ``payload`` sent to the env channel and echoed back: the scheduler's IPC probe."""
     times = []
     for _ in range(max(1, round_trips)):
+        if stop is not None and stop.is_set():
+            raise Stopped("probe stopped: its caller went away")
         t0 = time.perf_counter()
         env.request("echo", payload)
         times.append(time.perf_counter() - t0)
@@ -289,7 +295,8 @@ def _patch(nxt: Any, finals: Any, done: np.ndarray) -> None:
 
 
 def play(env: Any, backend: Any, num_envs: int, episodes: int, seed: int, deterministic: bool = True,
-         record: bool = False, random: bool = False) -> tuple[Evaluation, TensorBatch | None]:
+         record: bool = False, random: bool = False,
+         stop: threading.Event | None = None) -> tuple[Evaluation, TensorBatch | None]:
     """The one episode loop of evaluation and data-set collection: ``episodes`` episodes on the "eval" pool of
     an env channel, spread evenly over its ``num_envs`` envs (each plays its quota, then its steps are ignored),
     acting with the backend (or uniformly at random). With ``record``, the transitions of the counted episodes
@@ -303,6 +310,8 @@ def play(env: Any, backend: Any, num_envs: int, episodes: int, seed: int, determ
     steps: list[dict[str, Any]] = []
     open_ids = np.arange(num_envs)  # each env's running episode number (across envs: filled in at the end)
     while any(len(g) < q for g, q in zip(got, quota, strict=True)):
+        if stop is not None and stop.is_set():  # the caller went away (a cancelled Evaluate): stop burning CPU
+            raise Stopped(f"stopped after {sum(map(len, got))} of {episodes} episodes: the caller went away")
         if random:
             raw, env_actions = backend.random_actions(num_envs)
         else:

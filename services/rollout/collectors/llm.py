@@ -166,14 +166,17 @@ class LLMCollector:
         out.env_seconds, out.policy_seconds = env_s, policy_s
         return out
 
-    def evaluate(self, episodes: int, deterministic: bool, seed: int) -> Evaluation:
+    def evaluate(self, episodes: int, deterministic: bool, seed: int,
+                 stop: threading.Event | None = None) -> Evaluation:
         """``episodes`` episodes on the eval pool (greedy when ``deterministic``): rounds of one episode per env."""
         returns: list[float] = []
         for r in range(math.ceil(episodes / self.config.env.eval_envs)):
+            if stop is not None and stop.is_set():  # the caller went away: stop between rounds
+                raise Stopped(f"stopped after {len(returns)} of {episodes} episodes: the caller went away")
             ep, _, _ = self._episodes("eval", None, seed + SEED_STRIDE * r, not deterministic, 1)
             returns += ep.rewards.tolist()
         return Evaluation(returns[:episodes])
 
-    def probe(self, round_trips: int) -> tuple[float, int]:
+    def probe(self, round_trips: int, stop: threading.Event | None = None) -> tuple[float, int]:
         """The echo round trip of a prompt-sized text message."""
-        return probe_echo(self.env, TensorBatch({"obs": Ragged.from_texts(["x" * 64] * self.S)}), round_trips)
+        return probe_echo(self.env, TensorBatch({"obs": Ragged.from_texts(["x" * 64] * self.S)}), round_trips, stop)
