@@ -264,6 +264,17 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     standalone = ("coordinator", "robot_gateway")  # a robot gateway serves its robots with or without a coordinator
     if args.service not in standalone and "--coordinator" not in rest and not os.environ.get("RLFABRIC_COORDINATOR"):
         return _fail(f"serve {args.service} needs --coordinator HOST:PORT (or RLFABRIC_COORDINATOR)", 2)
+    policy = argparse.ArgumentParser(add_help=False)
+    policy.add_argument("--restart", choices=("no", "on-failure"), default="no")
+    policy.add_argument("--max-restarts", type=int, default=5)
+    restart, rest = policy.parse_known_args(rest)
+    if restart.restart == "on-failure":  # this process supervises; the service runs in a child
+        from services.launcher import serve_supervised
+
+        if restart.max_restarts < 0:
+            return _fail("--max-restarts must be >= 0", 2)
+        return serve_supervised([sys.executable, "-m", "services.cli", "serve", args.service, *rest],
+                                restart.max_restarts)
     importlib.import_module(f"services.{args.service}.server").main(rest)
     return 0
 

@@ -217,6 +217,43 @@ def _forkserver_context(torch_threads: int):
     return _forkserver
 
 
+def restart_delay(count: int, backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> float:
+    """The restart policy's back-off before a service's restart number ``count + 1``: backoff_s x 2^count, capped."""
+    return min(max_backoff_s, backoff_s * 2 ** count)
+
+
+def serve_supervised(cmd: list[str], max_restarts: int = 5, backoff_s: float = 1.0,
+                     max_backoff_s: float = 30.0) -> int:
+    """``rlfabric serve ... --restart on-failure``: run ``cmd`` (one service) as a child and start it again when it
+    dies with a non-zero code, after the same back-off as the local stack's, at most ``max_restarts`` times. A
+    SIGTERM/SIGINT goes to the child and ends supervision; the exit code is the child's last."""
+    stopping = threading.Event()
+    child: list[subprocess.Popen] = []
+
+    def forward(signum, _frame) -> None:
+        stopping.set()
+        if child and child[-1].poll() is None:
+            child[-1].send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    restarts = 0
+    while True:
+        child.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+        code = child[-1].wait()
+        if code == 0 or stopping.is_set():
+            return code
+        if restarts >= max_restarts:
+            log.error("service exited with code %s after %d restarts: giving up", code, restarts)
+            return code
+        delay = restart_delay(restarts, backoff_s, max_backoff_s)
+        restarts += 1
+        log.warning("service exited with code %s; restarting it in %.1f s (restart %d of at most %d)", code, delay,
+                    restarts, max_restarts)
+        if stopping.wait(delay):
+            return code
+
+
 def prestart(torch_threads: int = 1) -> None:
     """Start the forkserver's imports now, without waiting for them: a launcher about to start torch services
     calls this before its own remaining work (reading the run spec, starting the other services)."""
@@ -341,7 +378,7 @@ class LocalStack:
                         log.error("service %s exited with code %s and was restarted %d times already: it stays "
                                   "down; see %s", name, proc.returncode, count, self.log_dir / f"{name}.stderr")
                         continue
-                    when = due.setdefault(name, time.monotonic() + min(max_backoff_s, backoff_s * 2 ** count))
+                    when = due.setdefault(name, time.monotonic() + restart_delay(count, backoff_s, max_backoff_s))
                     if time.monotonic() < when or self._stopping.is_set():
                         continue
                     del due[name]

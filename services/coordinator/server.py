@@ -157,6 +157,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         if w is None:
                             break
                         workers[role].append(w)
+                if run.stop_requested.is_set():  # a stopped run stops waiting for workers at once
+                    raise StopRequested()
                 if current is not None and not current():
                     raise RunFailed(f"run {run.run_id} ended or re-placed itself while waiting for "
                                     f"{', '.join(f'{n} {r}' for r, n in counts.items())} worker(s); nothing was "
@@ -255,12 +257,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 lost = run.lost
         except StopRequested:
             outcome = (coordinator_pb2.STOPPED, "stopped by request at an iteration boundary", False)
-            try:
-                reply = await loop.save_checkpoint()
-                outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; checkpoint {reply.uri} "
-                           f"(continue with `rlfabric resume {run.run_dir}`)", False)
-            except RunFailed as exc:
-                outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; no checkpoint on stop: {exc.reason}", False)
+            if loop is None or loop.runlog is None:
+                outcome = (coordinator_pb2.STOPPED, "stopped by request before the run was placed: nothing ran",
+                           False)
+            else:
+                try:
+                    reply = await loop.save_checkpoint()
+                    outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; checkpoint {reply.uri} "
+                               f"(continue with `rlfabric resume {run.run_dir}`)", False)
+                except RunFailed as exc:
+                    outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; no checkpoint on stop: {exc.reason}",
+                               False)
         except asyncio.CancelledError:
             outcome = (coordinator_pb2.STOPPED, "stopped by force (no iteration boundary in time); in-flight "
                        "work was discarded; resume continues from the last periodic checkpoint", False)

@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from services.learner.feeds import UpdateCancelled, feed_for
 from services.learner.ranks import RankGroup, initial_policy, rank_device
 
 log = logging.getLogger(__name__)
+MAX_TRAIN_WAIT_S = 86_400.0  # the longest a Train call may wait for its data (a day)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
@@ -249,6 +251,12 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
     async def Train(self, request, context):
         if self.algo is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
+        if not (math.isfinite(request.timeout_s) and 0 <= request.timeout_s <= MAX_TRAIN_WAIT_S):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be within [0, {MAX_TRAIN_WAIT_S:g}] "
+                                                                  f"(0 = data_plane.timeout_s), got {request.timeout_s}")
+        if request.batch_index < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"batch_index must be >= 0 (the iteration to train), got {request.batch_index}")
         timeout = request.timeout_s or self.config.data_plane.timeout_s
         cancelled = threading.Event()
         try:

@@ -135,3 +135,17 @@ def test_a_long_call_whose_caller_went_away_stops_and_frees_the_worker(private_s
         reply = stub.Evaluate(rollout_pb2.EvaluateRequest(episodes=2), timeout=20)
         assert len(reply.returns) == 2
         assert time.monotonic() - t0 < 5, f"the abandoned {call} still held the worker"
+
+
+def test_stopping_a_run_that_waits_for_workers_is_immediate_and_keeps_none(private_stack, tmp_path):
+    """A run still waiting for workers stops at once (it used to wait out the 60 s stop grace), holding none."""
+    client = private_stack.client
+    cfg = short_config(scheduling={"mode": "disaggregated", "rollout_workers": 2})  # the stack has one rollout
+    run_id = client.submit(cfg, run_dir=tmp_path / "run").run_id
+    time.sleep(0.5)
+    assert client.status(run_id).state == coordinator_pb2.PENDING
+    t0 = time.monotonic()
+    final = client.stop(run_id)
+    assert time.monotonic() - t0 < 5
+    assert final.state == coordinator_pb2.STOPPED and "before the run was placed" in final.reason
+    assert all(not w.run_id for w in client.workers())

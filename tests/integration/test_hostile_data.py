@@ -4,22 +4,16 @@ afterwards succeeds."""
 
 from __future__ import annotations
 
-import json
-
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.core import auth
 from services.core.proto.rlfabric.v1 import (
-    common_pb2,
     coordinator_pb2,
-    env_pb2_grpc,
-    learner_pb2_grpc,
-    replay_pb2_grpc,
 )
 from services.core.runtime import ROLE_NAMES
 from tests.conftest import grpc_channel, metrics_text, short_config
-from tests.hostile import CORPUS
+from tests.hostile import CORPUS, data_ports
 
 
 def _attack(endpoint: str) -> int:
@@ -43,19 +37,7 @@ def _attack(endpoint: str) -> int:
 
 def test_hostile_messages_leave_every_service_serving_and_a_run_succeeds(stack, tmp_path):
     workers = {ROLE_NAMES[w.role]: w for w in stack.client.workers() if w.alive}
-    # the learner's weight port exists once it is configured for a run
-    cfg = short_config()
-    req = dict(run_id="t-hostile", config_json=cfg.to_json())
-    with grpc_channel(workers["env"].endpoint.grpc) as ch:
-        env_spec = json.loads(env_pb2_grpc.EnvStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
-                              .detail_json)
-    with grpc_channel(workers["replay"].endpoint.grpc) as ch:
-        replay = replay_pb2_grpc.ReplayStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
-    with grpc_channel(workers["learner"].endpoint.grpc) as ch:
-        learner = learner_pb2_grpc.LearnerStub(ch).Configure(common_pb2.ConfigureRequest(
-            **req, peers={"replay": replay.data_endpoint},
-            context_json=json.dumps({"env_spec": env_spec, "run_dir": str(tmp_path)})), timeout=60)
-    for endpoint in (workers["env"].endpoint.data, replay.data_endpoint, learner.data_endpoint):
+    for endpoint in data_ports(workers, tmp_path).values():
         assert _attack(endpoint) == len(CORPUS)
     for role in ("env", "replay", "learner", "rollout"):
         w = workers[role]

@@ -44,3 +44,35 @@ def test_a_killed_worker_is_restarted_with_back_off_until_its_restarts_run_out(p
     time.sleep(1.0)
     assert stack.procs["env"].pid == second and stack.restarts == {"env": 1}
     assert stack.procs["learner"].poll() is None  # the other workers were never touched
+
+
+def test_serve_restart_on_failure_brings_a_killed_service_back(private_stack, tmp_path):
+    """`rlfabric serve ROLE --restart on-failure` (a per-host deployment): the service runs in a child; SIGKILLed,
+    it comes back after the back-off and registers again; SIGTERM to the supervisor stops both."""
+    import subprocess
+    import sys
+
+    client = private_stack.client
+    before = {w.pid for w in client.workers()}
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "env", "--coordinator", private_stack.address,
+         "--restart", "on-failure", "--max-restarts", "2"], env={**os.environ, "RLFABRIC_TOKEN": private_stack.token},
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "wb"))
+    try:
+        def new_env_pid() -> int | None:
+            """an env worker of the supervised service is registered and alive"""
+            pids = [w.pid for w in client.workers() if w.alive and w.role == common_pb2.ENV and w.pid not in before]
+            return pids[0] if pids else None
+
+        first = wait_for(new_env_pid)
+        assert first != supervisor.pid  # the service is the supervisor's child
+        os.kill(first, signal.SIGKILL)
+        before.add(first)
+        second = wait_for(new_env_pid)
+        assert second != first and supervisor.poll() is None
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=30) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        wait_for(lambda: not Path(f"/proc/{second}").exists() or None)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
