@@ -365,12 +365,13 @@ class LocalStack:
     def supervise(self, max_restarts: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
         """Restart a worker process that dies (restart policy on-failure), after backoff_s x 2^k (capped) for its
         k-th restart, at most ``max_restarts`` times; then it stays down and ``dead()`` names it. A restarted worker
-        registers with the coordinator again as a new worker. The coordinator itself is not restarted here."""
+        registers with the coordinator again as a new worker; a restarted coordinator serves on its old address,
+        workers register with it again, and it takes up the runs it held (services/coordinator/runindex.py)."""
         def loop() -> None:
             due: dict[str, float] = {}
             while not self._stopping.wait(0.2):
                 for name, proc in list(self.procs.items()):
-                    if name == "coordinator" or name in self.given_up or proc.poll() is None:
+                    if name in self.given_up or proc.poll() is None:
                         continue
                     count = self.restarts.get(name, 0)
                     if count >= max_restarts:
@@ -386,6 +387,8 @@ class LocalStack:
                     log.warning("service %s exited with code %s; restarting it (restart %d of at most %d)", name,
                                 proc.returncode, count + 1, max_restarts)
                     module, args = self.commands[name]
+                    if name == "coordinator":  # on its own address again: workers and clients find it there
+                        args = [*args, "--port", self.address.rsplit(":", 1)[1]]
                     self._spawn(name, module, args)
 
         self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)

@@ -69,9 +69,22 @@ class CoordinatorClient:
     def workers(self) -> list[coordinator_pb2.WorkerStatus]:
         return list(self.stub.ListWorkers(common_pb2.Empty(), timeout=self.timeout_s).workers)
 
-    def watch(self, run_id: str) -> Iterator[coordinator_pb2.RunEvent]:
-        """Every event of the run (history first), until it ends."""
-        yield from self.stub.WatchRun(coordinator_pb2.RunRef(run_id=run_id))
+    def watch(self, run_id: str, reconnect_s: float = 120.0) -> Iterator[coordinator_pb2.RunEvent]:
+        """Every event of the run (history first), until it ends. A coordinator that goes away (restarting) is
+        waited for up to ``reconnect_s`` and watched again: a restarted one takes the run up, and its history
+        starts there."""
+        while True:
+            try:
+                for event in self.stub.WatchRun(coordinator_pb2.RunRef(run_id=run_id)):
+                    yield event
+                    if event.HasField("status") and event.status.state in (
+                            coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED):
+                        return
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or reconnect_s <= 0:
+                    raise
+                self.wait_ready(reconnect_s)
 
     def wait(self, run_id: str) -> coordinator_pb2.RunStatus:
         for _ in self.watch(run_id):

@@ -60,7 +60,10 @@ def discarded(run: Run, loss: Loss) -> str:
     cfg = run.config
     access = cfg.spec.data(cfg.algorithm)
     what = []
-    if cfg.collects:
+    if "coordinator" in loss.roles:
+        what.append("the run's work since its newest checkpoint (the coordinator that had placed the rest died "
+                    "with it)")
+    elif cfg.collects:
         if access.keeps_window:
             what.append(f"the untaken shards of iteration {loss.iteration + 1} ({access.kind} sampling keeps the "
                         f"transitions already in replay)")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -15,9 +17,10 @@ import grpc
 
 from services.coordinator.loop import TrainingLoop
 from services.coordinator.recovery import Loss, unreachable
-from services.coordinator.registry import WorkerRegistry
+from services.coordinator.registry import Worker, WorkerRegistry
 from services.coordinator.run import Run, RunFailed, StopRequested, WorkerLost
-from services.core.config import ConfigError, parse_config
+from services.coordinator.runindex import RunIndex
+from services.core.config import ConfigError, RunConfig, parse_config
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 
@@ -32,8 +35,39 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.registry = WorkerRegistry(heartbeat_interval_s=min(0.5, heartbeat_timeout_s / 4),
                                        heartbeat_timeout_s=heartbeat_timeout_s)
         self.runs: dict[str, Run] = {}
+        self.index = RunIndex(self.runs_root)
+        self.earlier: list[dict] = []  # finished runs a previous coordinator recorded (kept in the index)
         self.reaper = asyncio.get_event_loop().create_task(self._reap())
         runtime.on_shutdown(self.shutdown)
+        self._take_up_recorded_runs()
+
+    # -- the run index: a restarted coordinator takes up the runs it held ----------------------------------
+    def _record(self) -> None:
+        self.index.save(self.earlier + [
+            {"run_id": r.run_id, "run_dir": str(r.run_dir), "config_json": r.config.to_json(),
+             "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries} for r in self.runs.values()])
+
+    def _take_up_recorded_runs(self) -> None:
+        """Runs a previous coordinator held and that had not ended: resumed from their newest checkpoints, inside
+        the same run ids, as a recovery from the coordinator's loss (an event, a row of recoveries.csv)."""
+        me = Worker("coordinator", "coordinator", self.runtime.address, "", "", os.getpid(), socket.gethostname())
+        for rec in self.index.load():
+            if rec["state"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+                self.earlier.append(rec)
+                continue
+            try:
+                config = RunConfig.from_json(rec["config_json"])
+            except (ConfigError, ValueError) as exc:
+                log.error("cannot take up run %s after a restart: its recorded config does not validate (%s)",
+                          rec["run_id"], exc)
+                continue
+            run = Run(rec["run_id"], config, Path(rec["run_dir"]))
+            run.recoveries = int(rec.get("recoveries", 0))
+            self.runs[run.run_id] = run
+            loss = Loss([(me, "restarted: the coordinator that held the run died or was stopped")], -1)
+            run.task = asyncio.get_event_loop().create_task(self._execute(run, "if_any", loss))
+            log.warning("taking up run %s after a coordinator restart", run.run_id)
+        self._record()
 
     # -- registry ------------------------------------------------------------------------------------------
     async def RegisterWorker(self, request, context):
@@ -134,6 +168,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         run = Run(run_id, config, run_dir)
         self.runs[run_id] = run
         run.task = asyncio.create_task(self._execute(run, request.resume))
+        await asyncio.to_thread(self._record)
         return run.status()
 
     async def _acquire(self, run: Run, counts: dict[str, int], wait_s: float | None = None,
@@ -188,11 +223,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         env_workers = s.env_workers if (s.mode == "auto" or not s.env_in_rollout()) else 1
         return {"env": env_workers, "replay": 1, "learner": 1, "rollout": s.rollout_workers}
 
-    async def _execute(self, run: Run, resume: bool = False) -> None:
+    async def _execute(self, run: Run, resume: bool | str = False, loss: Loss | None = None) -> None:
         """Run the workflow, recovering from lost workers (recovery.py) at most runtime.max_recoveries times. The
         terminal state is published only after artefacts are written and workers freed, so anyone who sees
         SUCCEEDED can read curve.png and the checkpoint."""
-        loss: Loss | None = None
         while True:
             run.lost = []
             run.attempt = attempt = asyncio.create_task(self._attempt(run, resume, loss))
@@ -220,8 +254,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         f"re-placing the run on live workers and resuming from the newest checkpoint",
                         level="warning")
                 resume = "if_any"
+                self._record()
         self.registry.release(run.run_id)
         run.set_state(*outcome)
+        self._record()
         log.info("run finished", extra={"run_id": run.run_id, "state": run.state, "reason": run.reason})
 
     async def _attempt(self, run: Run, resume: bool | str, loss: Loss | None) -> tuple[int, str, bool]:

@@ -49,7 +49,7 @@ def wait_steps(client, run_id: str, steps: int, timeout_s: float = 120.0) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role", ["env", "rollout", "replay", "learner"])
+@pytest.mark.parametrize("role", ["env", "rollout", "replay", "learner", "coordinator"])
 def test_a_run_survives_a_sigkill_of_any_role_and_reaches_the_threshold(private_stack, role):
     stack, client = private_stack, private_stack.client
     stack.supervise(max_restarts=3, backoff_s=0.5)
