@@ -28,6 +28,13 @@ class Worker:
         return f"{self.role} worker {self.worker_id} (pid {self.pid} on {self.host}, {self.grpc})"
 
 
+MAX_WORKERS = 4096  # registrations held at once; dead ones make room first
+
+
+class RegistryFull(ValueError):
+    """Every registration slot holds a live worker."""
+
+
 class WorkerRegistry:
     def __init__(self, heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0):
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -44,6 +51,12 @@ class WorkerRegistry:
         # a worker that registers again from the same address replaces its old entry (it restarted)
         for old in [w for w in self.workers.values() if w.grpc == req.endpoint.grpc]:
             del self.workers[old.worker_id]
+        if len(self.workers) >= MAX_WORKERS:  # the dead make room; a registry full of live workers refuses more
+            for dead in [w for w in self.workers.values() if not w.alive and not w.run_id]:
+                del self.workers[dead.worker_id]
+        if len(self.workers) >= MAX_WORKERS:
+            raise RegistryFull(f"{len(self.workers)} workers are registered, the most this coordinator holds; "
+                             f"deregister idle ones first")
         worker = Worker(f"{role}-{next(self._ids)}", role, req.endpoint.grpc, req.endpoint.data,
                         req.endpoint.metrics, req.pid, req.host, dict(req.labels))
         self.workers[worker.worker_id] = worker

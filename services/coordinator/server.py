@@ -17,7 +17,7 @@ import grpc
 
 from services.coordinator.loop import TrainingLoop
 from services.coordinator.recovery import Loss, unreachable
-from services.coordinator.registry import Worker, WorkerRegistry
+from services.coordinator.registry import RegistryFull, Worker, WorkerRegistry
 from services.coordinator.run import Run, RunFailed, StopRequested, WorkerLost
 from services.coordinator.runindex import RunIndex
 from services.core.config import ConfigError, RunConfig, parse_config
@@ -29,8 +29,10 @@ STOP_GRACE_S = 60.0  # a stop waits this long for an iteration boundary before c
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, runtime: ServiceRuntime, runs_root: str, heartbeat_timeout_s: float):
+    def __init__(self, runtime: ServiceRuntime, runs_root: str, heartbeat_timeout_s: float,
+                 max_active_runs: int = 64, max_watchers: int = 256, max_kept_runs: int = 1000):
         self.runtime = runtime
+        self.max_active_runs, self.max_watchers, self.max_kept_runs = max_active_runs, max_watchers, max_kept_runs
         self.runs_root = Path(runs_root)
         self.registry = WorkerRegistry(heartbeat_interval_s=min(0.5, heartbeat_timeout_s / 4),
                                        heartbeat_timeout_s=heartbeat_timeout_s)
@@ -46,6 +48,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.index.save(self.earlier + [
             {"run_id": r.run_id, "run_dir": str(r.run_dir), "config_json": r.config.to_json(),
              "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries} for r in self.runs.values()])
+
+    def _forget_old_runs(self) -> None:
+        """Finished runs beyond --max-kept-runs leave memory, oldest first (their directories stay)."""
+        finished = [r for r in self.runs.values() if r.finished]
+        for run in finished[:max(0, len(finished) - self.max_kept_runs)]:
+            del self.runs[run.run_id]
 
     def _take_up_recorded_runs(self) -> None:
         """Runs a previous coordinator held and that had not ended: resumed from their newest checkpoints, inside
@@ -73,6 +81,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def RegisterWorker(self, request, context):
         try:
             worker = self.registry.register(request)
+        except RegistryFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("worker registered", extra={"worker_id": worker.worker_id, "grpc": worker.grpc})
@@ -165,7 +175,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_dir = self.runs_root / run_id
         if run_id in self.runs and not self.runs[run_id].finished:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"run {run_id} is already running")
+        active = sum(not r.finished for r in self.runs.values())
+        if active >= self.max_active_runs:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{active} runs are waiting or running, the most this coordinator holds "
+                                f"(--max-active-runs). Fix: stop one (rlfabric stop RUN_ID) or wait for one to end")
         run = Run(run_id, config, run_dir)
+        run.set_state(coordinator_pb2.PENDING, "waiting for workers")  # a watcher sees the run from the start
         self.runs[run_id] = run
         run.task = asyncio.create_task(self._execute(run, request.resume))
         await asyncio.to_thread(self._record)
@@ -257,6 +273,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._record()
         self.registry.release(run.run_id)
         run.set_state(*outcome)
+        self._forget_old_runs()
         self._record()
         log.info("run finished", extra={"run_id": run.run_id, "state": run.state, "reason": run.reason})
 
@@ -348,6 +365,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def WatchRun(self, request, context):
         run = await self._run(request, context)
+        if len(run.watchers) >= self.max_watchers:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"run {run.run_id} already has {len(run.watchers)} watchers, the most it serves "
+                                f"(--max-watchers-per-run). Fix: share one stream, or poll GetRun")
         queue: asyncio.Queue = asyncio.Queue()
         history = list(run.history)
         run.watchers.add(queue)
@@ -429,6 +450,9 @@ def _extra(parser) -> None:
     parser.add_argument("--runs-root", default="runs", help="where run directories are created")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
                         help="seconds without a heartbeat before a worker is declared dead")
+    parser.add_argument("--max-active-runs", type=int, default=64, help="runs waiting or running at once")
+    parser.add_argument("--max-watchers-per-run", type=int, default=256, help="WatchRun streams one run serves")
+    parser.add_argument("--max-kept-runs", type=int, default=1000, help="finished runs kept in memory for GetRun")
 
 
 def _warm_up() -> None:
@@ -440,7 +464,8 @@ def _warm_up() -> None:
 
 async def _build(runtime: ServiceRuntime, args) -> None:
     threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
-    service = CoordinatorService(runtime, args.runs_root, args.heartbeat_timeout)
+    service = CoordinatorService(runtime, args.runs_root, args.heartbeat_timeout, args.max_active_runs,
+                                 args.max_watchers_per_run, args.max_kept_runs)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, runtime.server)
 
 

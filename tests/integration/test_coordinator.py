@@ -31,7 +31,8 @@ def test_run_lifecycle_metrics_and_artefacts(stack, tmp_path, mode, staleness):
     status = stack.client.submit(cfg, run_dir=run_dir)
     events = list(stack.client.watch(status.run_id))
     states = [e.status.state for e in events if e.HasField("status")]
-    assert states[0] == coordinator_pb2.RUNNING and states[-1] == coordinator_pb2.SUCCEEDED, events[-1]
+    assert states[:2] == [coordinator_pb2.PENDING, coordinator_pb2.RUNNING], states  # watched from its submission
+    assert states[-1] == coordinator_pb2.SUCCEEDED, events[-1]
     rows = [e.metrics for e in events if e.HasField("metrics")]
     assert [r.iteration for r in rows] == list(range(1, 11))
     assert rows[-1].env_steps == 640 and rows[-1].weight_version == 10
@@ -94,3 +95,48 @@ def test_watch_replays_history_to_late_watchers(stack, tmp_path):
     assert [e.WhichOneof("event") for e in late] == [e.WhichOneof("event") for e in seen]
     assert late[-1].status.state == coordinator_pb2.SUCCEEDED
     assert Path(stack.client.status(status.run_id).run_dir).is_dir()
+
+
+def test_runs_and_watchers_a_coordinator_holds_are_bounded(tmp_path):
+    """A client cannot make a coordinator hold unbounded runs or streams: past --max-active-runs a SubmitRun, past
+    --max-watchers-per-run a WatchRun, is refused with RESOURCE_EXHAUSTED naming the flag and the fix."""
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+    import pytest
+
+    from services.coordinator.client import CoordinatorClient
+    from services.core import auth
+    from tests.conftest import short_config
+
+    port_file = tmp_path / "address"
+    proc = subprocess.Popen([sys.executable, "-m", "services.coordinator.server", "--port-file", str(port_file),
+                             "--runs-root", str(tmp_path), "--max-active-runs", "2", "--max-watchers-per-run", "1"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={k: v for k, v in __import__("os").environ.items() if k != "RLFABRIC_TOKEN"})
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        auth.configure("")
+        client = CoordinatorClient(port_file.read_text().strip())
+        cfg = short_config(runtime={"worker_wait_s": 120})  # no workers: both runs wait
+        first, _ = client.submit(cfg), client.submit(cfg)
+        with pytest.raises(grpc.RpcError, match="max-active-runs") as err:
+            client.submit(cfg)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stream = client.stub.WatchRun(__import__("services.core.proto.rlfabric.v1.coordinator_pb2",
+                                                 fromlist=["RunRef"]).RunRef(run_id=first.run_id))
+        next(stream)  # the first watcher is in
+        with pytest.raises(grpc.RpcError, match="max-watchers-per-run"):
+            next(iter(client.watch(first.run_id, reconnect_s=0)))
+        stream.cancel()
+        client.stop(first.run_id)
+        client.submit(cfg)  # a slot is free again
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

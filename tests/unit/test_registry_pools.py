@@ -25,3 +25,18 @@ def test_pool_placement_prefers_its_pool_then_unpinned_never_another_pool():
     reg.release("run")
     assert {w.worker_id for w in reg.idle("rollout")} == {gpu_a, gpu_b, free}  # no pool asked: any idle one
 
+
+
+def test_registrations_are_bounded_and_the_dead_make_room(monkeypatch):
+    import pytest
+
+    from services.coordinator import registry
+
+    monkeypatch.setattr(registry, "MAX_WORKERS", 3)
+    reg = WorkerRegistry()
+    ids = [_register(reg, port) for port in (1, 2, 3)]
+    with pytest.raises(registry.RegistryFull, match="3 workers are registered"):
+        _register(reg, 4)
+    reg.workers[ids[0]].alive = False  # a dead one (missed heartbeats) gives its slot up
+    _register(reg, 4)
+    assert ids[0] not in reg.workers and len(reg.workers) == 3

@@ -12,7 +12,7 @@ from services.core.proto.rlfabric.v1 import coordinator_pb2
 
 def _watch(run: Run, during_history) -> list[coordinator_pb2.RunEvent]:
     service = CoordinatorService.__new__(CoordinatorService)  # only the run table is needed here
-    service.runs = {run.run_id: run}
+    service.runs, service.max_watchers = {run.run_id: run}, 256
 
     async def main():
         events = []
