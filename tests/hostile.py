@@ -79,13 +79,13 @@ REQUESTS = {  # well-formed but hostile requests: the services' handlers refuse 
 CORPUS = {**MALFORMED, **REQUESTS}
 
 
-def data_ports(workers: dict, run_dir) -> dict[str, str]:
+def data_ports(workers: dict, run_dir, config=None) -> dict[str, str]:
     """The data ports of a live stack's env, replay and learner (the learner's weight port exists once it is
-    configured): each service configured by hand for a short CartPole run, as a coordinator would."""
+    configured): each service configured by hand for a short CartPole run (or ``config``), as a coordinator would."""
     from services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc, learner_pb2_grpc, replay_pb2_grpc
     from tests.conftest import grpc_channel, short_config
 
-    req = dict(run_id="t-hostile", config_json=short_config().to_json())
+    req = dict(run_id="t-hostile", config_json=(config or short_config()).to_json())
     with grpc_channel(workers["env"].endpoint.grpc) as ch:
         env_spec = json.loads(env_pb2_grpc.EnvStub(ch).Configure(common_pb2.ConfigureRequest(**req), timeout=30)
                               .detail_json)

@@ -278,6 +278,11 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             return self._write_checkpoint(key, extra_json, periodic)
 
     def _write_checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
+        try:  # the coordinator's state rides in the checkpoint and is read back on resume: refuse what would not
+            if not isinstance(json.loads(extra_json or "{}"), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            raise ValueError(f"extra_json must be a JSON object (the coordinator's run state): {exc}") from None
         np_state = np.random.get_state()
         weights = self._weights()
         state = {
@@ -306,7 +311,9 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "learner not configured: call Configure")
         try:
             return await self._run(self._checkpoint, request.key, request.extra_json, request.periodic)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:  # the request's own fault (a key outside the store, extra_json not JSON)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint refused: {exc}")
+        except OSError as exc:  # the store's (a full disk, a lost bucket): the run's checkpoint did not happen
             await context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
 
     async def GetState(self, request, context):

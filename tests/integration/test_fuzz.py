@@ -31,6 +31,7 @@ from services.core.proto.rlfabric.v1 import (
     learner_pb2,
     replay_pb2,
     robot_gateway_pb2,
+    robot_gateway_pb2_grpc,
     rollout_pb2,
 )
 from services.core.runtime import ROLE_NAMES
@@ -40,7 +41,7 @@ from tests.robot_support import gateway_process
 
 FUZZ_COUNTS: Counter = Counter()  # "service: grpc" / "service: data" -> inputs tried (printed by conftest)
 CALL_TIMEOUT_S = 1.0
-EXAMPLES = 100  # per service and plane
+EXAMPLES = 80  # per service and plane
 LOOPBACK = ["127.0.0.1:1", "127.0.0.1:9", "localhost:0", "", "tcp://127.0.0.1:1", "not an address", "127.0.0.1:99999"]
 SERVICES = {
     "coordinator": coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"],
@@ -61,6 +62,8 @@ def _strings(name: str, known: list[str]) -> st.SearchStrategy[str]:
     out (no arm library is asked to reach a robot), and the rest mixes known names with odd and long text."""
     if any(k in name for k in ("grpc", "data", "metrics", "endpoint", "gateway", "address", "host")):
         return st.sampled_from(LOOPBACK)
+    if name == "robot_id":  # mostly the connected arm, so calls get past the lookup
+        return st.sampled_from(["arm", "arm", "arm", "", "no-such-arm", "a" * 300])
     if name == "driver":
         return st.sampled_from(["sim", "", "no-such-driver", "../sim"])
     odd = st.sampled_from(["", " ", "..", "../../etc/passwd", "{", "[]", "null", "\x00", "a" * 5000, "é∂ƒ",
@@ -229,9 +232,14 @@ def test_every_port_takes_fuzzed_input_and_a_run_succeeds_afterwards(private_sta
     workers = {ROLE_NAMES[w.role]: w for w in client.workers() if w.alive}
     known = [first.run_id, *(w.worker_id for w in workers.values())]
     with gateway_process(tmp_path / "gateway", stack.token) as gateway:
+        with grpc_channel(gateway) as ch:  # a connected sim arm, so fuzzed calls reach past the robot lookup
+            robot_gateway_pb2_grpc.RobotGatewayStub(ch).Connect(robot_gateway_pb2.ConnectRequest(
+                robot_id="arm", driver="sim", control_hz=100, watchdog_s=0.05), timeout=30)
+        known.append("arm")
         addresses = {"coordinator": stack.address, **{r: w.endpoint.grpc for r, w in workers.items()},
                      "robot_gateway": gateway}
-        for name, endpoint in data_ports(workers, tmp_path).items():  # the data ports, configured for a run
+        # the data ports, configured for a run whose data-plane waits are short (a fuzzed Train waits that long)
+        for name, endpoint in data_ports(workers, tmp_path, short_config(data_plane={"timeout_s": 0.5})).items():
             fuzz_data(name, endpoint)
         for name, address in addresses.items():
             fuzz_grpc(name, address, known)
