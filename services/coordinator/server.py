@@ -45,8 +45,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- the run index: a restarted coordinator takes up the runs it held ----------------------------------
     def _record(self) -> None:
-        self.index.save(self.earlier + [
-            {"run_id": r.run_id, "run_dir": str(r.run_dir), "config_json": r.config.to_json(),
+        self.index.save(self.earlier + [  # a finished run's config is in its run directory; the index needs none
+            {"run_id": r.run_id, "run_dir": str(r.run_dir), "config_json": "" if r.finished else r.config.to_json(),
              "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries} for r in self.runs.values()])
 
     def _forget_old_runs(self) -> None:
