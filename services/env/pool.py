@@ -6,6 +6,7 @@ validates the actions it receives, tracks episode return/length, and reports fin
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from services.env.adapters import adapter
 from services.env.adapters.gymnasium import describe_space, final_observations
 from services.env.chunking import info_rows, step_fields
 
+log = logging.getLogger(__name__)
 MAX_SHARDS = 1024  # (scheduling.rollout_workers' bound): pools are named by worker index, so they are bounded too
 
 
@@ -187,6 +189,14 @@ class EnvPools:
         if pool is None or pool.num_envs != n or pool.num_chunks != chunks:
             if pool is not None:
                 pool.close()
+                del self.pools[name]
+            # the shards partition env.num_envs: shards left by an earlier plan (rollout workers that left) give
+            # way, oldest first, so the envs held never exceed the run's env batch whatever resets name
+            for old in [k for k in self.pools if k.startswith("train")]:
+                if sum(p.num_envs for k, p in self.pools.items() if k.startswith("train")) + n <= limit:
+                    break
+                self.pools.pop(old).close()
+                log.info("closed env shard %s: it left the plan (the shards hold at most %d envs)", old, limit)
             self.pools[name] = pool = self._train_pool(n, chunks)
         return pool
 
@@ -196,9 +206,11 @@ class EnvPools:
         if kind == "echo":  # the scheduler's IPC probe: the same bytes back, no simulation
             return "echo", dict(tensors)
         pool_name = meta.get("pool", "train")
+        shards = min(MAX_SHARDS, self.config.env.num_envs)  # every rollout worker has at least one env
         if not isinstance(pool_name, str) or not (pool_name in ("eval", "train") or (
-                pool_name.startswith("train/") and pool_name[6:].isdigit() and int(pool_name[6:]) < MAX_SHARDS)):
-            raise ValueError(f"meta.pool must be 'eval', 'train' or 'train/<worker index < {MAX_SHARDS}>', got "
+                pool_name.startswith("train/") and pool_name[6:].isdigit() and len(pool_name) <= 10
+                and int(pool_name[6:]) < shards)):
+            raise ValueError(f"meta.pool must be 'eval', 'train' or 'train/<worker index < {shards}>', got "
                              f"{str(pool_name)[:64]!r}")
         if kind == "reset" and pool_name.split("/")[0] == "train":
             pool = self._shard(pool_name, meta)

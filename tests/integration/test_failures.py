@@ -127,6 +127,11 @@ def test_a_long_call_whose_caller_went_away_stops_and_frees_the_worker(private_s
     assert final.state == coordinator_pb2.SUCCEEDED, final.reason
     [rollout] = [w for w in client.workers() if w.role == common_pb2.ROLLOUT]
     stub = rollout_pb2_grpc.RolloutStub(grpc_channel(rollout.endpoint.grpc))
+    for call, request, field in (("Evaluate", rollout_pb2.EvaluateRequest(episodes=2**31 - 1), "episodes"),
+                                 ("Probe", rollout_pb2.ProbeRequest(round_trips=2**31 - 1), "round_trips")):
+        with pytest.raises(grpc.RpcError, match=f"{field} must be within") as err:  # absurd counts: refused
+            getattr(stub, call)(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     for call, request in (("Evaluate", rollout_pb2.EvaluateRequest(episodes=10_000)),):
         with pytest.raises(grpc.RpcError) as err:
             getattr(stub, call)(request, timeout=1.0)

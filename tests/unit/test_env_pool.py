@@ -53,3 +53,28 @@ def test_seeding_is_reproducible_per_env():
     a, b = EnvPool(_env("CartPole-v1"), 3), EnvPool(_env("CartPole-v1"), 3)
     np.testing.assert_array_equal(a.reset(5)[0], b.reset(5)[0])
     assert not np.array_equal(a.reset(5)[0][0], a.reset(5)[0][1])
+
+
+def test_env_shards_are_bounded_by_the_run_env_batch_whatever_resets_name():
+    """Regression: every reset naming a new pool built a new set of envs that was never freed (+100 MB for 2,000
+    names). Shard names are bounded by env.num_envs (each rollout worker has one env at least), and the shards
+    together never hold more envs than the run's batch: shards an earlier plan left give way, oldest first."""
+    from services.core.config import RunConfig
+    from services.env.pool import EnvPools
+
+    pools = EnvPools(RunConfig.model_validate({"env": {"num_envs": 4, "eval_envs": 2}}), build_train=False)
+    refused = 0
+    for i in range(2000):
+        try:
+            pools.handle("reset", {"pool": f"train/{i}", "num_envs": 4, "seed": i}, {})
+        except ValueError:
+            refused += 1
+    assert refused == 2000 - 4
+    held = {name: p.num_envs for name, p in pools.pools.items() if name.startswith("train")}
+    assert sum(held.values()) <= 4, held
+    for w in range(2):  # a plan of two workers, two envs each, after that churn: both shards live side by side
+        pools.handle("reset", {"pool": f"train/{w}", "num_envs": 2, "seed": w}, {})
+    held = {name: p.num_envs for name, p in pools.pools.items() if name.startswith("train")}
+    assert held == {"train/0": 2, "train/1": 2}, held
+    out = pools.handle("step", {"pool": "train/0", "chunk": 0}, {"actions": np.ones(2, np.int64)})
+    assert out[0] == "stepped"
