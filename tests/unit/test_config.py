@@ -112,6 +112,7 @@ def test_a_policy_chosen_by_name_must_serve_the_algorithm():
     ("seed=-1", "seed"),  # numpy refuses a negative seed: the workers failed after the coordinator accepted it
     ("name=" + "n" * 101, "name"),  # the run id, its directory and its object-store keys start with the name
     ("env.kwargs={render_mode: human}", "env.kwargs"),  # a window on a headless env service
+    ("algorithm.ent_coef=.inf", "algorithm.ent_coef"),  # the learner failed with "Unexpected ValueError"
 ])
 def test_specs_that_workers_would_reject_are_refused_at_parse_time_naming_the_field(override, field):
     with pytest.raises(ConfigError) as err:
