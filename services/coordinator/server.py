@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import secrets
@@ -408,6 +409,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if run.finished or loop is None or run.state != coordinator_pb2.RUNNING:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"run {run.run_id} is not running ({coordinator_pb2.RunState.Name(run.state)})")
+        if not (math.isfinite(request.timeout_s) and 0 <= request.timeout_s <= 3600):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be within [0, 3600] seconds "
+                                                                  f"(0 = 60), got {request.timeout_s}")
+        if not (0 <= request.count <= 4096 and -4096 <= request.delta <= 4096):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"count must be within [0, 4096] and delta within "
+                                                                  f"[-4096, 4096], got count={request.count}, "
+                                                                  f"delta={request.delta}")
         role = request.role
         plan = loop.plan
         current = len(plan.pools.get(role, []))

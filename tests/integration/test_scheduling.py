@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.coordinator.client import STATE_NAMES
-from services.core.proto.rlfabric.v1 import common_pb2
+from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 from services.launcher import LocalStack
 from tests.conftest import short_config
 
@@ -110,6 +110,11 @@ def test_scale_errors_are_clear(scaling_stack, tmp_path):
         client.scale(run_id, "learner", delta=1, timeout_s=5)
     with pytest.raises(grpc.RpcError, match="cannot run 9 rollout workers on env.num_envs=4"):
         client.scale(run_id, "rollout", count=9, timeout_s=5)
+    with pytest.raises(grpc.RpcError, match="timeout_s must be within"):
+        client.stub.Scale(coordinator_pb2.ScaleRequest(run_id=run_id, role="rollout", delta=1,
+                                                       timeout_s=float("inf")), timeout=10)
+    with pytest.raises(grpc.RpcError, match="count must be within"):
+        client.stub.Scale(coordinator_pb2.ScaleRequest(run_id=run_id, role="rollout", count=2**31 - 1), timeout=10)
     with pytest.raises(grpc.RpcError, match="missing 2 rollout"):
         client.scale(run_id, "rollout", count=4, timeout_s=1)
     client.stop(run_id)
