@@ -126,8 +126,8 @@ class TrainingLoop:
                                               run.env_steps)
         if self.recovery is not None:
             event = recovery.event(run, self.recovery, recovery.discarded(run, self.recovery), detail, self.start)
+            self.runlog.recovery(event)  # the row first: a count the index holds always has its row
             run.recovered(event)
-            self.runlog.recovery(event)
             run.log(f"recovered from losing {self.recovery.describe()}: discarded {event.discarded}; resumed from "
                     f"{event.resumed_from or 'the start (no checkpoint yet)'} at iteration {self.start} in "
                     f"{event.seconds:.1f}s", level="warning")

@@ -55,6 +55,7 @@ class Run:
         self.attempt: asyncio.Task | None = None  # the placed workflow; a lost worker ends it, and the run recovers
         self.lost: list = []  # [(Worker, why)] since the attempt started
         self.recoveries = 0
+        self.on_recovery = None  # called after each recovery (the coordinator records the count in its run index)
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(
@@ -92,6 +93,8 @@ class Run:
     def recovered(self, event: coordinator_pb2.RecoveryEvent) -> None:
         self.recoveries = event.attempt
         self._emit(coordinator_pb2.RunEvent(recovery=event))
+        if self.on_recovery is not None:
+            self.on_recovery()
 
     def lose(self, worker, why: str) -> None:
         """A worker of this run died or left: end the running attempt (the run then recovers or fails)."""

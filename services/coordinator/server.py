@@ -71,7 +71,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           rec["run_id"], exc)
                 continue
             run = Run(rec["run_id"], config, Path(rec["run_dir"]))
-            run.recoveries = int(rec.get("recoveries", 0))
+            run.recoveries, run.on_recovery = int(rec.get("recoveries", 0)), self._record
             self.runs[run.run_id] = run
             loss = Loss([(me, "restarted: the coordinator that held the run died or was stopped")], -1)
             run.task = asyncio.get_event_loop().create_task(self._execute(run, "if_any", loss))
@@ -182,6 +182,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                 f"{active} runs are waiting or running, the most this coordinator holds "
                                 f"(--max-active-runs). Fix: stop one (rlfabric stop RUN_ID) or wait for one to end")
         run = Run(run_id, config, run_dir)
+        run.on_recovery = self._record
         run.set_state(coordinator_pb2.PENDING, "waiting for workers")  # a watcher sees the run from the start
         self.runs[run_id] = run
         run.task = asyncio.create_task(self._execute(run, request.resume))
@@ -271,7 +272,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         f"re-placing the run on live workers and resuming from the newest checkpoint",
                         level="warning")
                 resume = "if_any"
-                self._record()
         self.registry.release(run.run_id)
         run.set_state(*outcome)
         self._forget_old_runs()

@@ -12,6 +12,7 @@ import random
 import signal
 import time
 
+import grpc
 import pytest
 import redis
 
@@ -40,9 +41,21 @@ def cartpole(**scheduling) -> RunConfig:
     })
 
 
+def status_of(client, run_id: str) -> coordinator_pb2.RunStatus:
+    """GetRun, waiting out a coordinator that is restarting (its address answers again within seconds)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return client.status(run_id)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def wait_steps(client, run_id: str, steps: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while (status := client.status(run_id)).env_steps < steps:
+    while (status := status_of(client, run_id)).env_steps < steps:
         assert status.state in (coordinator_pb2.PENDING, coordinator_pb2.RUNNING), status
         assert time.monotonic() < deadline, status
         time.sleep(0.05)
@@ -102,8 +115,8 @@ def test_sac_on_redis_survives_a_sigkill_of_its_replay_service_with_the_window_i
 
 @pytest.mark.slow
 def test_soak_a_random_service_killed_every_few_seconds_and_the_run_still_finishes(private_stack):
-    """For a minute of training (a fixed 80k-step run, no early stop), a random service (env, rollout, replay or
-    learner) is SIGKILLed every 3 s; the run recovers from each loss, finishes, and its final evaluation is at the
+    """For a minute of training (a fixed 80k-step run, no early stop), a random service (env, rollout, replay,
+    learner or the coordinator itself) is SIGKILLed every 3 s; the run recovers from each loss, finishes, and its final evaluation is at the
     threshold."""
     stack, client = private_stack, private_stack.client
     stack.supervise(max_restarts=20, backoff_s=0.2, max_backoff_s=1.0)
@@ -113,14 +126,16 @@ def test_soak_a_random_service_killed_every_few_seconds_and_the_run_still_finish
     kills: list[str] = []
     start = time.monotonic()
     wait_steps(client, status.run_id, 1000)
-    while time.monotonic() - start < 60 and client.status(status.run_id).state not in TERMINAL:
+    while time.monotonic() - start < 60 and status_of(client, status.run_id).state not in TERMINAL:
         time.sleep(3.0)
-        role = rng.choice(["env", "rollout", "replay", "learner"])
+        role = rng.choice(["env", "rollout", "replay", "learner", "coordinator"])
         proc = stack.procs[role]
-        if proc.poll() is None and client.status(status.run_id).state not in TERMINAL:
+        if proc.poll() is None and status_of(client, status.run_id).state not in TERMINAL:
             os.kill(proc.pid, signal.SIGKILL)
             kills.append(role)
-    final = client.wait(status.run_id)
+    for _ in client.watch(status.run_id):
+        pass
+    final = status_of(client, status.run_id)
     assert final.state == coordinator_pb2.SUCCEEDED, (final.reason, kills)
     assert len(kills) >= 10 and final.recoveries >= 10, (kills, final.recoveries)
     rows = list(csv.DictReader(open(os.path.join(final.run_dir, "recoveries.csv"))))
