@@ -232,7 +232,8 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path | None, stack,
 def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import LocalStack
 
-    stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host)
+    stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host,
+                       take_up_runs=True)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job may inherit SIGINT as ignored
         signal.signal(sig, lambda *_: stop.append(1))

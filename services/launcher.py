@@ -268,10 +268,13 @@ def prestart(torch_threads: int = 1) -> None:
 class LocalStack:
     def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
                  heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
-                 token: str | None = None):
+                 token: str | None = None, take_up_runs: bool = False):
         """``token``: the stack's secret (every port checks it; default: the deployment's RLFABRIC_TOKEN when set,
         so the stack's services reach other services of the deployment such as a robot gateway, else a new one per
-        stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only)."""
+        stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only).
+        ``take_up_runs``: the coordinator's first start takes up runs its runs root records as not ended (``up``
+        does; ``train``/``resume`` run one run of their own). A restarted coordinator always takes up its runs."""
+        self.take_up_runs = take_up_runs
         self.log_dir = Path(log_dir)
         self.runs_root = Path(runs_root)
         self.roles = roles
@@ -322,7 +325,8 @@ class LocalStack:
             prestart(self.torch_threads)
         self._spawn("coordinator", "services.coordinator.server",
                     ["--port-file", str(self.port_file), "--runs-root", str(self.runs_root),
-                     "--heartbeat-timeout", str(self.heartbeat_timeout_s)])
+                     "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+                     "--take-up-runs", "yes" if self.take_up_runs else "no"])
 
     def spawn_workers(self, roles: tuple[str, ...]) -> None:
         """Start workers that register with the coordinator once it is up (they wait for its address file)."""
@@ -387,8 +391,9 @@ class LocalStack:
                     log.warning("service %s exited with code %s; restarting it (restart %d of at most %d)", name,
                                 proc.returncode, count + 1, max_restarts)
                     module, args = self.commands[name]
-                    if name == "coordinator":  # on its own address again: workers and clients find it there
-                        args = [*args, "--port", self.address.rsplit(":", 1)[1]]
+                    if name == "coordinator":  # on its own address again: workers and clients find it there,
+                        # and it takes up the runs it held
+                        args = [*args, "--port", self.address.rsplit(":", 1)[1], "--take-up-runs", "yes"]
                     self._spawn(name, module, args)
 
         self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)

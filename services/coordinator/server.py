@@ -31,7 +31,8 @@ STOP_GRACE_S = 60.0  # a stop waits this long for an iteration boundary before c
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, runtime: ServiceRuntime, runs_root: str, heartbeat_timeout_s: float,
-                 max_active_runs: int = 64, max_watchers: int = 256, max_kept_runs: int = 1000):
+                 max_active_runs: int = 64, max_watchers: int = 256, max_kept_runs: int = 1000,
+                 take_up_runs: bool = True):
         self.runtime = runtime
         self.max_active_runs, self.max_watchers, self.max_kept_runs = max_active_runs, max_watchers, max_kept_runs
         self.runs_root = Path(runs_root)
@@ -42,11 +43,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.earlier: list[dict] = []  # finished runs a previous coordinator recorded (kept in the index)
         self.reaper = asyncio.get_event_loop().create_task(self._reap())
         runtime.on_shutdown(self.shutdown)
-        self._take_up_recorded_runs()
+        self._take_up_recorded_runs(take_up_runs)
 
     # -- the run index: a restarted coordinator takes up the runs it held ----------------------------------
     def _record(self) -> None:
-        self.index.save(self.earlier + [  # a finished run's config is in its run directory; the index needs none
+        self.index.save([rec for rec in self.earlier if rec["run_id"] not in self.runs] + [
+            # (a finished run's config is in its run directory; the index needs none)
             {"run_id": r.run_id, "run_dir": str(r.run_dir), "config_json": "" if r.finished else r.config.to_json(),
              "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries} for r in self.runs.values()])
 
@@ -56,12 +58,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for run in finished[:max(0, len(finished) - self.max_kept_runs)]:
             del self.runs[run.run_id]
 
-    def _take_up_recorded_runs(self) -> None:
+    def _take_up_recorded_runs(self, enabled: bool) -> None:
         """Runs a previous coordinator held and that had not ended: resumed from their newest checkpoints, inside
-        the same run ids, as a recovery from the coordinator's loss (an event, a row of recoveries.csv)."""
+        the same run ids, as a recovery from the coordinator's loss (an event, a row of recoveries.csv). Not
+        ``enabled`` (--take-up-runs no), they stay recorded as they were, for `rlfabric resume` or a later
+        coordinator."""
         me = Worker("coordinator", "coordinator", self.runtime.address, "", "", os.getpid(), socket.gethostname())
         for rec in self.index.load():
-            if rec["state"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if rec["state"] in ("SUCCEEDED", "FAILED", "STOPPED") or not enabled:
                 self.earlier.append(rec)
                 continue
             try:
@@ -461,6 +465,8 @@ def _extra(parser) -> None:
     parser.add_argument("--max-active-runs", type=int, default=64, help="runs waiting or running at once")
     parser.add_argument("--max-watchers-per-run", type=int, default=256, help="WatchRun streams one run serves")
     parser.add_argument("--max-kept-runs", type=int, default=1000, help="finished runs kept in memory for GetRun")
+    parser.add_argument("--take-up-runs", choices=("yes", "no"), default="yes",
+                        help="resume the runs a previous coordinator on this runs root held and had not ended")
 
 
 def _warm_up() -> None:
@@ -473,7 +479,7 @@ def _warm_up() -> None:
 async def _build(runtime: ServiceRuntime, args) -> None:
     threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
     service = CoordinatorService(runtime, args.runs_root, args.heartbeat_timeout, args.max_active_runs,
-                                 args.max_watchers_per_run, args.max_kept_runs)
+                                 args.max_watchers_per_run, args.max_kept_runs, args.take_up_runs == "yes")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, runtime.server)
 
 
