@@ -72,8 +72,11 @@ class RedisServer:
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     log = (self.dir / "redis.log").read_text() if (self.dir / "redis.log").exists() else ""
+                    code = self.proc.poll()
                     self.stop()
-                    raise RuntimeError(f"redis-server on port {self.port} did not start: {log[-2000:]}") from None
+                    why = f"it exited with code {code}" if code is not None else f"no PING answer in {timeout_s:g}s"
+                    raise RuntimeError(f"redis-server on port {self.port} did not start ({why}): {log[-1500:]}") \
+                        from None
                 time.sleep(0.01)
             finally:
                 client.close()
