@@ -125,7 +125,7 @@ class TrainingLoop:
         self.runlog = await asyncio.to_thread(RunLog, run.run_dir, cfg, self.start if self.resume else None,
                                               run.env_steps)
         if self.recovery is not None:
-            event = recovery.event(run, self.recovery, recovery.discarded(run, self.recovery), detail, self.start)
+            event = recovery.event(run, self.recovery, detail, self.start)
             self.runlog.recovery(event)  # the row first: a count the index holds always has its row
             run.recovered(event)
             run.log(f"recovered from losing {self.recovery.describe()}: discarded {event.discarded}; resumed from "

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.coordinator.recovery import unreachable
 from services.coordinator.registry import Worker
 from services.coordinator.run import Run, RunFailed
-from services.coordinator.stages import Stage, healthy, rpc
+from services.coordinator.stages import Stage, rpc
 from services.core.config import RunConfig, SchedulingConfig
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
@@ -342,11 +343,10 @@ class PlanExecutor:
         (A joiner is version-synced when configured: its first batch waits for the run's current weights.)"""
         stages = [Stage.of(w) for w in joiners]
         try:
-            answers = await asyncio.gather(*(healthy(s) for s in stages))
+            bad = [w for w, _ in await unreachable(stages)]
         finally:
             for s in stages:
                 await s.channel.close()
-        bad = [w for w, ok in zip(joiners, answers, strict=True) if not ok]
         if bad:
             for w in bad:
                 w.alive = False

@@ -19,7 +19,6 @@ directory. A run recovers at most ``runtime.max_recoveries`` times; the next los
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +27,6 @@ from services.coordinator.run import Run
 from services.coordinator.stages import Stage, healthy
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 
-log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -81,10 +79,10 @@ def discarded(run: Run, loss: Loss) -> str:
     return "; ".join(what) or "nothing"
 
 
-def event(run: Run, loss: Loss, what: str, detail: dict, start: int) -> coordinator_pb2.RecoveryEvent:
-    worker, why = loss.lost[0]
+def event(run: Run, loss: Loss, detail: dict, start: int) -> coordinator_pb2.RecoveryEvent:
+    """The run's next recovery, once the new attempt resumed (``detail``: the learner's Configure reply)."""
     return coordinator_pb2.RecoveryEvent(
         attempt=run.recoveries + 1, role=",".join(loss.roles), worker_id=",".join(w.worker_id for w, _ in loss.lost),
-        cause=why if len(loss.lost) == 1 else loss.describe(), discarded=what,
+        cause=loss.lost[0][1] if len(loss.lost) == 1 else loss.describe(), discarded=discarded(run, loss),
         resumed_from=detail.get("resumed_from", ""), resumed_at_iteration=start, weight_version=start,
         seconds=time.monotonic() - loss.at, time=time.time())

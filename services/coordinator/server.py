@@ -12,6 +12,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -40,7 +41,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                        heartbeat_timeout_s=heartbeat_timeout_s)
         self.runs: dict[str, Run] = {}
         self.index = RunIndex(self.runs_root)
-        self.earlier: list[dict] = []  # finished runs a previous coordinator recorded (kept in the index)
+        self.earlier: list[dict] = []  # index records this coordinator does not run (finished, or not taken up)
         self.reaper = asyncio.get_event_loop().create_task(self._reap())
         runtime.on_shutdown(self.shutdown)
         self._take_up_recorded_runs(take_up_runs)
@@ -194,7 +195,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return run.status()
 
     async def _acquire(self, run: Run, counts: dict[str, int], wait_s: float | None = None,
-                       current=None) -> dict[str, list]:
+                       current: Callable[[], bool] | None = None) -> dict[str, list]:
         """``counts[role]`` idle workers per role for ``run``, waiting up to ``wait_s`` for them to register. With
         ``current`` (a check that the placement asking is still the run's), a wait outlived by its placement (the
         run ended, or re-placed itself after a lost worker) gives back what it took and fails: a Scale request dies

@@ -192,9 +192,11 @@ class EnvPools:
                 del self.pools[name]
             # the shards partition env.num_envs: shards left by an earlier plan (rollout workers that left) give
             # way, oldest first, so the envs held never exceed the run's env batch whatever resets name
+            held = sum(p.num_envs for k, p in self.pools.items() if k.startswith("train"))
             for old in [k for k in self.pools if k.startswith("train")]:
-                if sum(p.num_envs for k, p in self.pools.items() if k.startswith("train")) + n <= limit:
+                if held + n <= limit:
                     break
+                held -= self.pools[old].num_envs
                 self.pools.pop(old).close()
                 log.info("closed env shard %s: it left the plan (the shards hold at most %d envs)", old, limit)
             self.pools[name] = pool = self._train_pool(n, chunks)

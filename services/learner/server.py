@@ -278,11 +278,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             return self._write_checkpoint(key, extra_json, periodic)
 
     def _write_checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
-        try:  # the coordinator's state rides in the checkpoint and is read back on resume: refuse what would not
-            if not isinstance(json.loads(extra_json or "{}"), dict):
-                raise ValueError("not an object")
+        # the coordinator's state rides in the checkpoint and is read back on resume: refuse what could not be
+        try:
+            extra = json.loads(extra_json or "{}")
         except ValueError as exc:
-            raise ValueError(f"extra_json must be a JSON object (the coordinator's run state): {exc}") from None
+            raise ValueError(f"extra_json is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("extra_json must be a JSON object (the coordinator's run state)")
         np_state = np.random.get_state()
         weights = self._weights()
         state = {

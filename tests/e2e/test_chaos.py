@@ -16,7 +16,6 @@ import grpc
 import pytest
 import redis
 
-from services.core.config import RunConfig
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 from tests.support_redis import redis_server  # noqa: F401
 
@@ -24,21 +23,9 @@ THRESHOLD = 475.0
 TERMINAL = (coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED)
 
 
-def cartpole(**scheduling) -> RunConfig:
-    """examples/cartpole_ppo.yaml's hyper-parameters, disaggregated so every role is a process of its own."""
-    return RunConfig.model_validate({
-        "name": "chaos", "seed": 0, "env": {"id": "CartPole-v1", "num_envs": 8, "eval_envs": 10},
-        "policy": {"hidden_sizes": [64, 64], "activation": "tanh"},
-        "algorithm": {"name": "ppo", "n_steps": 32, "batch_size": 256, "n_epochs": 20, "gamma": 0.98,
-                      "gae_lambda": 0.8, "learning_rate": 0.001, "lr_schedule": "linear", "clip_range": 0.2,
-                      "clip_schedule": "linear", "ent_coef": 0.0},
-        "train": {"total_env_steps": 100_000, "eval_every_iterations": 10, "eval_episodes": 10,
-                  "stop_at_eval_return": THRESHOLD},
-        "checkpoint": {"every_iterations": 5},
-        "scheduling": {"mode": "disaggregated", **scheduling},
-        "data_plane": {"timeout_s": 10},
-        "runtime": {"worker_wait_s": 60},
-    })
+CARTPOLE = "examples/cartpole_ppo.yaml"
+CHAOS = ["checkpoint.every_iterations=5", "scheduling.mode=disaggregated",  # every role a process of its own
+         "data_plane.timeout_s=10", "runtime.worker_wait_s=60"]
 
 
 def status_of(client, run_id: str) -> coordinator_pb2.RunStatus:
@@ -66,7 +53,7 @@ def wait_steps(client, run_id: str, steps: int, timeout_s: float = 120.0) -> Non
 def test_a_run_survives_a_sigkill_of_any_role_and_reaches_the_threshold(private_stack, role):
     stack, client = private_stack, private_stack.client
     stack.supervise(max_restarts=3, backoff_s=0.5)
-    status = client.submit(cartpole())
+    status = client.submit(CARTPOLE, CHAOS)
     wait_steps(client, status.run_id, 6000)  # past the first periodic checkpoint (iteration 5: 1,280 steps)
     victim = stack.procs[role].pid
     os.kill(victim, signal.SIGKILL)
@@ -120,7 +107,7 @@ def test_soak_a_random_service_killed_every_few_seconds_and_the_run_still_finish
     threshold."""
     stack, client = private_stack, private_stack.client
     stack.supervise(max_restarts=20, backoff_s=0.2, max_backoff_s=1.0)
-    status = client.submit(cartpole(), ["runtime.max_recoveries=40", "train.stop_at_eval_return=null",
+    status = client.submit(CARTPOLE, [*CHAOS, "runtime.max_recoveries=40", "train.stop_at_eval_return=null",
                                         "train.total_env_steps=80000"])
     rng = random.Random(0)
     kills: list[str] = []

@@ -4,9 +4,9 @@ infinity, long and odd strings, out-of-range enums, random nesting), in random o
 services are configured; every ZeroMQ data port gets garbage frames and well-formed frames with hostile headers.
 
 What counts: a crash is a call that ends UNKNOWN (an exception the handler did not turn into a status); a hang is a
-service that then fails its health check; an unhealthy service is one whose health check or component gauges say
-so. All three must stay 0, and a run afterwards succeeds. The counts per service are printed at the end of the test
-session (tests/conftest.py)."""
+service that then fails its health check; an unhealthy service is one whose health check, which its component
+watchdogs feed (a dead data-plane loop turns it NOT_SERVING), says so. All three must stay 0, and a run afterwards
+succeeds. The counts per service are printed at the end of the test session (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -205,8 +205,6 @@ def fuzz_data(name: str, endpoint: str) -> None:
         st.lists(st.binary(max_size=256), min_size=1, max_size=5),  # garbage
         st.tuples(header, st.lists(st.binary(max_size=64), max_size=4)).map(  # well-formed but hostile
             lambda hb: [json.dumps(hb[0]).encode(), *hb[1]]))
-    unanswered: list[str] = []
-
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(msg=frames)
@@ -216,7 +214,7 @@ def fuzz_data(name: str, endpoint: str) -> None:
         if sock.poll(5_000):
             sock.recv_multipart()
         else:  # a frame too broken to carry a sequence number may go unanswered; the loop must still serve
-            unanswered.append(repr(msg)[:200])
+            FUZZ_COUNTS[f"{name}: data unanswered"] += 1
 
     try:
         run()
