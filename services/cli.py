@@ -247,10 +247,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                       soft_wrap=True)
         print(address, flush=True)
         while not stop:
-            dead = stack.dead()
-            if dead or stack.procs["coordinator"].poll() is not None:
-                return _fail(f"services exited for good: {dead or {'coordinator': stack.procs['coordinator'].returncode}}"
-                             f"; see {stack.log_dir}", 1)
+            dead = stack.dead()  # supervised: only what exited for good, the coordinator included
+            if dead:
+                return _fail(f"services exited for good: {dead}; see {stack.log_dir}", 1)
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

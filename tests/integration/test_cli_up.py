@@ -74,3 +74,40 @@ def test_a_sigkilled_cli_takes_its_services_with_it(tmp_path):
     while any(subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0 for pid in pids):
         assert time.monotonic() < deadline, "services outlived their SIGKILLed CLI"
         time.sleep(0.2)
+
+
+def test_up_restarts_a_killed_coordinator_on_its_address_and_keeps_serving(tmp_path):
+    """`rlfabric up` supervises its coordinator too: SIGKILLed, it comes back on the same address, the workers
+    register with it again, and `up` goes on serving (it used to exit once the coordinator died)."""
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        address, client = _serving(up, tmp_path)
+        port = address.rsplit(":", 1)[1]
+        [coordinator] = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(
+            f"rlfabric-coordinator grpc=:{port}")]
+        os.kill(coordinator, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the same address answers again, with every worker registered anew
+            assert up.poll() is None, up.stderr.read()[-2000:]
+            assert time.monotonic() < deadline
+            try:
+                if len([w for w in client.workers() if w.alive]) == 4:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        client.close()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
