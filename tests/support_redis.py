@@ -21,17 +21,16 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis
 
-from services.launcher import _die_with_parent
 from tests.conftest import free_port
 
 REDIS_BIN = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else "")
 
 
 class RedisServer:
-    """A redis-server on 127.0.0.1 that can be killed and restarted on the same port and data directory.
-
-    Start it from a thread that outlives it (the test's own): it dies with the thread that started it
-    (PR_SET_PDEATHSIG is per thread), so a server started by a threading.Timer is gone once the timer returns.
+    """A redis-server on 127.0.0.1 that can be killed and restarted on the same port and data directory; its
+    fixture kills it. It is started without a preexec_fn: one makes subprocess fork and run Python in the child,
+    where gRPC's fork handlers (the test process holds gRPC channels) restart a poller thread whose epoll fd
+    close_fds then closes, and the child aborts (SIGABRT, "epoll_wait error: Bad file descriptor") before exec.
     """
 
     def __init__(self, workdir: str | Path, *, appendonly: bool = False, appendfsync: str = "everysec",
@@ -62,7 +61,7 @@ class RedisServer:
                 "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
                 "--logfile", str(self.dir / "redis.log"), *self.extra_args]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5, password=self.password)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -29,9 +29,10 @@ def _serving(up: subprocess.Popen, tmp_path) -> tuple[str, CoordinatorClient]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as a background job
+    # as a background job: SIGINT ignored (set by the shell, not a preexec_fn: see tests/support_redis.py)
+    up = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" -m services.cli up --runs-root "$1"', sys.executable,
+                           str(tmp_path / "runs")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         address, client = _serving(up, tmp_path)
         token_file = tmp_path / "runs" / ".rlfabric" / "token"  # the stack's secret, for its clients only

@@ -21,7 +21,6 @@ from services.core.batch import TensorBatch
 from services.core.config import dump_yaml
 from services.core.dataplane import DataClient, RemoteError
 from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2_grpc
-from services.launcher import _die_with_parent
 from tests.conftest import free_port, short_config
 from tests.support_redis import RedisServer, redis_server  # noqa: F401
 
@@ -36,7 +35,7 @@ class ReplayProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.replay.server", "--port-file", str(port_file),
                  "--log-file", str(self.log)], stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_die_with_parent)
+                env=dict(os.environ, PYTHONUNBUFFERED="1"))  # no preexec_fn: see tests/support_redis.py
         deadline = time.monotonic() + 30
         while not port_file.exists():
             assert self.proc.poll() is None, f"replay exited at start-up; see {workdir / f'{name}.stderr'}"
