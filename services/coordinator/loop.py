@@ -68,6 +68,7 @@ class TrainingLoop:
         self.t0 = time.time()
         self.t_iter = time.perf_counter()
         self.best_eval = -math.inf
+        self.ended_before = False  # resumed from the final checkpoint of a run that had ended
 
     @property
     def decisions(self) -> list[dict]:
@@ -83,6 +84,8 @@ class TrainingLoop:
     async def fit(self) -> str:
         await self.setup()
         n_iters = self.cfg.iterations()
+        if self.resume == "if_any" and (self.ended_before or self.start >= n_iters):
+            return await self.finish_ended(n_iters)
         if self.start >= n_iters:
             raise RunFailed(f"nothing to resume: the checkpoint is at iteration {self.start} of {n_iters}", True)
         reached = False
@@ -101,6 +104,26 @@ class TrainingLoop:
                     raise StopRequested()
         await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
         return self.summary(reached)
+
+    async def finish_ended(self, n_iters: int) -> str:
+        """A recovery (a lost worker, a restarted coordinator) whose newest checkpoint already holds the run's end
+        (its last iteration, or the final checkpoint of a run that reached its target): the loss came between the
+        last update and the run's recorded end. What may be missing is the final evaluation and the final
+        checkpoint; both are made again from the same weights, and the run ends instead of training on."""
+        last = self.runlog.rows[-1] if self.runlog.rows else {}
+        ev = None
+        if self.plan.rollouts and not (int(last.get("iteration", 0)) == self.start and "eval_return_mean" in last):
+            ev = await self.evaluate()
+            row = {"iteration": self.start, "env_steps": self.run.env_steps, "wall_time_s": time.time() - self.t0,
+                   "weight_version": self.start, **self.eval_values(ev)}
+            self.runlog.write(row)
+            self.run.metrics(row)
+        self.run.log(f"the checkpoint already holds the run's end (iteration {self.start} of {n_iters}): "
+                     f"{'evaluated again and ' if ev is not None else ''}finishing the run")
+        await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
+        target = self.cfg.train.stop_at_eval_return
+        mean = ev.episodes.return_mean if ev is not None else last.get("eval_return_mean")
+        return self.summary(target is not None and mean is not None and mean >= target)
 
     async def setup(self) -> None:
         cfg, run, plan = self.cfg, self.run, self.plan
@@ -177,6 +200,7 @@ class TrainingLoop:
         best = extra.get("best_eval")
         self.best_eval = -math.inf if best is None else float(best)
         self.t0 = time.time() - float(extra.get("wall_time_s", 0.0))
+        self.ended_before = bool(extra.get("run_ended", False))
         for reason in detail.get("skipped", []):
             self.run.log(f"skipped checkpoint {reason}; using an older one", level="warning")
         if not detail.get("resumed_from"):
@@ -189,7 +213,7 @@ class TrainingLoop:
     async def save_checkpoint(self, key: str = "", periodic: bool = True) -> learner_pb2.CheckpointReply:
         extra = {"base_version": self.base_version, "recent_returns": list(self.recent_returns),
                  "best_eval": self.best_eval if self.best_eval > -math.inf else None,
-                 "wall_time_s": time.time() - self.t0}
+                 "wall_time_s": time.time() - self.t0, "run_ended": not periodic}
         reply = await rpc(self.plan.stage("learner"), "SaveCheckpoint", learner_pb2.CheckpointRequest(
             key=key, extra_json=json.dumps(extra), periodic=periodic), 120)
         self.run.log(f"checkpoint {reply.uri} ({reply.bytes} bytes, weight version "
@@ -224,6 +248,15 @@ class TrainingLoop:
         target = self.cfg.train.stop_at_eval_return
         return ev is not None and target is not None and ev.episodes.return_mean >= target
 
+    def eval_values(self, ev: rollout_pb2.EvaluateReply) -> dict[str, float]:
+        """An evaluation's columns of a metrics row (and the best evaluation so far follows it)."""
+        self.best_eval = max(self.best_eval, ev.episodes.return_mean)
+        values = {"eval_return_mean": ev.episodes.return_mean, "eval_return_std": ev.episodes.return_std,
+                  "eval_weight_version": ev.weight_version - self.base_version, "eval_seconds": ev.seconds}
+        if ev.successes:
+            values["eval_success_rate"] = sum(ev.successes) / len(ev.successes)
+        return values
+
     def record(self, step: Step, ev: rollout_pb2.EvaluateReply | None) -> IterationRecord:
         shards, t = step.shards, step.train
         for c in shards:
@@ -253,13 +286,7 @@ class TrainingLoop:
             row["train_return_mean"] = sum(self.recent_returns) / len(self.recent_returns)
         row.update(episode_counts(shards))
         if ev is not None:
-            row["eval_return_mean"] = ev.episodes.return_mean
-            row["eval_return_std"] = ev.episodes.return_std
-            row["eval_weight_version"] = ev.weight_version - self.base_version
-            row["eval_seconds"] = ev.seconds
-            if ev.successes:
-                row["eval_success_rate"] = sum(ev.successes) / len(ev.successes)
-            self.best_eval = max(self.best_eval, ev.episodes.return_mean)
+            row.update(self.eval_values(ev))
         self.runlog.write(row)
         self.run.metrics(row)
         record = IterationRecord(

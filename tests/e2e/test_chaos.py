@@ -7,10 +7,12 @@ row of recoveries.csv that says what was discarded."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -129,3 +131,42 @@ def test_soak_a_random_service_killed_every_few_seconds_and_the_run_still_finish
     assert len(rows) == final.recoveries and {role for r in rows for role in r["role"].split(",")} <= set(kills)
     metrics = list(csv.DictReader(open(os.path.join(final.run_dir, "metrics.csv"))))
     assert int(metrics[-1]["env_steps"]) >= 80_000 and float(metrics[-1]["eval_return_mean"]) >= THRESHOLD
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ended_by", ["last iteration", "target"])
+def test_a_coordinator_lost_after_the_run_ended_finishes_it_when_restarted(private_stack, ended_by):
+    """The coordinator dies after the learner saved the run's final checkpoint but before the run's end was
+    recorded (a soak kill once landed there): the restarted coordinator finds the end in the checkpoint (the last
+    iteration, or a target reached early), evaluates again what had not been evaluated, and the run succeeds
+    instead of failing with nothing to resume or training on past its target."""
+    stack, client = private_stack, private_stack.client
+    overrides = (["train.stop_at_eval_return=null", "train.total_env_steps=2560"] if ended_by == "last iteration"
+                 else ["train.stop_at_eval_return=0"])  # any policy's return: reached at the first evaluation
+    status = client.submit(CARTPOLE, [*CHAOS, *overrides])
+    index = Path(stack.runs_root) / ".coordinator" / "runs.json"
+    wait_steps(client, status.run_id, 256)
+    running = index.read_text()  # the index mid-run: the run, its config, not ended
+    assert json.loads(running)["runs"][0]["state"] in ("PENDING", "RUNNING")
+    for _ in client.watch(status.run_id):
+        pass
+    done = client.status(status.run_id)
+    assert done.state == coordinator_pb2.SUCCEEDED, done.reason
+    coordinator = stack.procs["coordinator"]
+    os.kill(coordinator.pid, signal.SIGKILL)
+    coordinator.wait()
+    index.write_text(running)  # its end never recorded
+    metrics_path = Path(done.run_dir) / "metrics.csv"
+    lines = metrics_path.read_text().splitlines(keepends=True)
+    assert lines[-1].startswith("10,")
+    if ended_by == "last iteration":
+        metrics_path.write_text("".join(lines[:-1]))  # nor the final evaluation
+    stack.supervise(max_restarts=1, backoff_s=0.1)
+    events = list(client.watch(status.run_id))
+    final = status_of(client, status.run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED and final.recoveries == 1, final.reason
+    assert done.reason.split(" (")[0] in final.reason  # (the best return may count the evaluation made again)
+    said = [e.log.message for e in events if e.HasField("log") and "already holds the run's end" in e.log.message]
+    assert said and ("evaluated again" in said[0]) == (ended_by == "last iteration"), said
+    metrics = list(csv.DictReader(open(metrics_path)))
+    assert [int(r["iteration"]) for r in metrics] == list(range(1, 11)) and metrics[-1]["eval_return_mean"]
