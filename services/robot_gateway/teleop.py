@@ -7,8 +7,9 @@ robot env reports those steps as intervened, and the rollout files them under re
 
 ``ReachExpert`` is the scripted "expert takes over when the policy drifts" of HG-DAgger experiments: it watches
 each episode from the moment the arm settles at its start pose, takes over once the end effector has made no
-progress toward the goal for ``patience`` ticks, drives it to the goal by damped least squares on the arm's
-kinematics, and hands back when it gets there. ``KeyboardTeleop`` maps keys to the same events.
+progress toward the goal for ``patience`` policy commands, drives it to the goal by damped least squares on the
+arm's kinematics at the policy's pace (one bounded step per policy command), and hands back when it gets there.
+``KeyboardTeleop`` maps keys to the same events.
 """
 
 from __future__ import annotations
@@ -35,16 +36,23 @@ class ReachExpert:
     watching    an episode is running: track the best distance to the goal and the policy's commands since it
                 improved (ticks with no new policy command do not count: the policy is paused, not drifting)
     helping     the expert commands the arm toward the goal; at ``handback_distance`` it hands back
+
+    While helping, the expert moves its target once per policy command (the overridden commands still arrive, one
+    per env step) and repeats it on the ticks between (the gateway's watchdog wants a command per tick): what the
+    learner is taught is then one decision's worth of motion, in the policy's own units and unclipped. Moving on
+    every tick instead, an env step that spans 13 ticks (a loaded 2-core host) taught a move 5x past the action
+    range: every label clipped to +-1, a bang-bang policy that overshot near the goal.
     """
 
     goal: np.ndarray
     start: np.ndarray
     forward_kinematics: Callable[[np.ndarray], np.ndarray]
     start_tolerance: float = 0.05  # rad per joint (plus the env's start noise) that count as "at the start pose"
-    patience: int = 8  # ticks without progress before the expert takes over
+    patience: int = 8  # policy commands without progress before the expert takes over
     progress: float = 0.005  # metres of improvement that count as progress
-    step: float = 0.02  # rad per tick the expert moves a joint target at most (below the env's action_scale, so
-    # the executed action it teaches stays inside the policy's (-1, 1) even when an env step spans two ticks)
+    step: float = 0.04  # rad per policy command the expert moves the joint targets at most (the largest joint move;
+    # the step keeps its direction). Below the env's action_scale, so the executed action it teaches stays inside
+    # the policy's (-1, 1)
     handback_distance: float = 0.06  # a little before the task counts success: the policy must finish
     mode: str = "resetting"
     best: float = float("inf")
@@ -62,7 +70,7 @@ class ReachExpert:
         eps = 1e-4
         J = np.stack([(self.forward_kinematics(q + eps * np.eye(len(q))[j]) - ee) / eps for j in range(len(q))], 1)
         dq = J.T @ np.linalg.solve(J @ J.T + 1e-3 * np.eye(3), self.goal - ee)
-        return q + np.clip(dq, -self.step, self.step)
+        return q + dq * min(1.0, self.step / max(float(np.abs(dq).max()), 1e-12))
 
     def observe(self, state: Any) -> list[tuple[str, np.ndarray | None]]:
         """The events for this tick: ("start" | "command" | "stop", joint target or None)."""
@@ -86,13 +94,14 @@ class ReachExpert:
             if self.stalled < self.patience:
                 return []
             self.mode, self.takeovers = "helping", self.takeovers + 1
-            self.target = np.asarray(state.target, float)
-            self.target = self.toward_goal(self.target)
+            self.target = self.toward_goal(np.asarray(state.target, float))
             return [("start", self.target)]
         if distance <= self.handback_distance:
             self.mode = "resetting"
             return [("stop", None)]
-        self.target = self.toward_goal(np.asarray(state.target, float))
+        if state.policy_seq != self.policy_seq:  # the next decision: one more step from where the arm is led
+            self.policy_seq = state.policy_seq
+            self.target = self.toward_goal(np.asarray(state.target, float))
         return [("command", self.target)]
 
 

@@ -1,7 +1,7 @@
 """HG-DAgger through the robot gateway: PPO's services, a real gateway process (sim driver, 100 Hz), and the
 scripted expert as a teleop client that takes over whenever the policy's commands stop making progress toward the
 goal. The steps the expert commanded reach replay's interventions source, the learner clones them, and the policy
-comes to reach the goal on its own: success without intervention rises from none to about half the episodes, and the
+comes to reach the goal on its own: success without intervention rises from none to most episodes, and the
 expert steps in far less. The intervention metrics are columns of metrics.csv."""
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def test_hg_dagger_raises_success_without_intervention_through_the_gateway(tmp_p
     steps = [float(r["intervened_steps"]) for r in rows]
     assert sum(e.takeovers for e in experts.values()) > 0
     assert alone[0] <= 0.25 and helped[0] >= 0.75, (alone, helped)  # at first the expert does the reaching
-    # over the second half, about half the episodes succeed with no human (per iteration it swings with the real-time
-    # expert's takeovers: one CI run went 0.87, 0.5, 0.6, 0.62, 0.3, 0.37 over iterations 7-12, others 0.56-1.0)
+    # over the second half, most episodes succeed with no human: 0.71, 0.84, 0.85 in three runs (per iteration it
+    # swings with the real-time expert's takeovers, 0.5 to 1.0). Before the expert moved at the policy's pace its
+    # labels were clipped bang-bang moves and this went 0.28 to 0.45
     half = len(rows) // 2
-    assert np.mean(alone[half:]) >= 0.4, alone
-    # ... and the expert steps in far less (per iteration it swings too: one CI run went 195 then 86, 36, 70, 112, 27)
+    assert np.mean(alone[half:]) >= 0.5, alone
+    # ... and the expert steps in far less: a second half of 0.16x, 0.16x, 0.25x the first iteration's steps
     assert np.mean(steps[half:]) < 0.5 * steps[0], steps
