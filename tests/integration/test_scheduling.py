@@ -151,8 +151,11 @@ def test_static_scheduler_picks_the_fastest_measured_plan(stack, tmp_path, workl
     assert len(chosen) == 1 and plan.plan == chosen[0].plan == status.mode
     fastest = min(r.measured_iteration_s for r in table.values())
     assert chosen[0].measured_iteration_s <= 1.10 * fastest, table
-    if workload == "learner-bound":  # overlapping the update with acting is what makes this one fast
-        assert chosen[0].plan in ("hybrid env+rollout|learner", "disaggregated")  # the learner on its own pool
+    if workload == "learner-bound":  # the cost model sees the update dominate: overlapping it with acting pays
+        predicted = min(table.values(), key=lambda r: r.predicted_iteration_s)
+        assert predicted.plan in ("hybrid env+rollout|learner", "disaggregated"), table  # the learner on its own pool
+        # (which plan *measures* fastest is this host's timing, ~20% apart here: one CI run measured collocated
+        # fastest and rightly chose it, so the measured choice is checked above only against the measurements)
     rows = _rows(tmp_path / workload)
     assert [r["iteration"] for r in rows] == list(range(1, 25))  # profiling iterations are training iterations
 
