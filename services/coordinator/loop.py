@@ -111,18 +111,16 @@ class TrainingLoop:
         last update and the run's recorded end. What may be missing is the final evaluation and the final
         checkpoint; both are made again from the same weights, and the run ends instead of training on."""
         last = self.runlog.rows[-1] if self.runlog.rows else {}
-        ev = None
-        if self.plan.rollouts and not (int(last.get("iteration", 0)) == self.start and "eval_return_mean" in last):
-            ev = await self.evaluate()
-            row = {"iteration": self.start, "env_steps": self.run.env_steps, "wall_time_s": time.time() - self.t0,
-                   "weight_version": self.start, **self.eval_values(ev)}
-            self.runlog.write(row)
-            self.run.metrics(row)
+        again = bool(self.plan.rollouts) and not (int(last.get("iteration", 0)) == self.start and "eval_return_mean" in last)
+        if again:
+            last = {"iteration": self.start, "env_steps": self.run.env_steps, "wall_time_s": time.time() - self.t0,
+                    "weight_version": self.start, **self.eval_values(await self.evaluate())}
+            self.runlog.write(last)
+            self.run.metrics(last)
         self.run.log(f"the checkpoint already holds the run's end (iteration {self.start} of {n_iters}): "
-                     f"{'evaluated again and ' if ev is not None else ''}finishing the run")
+                     f"{'evaluated again and ' if again else ''}finishing the run")
         await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
-        target = self.cfg.train.stop_at_eval_return
-        mean = ev.episodes.return_mean if ev is not None else last.get("eval_return_mean")
+        target, mean = self.cfg.train.stop_at_eval_return, last.get("eval_return_mean")
         return self.summary(target is not None and mean is not None and mean >= target)
 
     async def setup(self) -> None:
