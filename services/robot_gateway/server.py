@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -274,19 +275,19 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     async def EStop(self, request, context):
         loop = await self._loop(request.robot_id, context)
         loop.estop(request.reason[:200] or "requested")
-        return state_message(request.robot_id, await self._next_tick(loop))
+        return state_message(request.robot_id, await self._next_tick(loop, time.monotonic()))
 
     async def ClearEStop(self, request, context):
         loop = await self._loop(request.robot_id, context)
         loop.clear()
-        return state_message(request.robot_id, await self._next_tick(loop))
+        return state_message(request.robot_id, await self._next_tick(loop, time.monotonic()))
 
     @staticmethod
-    async def _next_tick(loop: ControlLoop) -> Tick:
-        """The first state after a change (within a few ticks), so a reply shows its effect."""
-        seen = loop.last.tick
+    async def _next_tick(loop: ControlLoop, since: float) -> Tick:
+        """The first state of a tick that began after ``since`` (taken once a change was made), so a reply shows its
+        effect: the next tick to finish may have read the robot's state before the change (it was under way)."""
         for _ in range(100):
-            if loop.last.tick > seen:
+            if loop.last.time > since:
                 break
             await asyncio.sleep(loop.period / 4)
         return loop.last
