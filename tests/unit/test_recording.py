@@ -200,7 +200,10 @@ def test_a_slow_sink_drops_ticks_loudly_and_never_stalls_the_control_loop():
     ticks = [t.tick for t in seen]
     assert ticks == list(range(ticks[0], ticks[0] + len(ticks))) and len(ticks) >= 0.8 * 2.0 * hz
     assert loop.overruns == 0
-    assert max(handover) < 2e-3 and float(np.median(handover)) < 1e-4, (max(handover), np.median(handover))
+    # a handover that waited for the stuck sink would take up to its second on ~100 of these ticks; a rare one of a
+    # few ms is the OS preempting this thread on a loaded 2-core host (one CI run saw a single 6 ms)
+    p99, median = float(np.percentile(handover, 99)), float(np.median(handover))
+    assert p99 < 2e-3 and median < 1e-4, (p99, median, max(handover))
 
 
 def test_stop_writes_an_episode_whose_verdict_came_with_no_later_tick():
