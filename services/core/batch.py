@@ -63,13 +63,53 @@ def segment_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + shift
 
 
+def check_lengths(lengths: np.ndarray, items: int) -> None:
+    """Ragged lengths that describe ``items`` values exactly: integers, none negative, none above ``items``, and
+    adding up to ``items`` without int64 wrap-around ([2^63-1, 2^63-1, 3, 4] adds up to 5 in int64 arithmetic, and
+    its offsets would then point anywhere). A ValueError says which rule failed."""
+    if lengths.dtype.kind not in "iu":
+        raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
+    if not lengths.size:
+        if items:
+            raise ValueError(f"no lengths but {items} items")
+        return
+    low, high = int(lengths.min()), int(lengths.max())  # (Python ints: a uint64 beyond 2^63 stays itself)
+    if low < 0:
+        raise ValueError(f"negative length {low}")
+    if high > items:
+        raise ValueError(f"a length of {high} exceeds the {items} items there are")
+    # sum in chunks whose int64 sums cannot wrap (chunk x high < 2^62), added as Python ints: one chunk unless
+    # the lengths are huge
+    flat, chunk = lengths.reshape(-1), max(1, (1 << 62) // max(high, 1))
+    total = sum(int(flat[i:i + chunk].sum(dtype=np.int64)) for i in range(0, flat.size, chunk))
+    if total != items:
+        raise ValueError(f"lengths add up to {total} but there are {items} items")
+
+
 @dataclass(eq=False)
 class Ragged:
     """Variable-length cells: ``values`` holds every cell's items back to back (``[total, *item_shape]``) and
-    ``lengths`` (int64, one per batch cell, in row-major order of the batch dims) how many belong to each."""
+    ``lengths`` (int64, one per batch cell, in row-major order of the batch dims) how many belong to each.
+    Lengths on the host are checked when made (``check_lengths``); a ValueError names what is wrong."""
 
     values: Any
     lengths: Any
+
+    def __post_init__(self) -> None:
+        lengths = self.lengths
+        if _is_torch(lengths):
+            if lengths.device.type != "cpu":
+                return  # a device copy of host lengths checked when they were made (to_torch makes these)
+            lengths = lengths.detach().numpy()
+        elif not isinstance(lengths, np.ndarray):
+            raise ValueError(f"Ragged lengths must be an integer array, got {type(lengths).__name__}")
+        shape = tuple(self.values.shape)
+        if not shape:
+            raise ValueError("Ragged values need a leading item dim ([total, *item_shape]), got a 0-d array")
+        try:
+            check_lengths(lengths, int(shape[0]))
+        except ValueError as exc:
+            raise ValueError(f"Ragged lengths do not describe its values: {exc}") from None
 
     @classmethod
     def from_rows(cls, rows: Sequence[Any], dtype: Any = None, item_shape: tuple[int, ...] = ()) -> Ragged:
@@ -465,4 +505,5 @@ def cat_ragged(parts: list[Ragged], axis: int) -> Ragged:
     return Ragged(_index(values, segment_index(np.concatenate(starts)[order], flat_lengths)), lengths)
 
 
-__all__ = ["Ragged", "TensorBatch", "cat_ragged", "flatten_names", "nest_names", "segment_index", "tree_map", "SEP"]
+__all__ = ["Ragged", "TensorBatch", "cat_ragged", "check_lengths", "flatten_names", "nest_names", "segment_index",
+           "tree_map", "SEP"]

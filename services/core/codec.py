@@ -8,7 +8,8 @@ lengths. Nothing is ever unpickled.
 The decoder is the trust boundary of every data port, so it bounds everything it reads before acting on it: the
 message and header sizes, the header's nesting and node count, every integer (int64, no 4300-digit strings, no
 NaN/inf), names, ranks, dims and shape products, and the buffer count; then batch dims must agree across fields and
-ragged lengths must add up. Whatever is wrong comes back as a FrameError that names the part; nothing else escapes.
+ragged lengths must add up (none negative, summed without int64 wrap-around). Whatever is wrong comes back as a
+FrameError that names the part; nothing else escapes.
 """
 
 from __future__ import annotations
@@ -273,12 +274,10 @@ def _decode(frames: list[Any], max_bytes: int, as_torch_bf16: bool) -> tuple[str
             lengths = _array(name + "#lengths", "int64", lshape, next(it), max_bytes, False)
             if not shape:
                 raise FrameError(f"ragged tensor '{name}': values need a leading item dim")
-            if lengths.size and int(lengths.min()) < 0:
-                raise FrameError(f"ragged tensor '{name}': negative lengths")
-            if int(lengths.sum()) != shape[0]:
-                raise FrameError(f"ragged tensor '{name}': lengths add up to {int(lengths.sum())} but there are "
-                                 f"{shape[0]} items")
-            tensors[name] = Ragged(values, lengths)
+            try:  # (the constructor checks the lengths: none negative, and their sum without int64 wrap)
+                tensors[name] = Ragged(values, lengths)
+            except ValueError as exc:
+                raise FrameError(f"ragged tensor '{name}': {str(exc).removeprefix('Ragged ')}") from None
         else:
             tensors[name] = values
     batch = TensorBatch(tensors, meta=meta, version=version, seq=seq, dims=dims, field_dims=field_dims)

@@ -1,0 +1,53 @@
+"""Issue 19, finding 10: what a token holder sends is bounded before it is held or allocated, and lengths cannot
+wrap. Replay's parked long-polls, its byte capacity and sample sizes, ragged lengths in the codec and in Ragged,
+registry entries, and the object keys a Redis replay's refs name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from services.core.batch import Ragged, TensorBatch
+from services.core.codec import FrameError, decode
+
+WRAPPING = [2**63 - 1, 2**63 - 1, 3, 4]  # adds up to 5 in int64 arithmetic
+
+
+def _ragged_frames(lengths: list[int], items: int) -> list[bytes]:
+    header = {"w": 2, "kind": "put", "seq": 1, "version": 0, "meta": {}, "dims": ["sample"],
+              "tensors": [{"name": "tokens", "dtype": "int64", "shape": [items], "lengths": [len(lengths)]}]}
+    return [json.dumps(header).encode(), np.arange(items, dtype=np.int64).tobytes(),
+            np.array(lengths, dtype=np.int64).tobytes()]
+
+
+def test_ragged_lengths_that_wrap_in_int64_are_refused_by_the_decoder():
+    with pytest.raises(FrameError, match="ragged tensor 'tokens'.*exceeds the 5 items"):
+        decode(_ragged_frames(WRAPPING, 5), 1 << 20)
+    _, ok = decode(_ragged_frames([1, 0, 3, 1], 5), 1 << 20)  # the honest lengths of the same values still pass
+    assert [list(r) for r in ok["tokens"].rows()] == [[0], [], [1, 2, 3], [4]]
+
+
+@pytest.mark.parametrize("lengths,items,why", [
+    (WRAPPING, 5, "exceeds the 5 items"),
+    ([2, -1], 1, "negative length"),
+    ([1, 1], 3, "add up to 2 but there are 3"),
+    ([2**62, 2**62, 2**62, 2**62], 2**62, "add up to"),  # no length above the items, but their sum wraps to 0
+])
+def test_ragged_constructor_refuses_lengths_that_do_not_describe_the_values(lengths, items, why):
+    values = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (items,), (0,))  # (no real allocation)
+    with pytest.raises(ValueError, match=why):
+        Ragged(values, np.array(lengths, dtype=np.int64))
+
+
+def test_a_wrapping_ragged_field_never_reaches_a_replay_store():
+    """Before the fix the wrapping lengths were stored, and every later sample of the store broke."""
+    from services.replay.stores.memory import MemoryStore
+
+    store = MemoryStore(100)
+    store.put(TensorBatch({"tokens": Ragged.from_rows([[1], [2, 3]], dtype=np.int64)}, dims=("sample",), version=0))
+    with pytest.raises(FrameError):
+        _, bad = decode(_ragged_frames(WRAPPING, 5), 1 << 20)
+        store.put(bad)
+    assert store.sample(8, np.random.default_rng(0))["tokens"].flat_lengths().sum() >= 8
