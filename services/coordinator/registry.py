@@ -29,10 +29,37 @@ class Worker:
 
 
 MAX_WORKERS = 4096  # registrations held at once; dead ones make room first
+# What one registration may hold (the coordinator keeps it as long as the worker lives, and lists it to every
+# client): an address or host name fits in a few hundred characters, and workers set one label (their pool).
+MAX_FIELD_CHARS = 512  # each of host, endpoint.grpc/data/metrics, a label value
+MAX_LABELS = 16
+MAX_LABEL_KEY_CHARS = 64
+MAX_REGISTRATION_CHARS = 4096  # all of them together
 
 
 class RegistryFull(ValueError):
     """Every registration slot holds a live worker."""
+
+
+def check_sizes(req: coordinator_pb2.RegisterWorkerRequest) -> None:
+    """Refuse a registration whose strings are larger than any real worker's (a ValueError naming the field and
+    the bound): a gRPC message may carry 8 MiB, which the registry would otherwise hold per worker."""
+    fields = {"host": req.host, "endpoint.grpc": req.endpoint.grpc, "endpoint.data": req.endpoint.data,
+              "endpoint.metrics": req.endpoint.metrics}
+    for name, value in fields.items():
+        if len(value) > MAX_FIELD_CHARS:
+            raise ValueError(f"{name} of {len(value)} characters exceeds {MAX_FIELD_CHARS}; a worker registers its "
+                             f"host name and host:port addresses here")
+    if len(req.labels) > MAX_LABELS:
+        raise ValueError(f"{len(req.labels)} labels exceed {MAX_LABELS}; a worker sets its pool (--pool) and few more")
+    for key, value in req.labels.items():
+        if len(key) > MAX_LABEL_KEY_CHARS or len(value) > MAX_FIELD_CHARS:
+            raise ValueError(f"label {key[:64]!r}: keys are at most {MAX_LABEL_KEY_CHARS} characters and values "
+                             f"at most {MAX_FIELD_CHARS}")
+    total = sum(map(len, fields.values())) + sum(len(k) + len(v) for k, v in req.labels.items())
+    if total > MAX_REGISTRATION_CHARS:
+        raise ValueError(f"a registration of {total} characters (host, endpoints, labels) exceeds "
+                         f"{MAX_REGISTRATION_CHARS}; shorten the labels")
 
 
 class WorkerRegistry:
@@ -48,6 +75,7 @@ class WorkerRegistry:
             raise ValueError(f"role {req.role} cannot register as a worker")
         if not req.endpoint.grpc:
             raise ValueError("endpoint.grpc is required (host:port of the worker's control plane)")
+        check_sizes(req)
         # a worker that registers again from the same address replaces its old entry (it restarted)
         for old in [w for w in self.workers.values() if w.grpc == req.endpoint.grpc]:
             del self.workers[old.worker_id]

@@ -51,3 +51,35 @@ def test_a_wrapping_ragged_field_never_reaches_a_replay_store():
         _, bad = decode(_ragged_frames(WRAPPING, 5), 1 << 20)
         store.put(bad)
     assert store.sample(8, np.random.default_rng(0))["tokens"].flat_lengths().sum() >= 8
+
+
+# ---- registry entries -------------------------------------------------------------------------------------------
+
+def _registration(**kw):
+    from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+
+    endpoint = {"grpc": "127.0.0.1:5000", "data": "tcp://127.0.0.1:5001",
+                "metrics": "http://127.0.0.1:5002/metrics", **kw.pop("endpoint", {})}
+    return coordinator_pb2.RegisterWorkerRequest(role=common_pb2.ROLLOUT, endpoint=common_pb2.Endpoint(**endpoint),
+                                                 pid=1, host=kw.pop("host", "h"), labels=kw.pop("labels", {}))
+
+
+@pytest.mark.parametrize("request_kw,field", [
+    ({"host": "h" * (4 << 20)}, "host"),
+    ({"endpoint": {"grpc": "127.0.0.1:" + "9" * (1 << 20)}}, "endpoint.grpc"),
+    ({"endpoint": {"metrics": "http://x/" + "m" * 600}}, "endpoint.metrics"),
+    ({"labels": {f"k{i}": "v" for i in range(1000)}}, "labels exceed"),
+    ({"labels": {"pool": "p" * (1 << 20)}}, "label 'pool'"),
+    ({"labels": {"k" * 500: "v"}}, "keys are at most"),
+    ({"labels": {f"k{i}": "v" * 500 for i in range(10)}}, "a registration of"),
+])
+def test_registrations_larger_than_any_real_worker_are_refused(request_kw, field):
+    """Before the fix each entry could hold up to 8 MiB of strings (the gRPC message bound), 4096 entries at once."""
+    from services.coordinator.registry import WorkerRegistry
+
+    reg = WorkerRegistry()
+    first = reg.register(_registration())
+    with pytest.raises(ValueError, match=field):
+        reg.register(_registration(**request_kw))
+    assert list(reg.workers) == [first.worker_id]  # the refused one replaced nothing (same grpc address)
+    reg.register(_registration(host="worker-7.lab.example.org", labels={"pool": "gpu-a"}))  # a real one still fits
