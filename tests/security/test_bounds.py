@@ -11,6 +11,7 @@ import pytest
 
 from services.core.batch import Ragged, TensorBatch
 from services.core.codec import FrameError, decode
+from tests.support_redis import redis_server  # noqa: F401
 
 WRAPPING = [2**63 - 1, 2**63 - 1, 3, 4]  # adds up to 5 in int64 arithmetic
 
@@ -83,3 +84,69 @@ def test_registrations_larger_than_any_real_worker_are_refused(request_kw, field
         reg.register(_registration(**request_kw))
     assert list(reg.workers) == [first.worker_id]  # the refused one replaced nothing (same grpc address)
     reg.register(_registration(host="worker-7.lab.example.org", labels={"pool": "gpu-a"}))  # a real one still fits
+
+
+# ---- Redis replay's refs name only the batch's own objects ------------------------------------------------------
+
+def _img(version: int) -> TensorBatch:
+    return TensorBatch({"obs": np.full((4, 2, 64), version, np.float32), "rewards": np.zeros((4, 2), np.float32)},
+                       version=version, dims=("time", "env"))
+
+
+def _foreign_refs() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("rlfabric_replay_foreign_refs_total") or 0.0
+
+
+@pytest.mark.parametrize("how", ["eviction", "clear"])
+def test_refs_written_into_redis_cannot_make_replay_delete_a_checkpoint(redis_server, tmp_path, how):  # noqa: F811
+    """Whoever could write the refs hash used to make replay delete any object (a checkpoint) on eviction."""
+    import redis
+
+    from services.core.objectstore import FilesystemObjectStore
+    from services.replay.stores.redis import RedisStore
+
+    objects = FilesystemObjectStore(tmp_path / "objects")
+    checkpoint = "checkpoints/ckpt-000001/model.safetensors"
+    objects.put_bytes(checkpoint, b"weights")
+    store = RedisStore(redis_server, "run1", 8, object_store=objects, offload_bytes=1024, cache_bytes=0)
+    store.put(_img(0))  # obs (2048 bytes) goes to the object store
+    bid = store._window[0].id
+    own = f"replay/run1/{bid}/obs"
+    assert objects.exists(own)
+    r = redis.Redis.from_url(redis_server)
+    r.hset("rlfabric:run1:refs", bid, json.dumps([own, checkpoint, f"replay/run1/{bid}/../../../{checkpoint}",
+                                                  f"replay/run10/{bid}/obs"]))
+    before = _foreign_refs()
+    if how == "eviction":
+        store.put(_img(1))  # capacity 8: evicts the first batch
+        assert store.evicted == 1
+    else:
+        store.clear()
+    assert objects.get_bytes(checkpoint) == b"weights"
+    assert not objects.exists(own)  # the batch's own offloaded tensor still goes
+    assert _foreign_refs() - before == 3
+
+
+def test_a_stored_batch_that_names_a_foreign_object_is_not_read(redis_server, tmp_path):  # noqa: F811
+    import redis
+
+    from services.core.codec import unpack_frames
+    from services.core.objectstore import FilesystemObjectStore
+    from services.replay.stores.redis import RedisStore, ReplayStoreError
+
+    objects = FilesystemObjectStore(tmp_path / "objects")
+    objects.put_bytes("checkpoints/secret", np.zeros(4 * 2 * 64, np.float32).tobytes())
+    store = RedisStore(redis_server, "run1", 100, object_store=objects, offload_bytes=1024, cache_bytes=0)
+    store.put(_img(0))
+    bid = store._window[0].id
+    r = redis.Redis.from_url(redis_server)
+    frames = [bytes(f) for f in unpack_frames(r.get(f"rlfabric:run1:batch:{bid}"))]
+    header = json.loads(frames[0])
+    header["refs"][0]["key"] = "checkpoints/secret"
+    from services.core.codec import pack_frames
+
+    r.set(f"rlfabric:run1:batch:{bid}", pack_frames([json.dumps(header).encode(), *frames[1:]]))
+    with pytest.raises(ReplayStoreError, match="names object 'checkpoints/secret'"):
+        store.take_onpolicy(0)

@@ -10,7 +10,10 @@ transitions), kept in Redis under ``<replay.key_prefix>:<run_id>:``:
   window       list   one entry per batch, oldest first: "id transitions version nbytes offloaded" (offloaded: 1
                       if it has tensors in the object store). What ``sample`` draws from and what capacity evicts; the
                       newest ``pending`` entries are the batches not yet taken on-policy (oldest first)
-  refs         hash   id -> JSON list of object keys, for batches with offloaded tensors (deleted on eviction)
+  refs         hash   id -> JSON list of object keys, for batches with offloaded tensors (deleted on eviction).
+                      Only keys of that batch under the run's own object prefix are ever read or deleted:
+                      whoever can write Redis could otherwise name a checkpoint (an error log and
+                      rlfabric_replay_foreign_refs_total count each one ignored)
   stats        hash   transitions, bytes, puts, onpolicy_gets, samples, evicted, stale_dropped, newest_version, pending
   take         hash   the last take's token and id, so a retried take returns the same batch
 
@@ -49,6 +52,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
+from prometheus_client import Counter
 from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
@@ -59,6 +63,11 @@ from services.replay.stores import check_batch, draw_rows, gather_rows, sample_w
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+FOREIGN_REFS = Counter("rlfabric_replay_foreign_refs_total",
+                       "object keys named in Redis replay state that are not the named batch's own offloaded tensors "
+                       "(ignored: never read or deleted)")
+_BATCH_ID = re.compile(r"[0-9]{10,20}-[0-9a-f]{8}")  # what put() names a batch
+_KEY_PART = re.compile(r"[A-Za-z0-9_.=~-]{1,160}")  # what _object_key() names a tensor (_safe_key_part, ~index)
 
 STORE_FORMAT = 1
 _FIELDS = ("transitions", "bytes", "puts", "onpolicy_gets", "samples", "evicted", "stale_dropped", "newest_version")
@@ -787,6 +796,8 @@ class RedisStore:
             header = json.loads(stored[0].tobytes())
             frames: list[Any] = stored[1:]
             for ref in header.get("refs", []):
+                if not self._own_object(bid, ref["key"]):
+                    raise ValueError(f"it names object {str(ref['key'])[:200]!r}, not one of its own tensors")
                 frames[ref["frame"]] = self._get_object(ref["key"])
             _, batch = decode(frames, _DECODE_BOUND)
         except (ValueError, KeyError, TypeError, IndexError, FrameError, struct.error) as exc:
@@ -805,13 +816,32 @@ class RedisStore:
             raise ReplayStoreError(f"replay: offloaded tensor {key!r} is missing from the object store. Fix: point "
                                    f"storage at the store the run used (storage.root / storage.bucket)") from None
 
-    def _delete_objects(self, refs_json: list[bytes]) -> None:
+    def _own_object(self, bid: str, key: Any) -> bool:
+        """Whether ``key`` is one this store writes for batch ``bid`` (``<object prefix>/<id>/<tensor>``). Redis
+        state names the keys to read and delete, and whoever can write Redis could name any object (a checkpoint):
+        a key that is not the batch's own is logged, counted and left alone."""
+        if isinstance(key, str) and _BATCH_ID.fullmatch(bid):
+            head = f"{self._object_prefix}/{bid}/"
+            part = key[len(head):]
+            if key.startswith(head) and _KEY_PART.fullmatch(part) and part.strip("."):
+                return True
+        FOREIGN_REFS.inc()
+        log.error("replay: Redis under %s names object %s for batch %s, which is not one of that batch's offloaded "
+                  "tensors (%s/<batch id>/<tensor>); ignored, not read or deleted. Fix: find who writes these keys "
+                  "(give Redis a password: replay.redis_url redis://:PASSWORD@HOST:PORT/DB)", self.prefix,
+                  str(key)[:200], bid[:80], self._object_prefix)
+        return False
+
+    def _delete_objects(self, refs: list[tuple[bytes, bytes]]) -> None:
+        """Delete the offloaded tensors that (batch id, refs JSON) pairs name, those that are the batch's own."""
         keys = []
-        for raw in refs_json:
+        for raw_id, raw in refs:
+            bid = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else str(raw_id)
             try:
-                keys += json.loads(raw)
+                named = json.loads(raw)
             except (ValueError, TypeError):
-                continue
+                named = [raw]
+            keys += [key for key in (named if isinstance(named, list) else [named]) if self._own_object(bid, key)]
         self._delete_keys(keys)
 
     def _delete_keys(self, keys: list[str]) -> None:
@@ -873,7 +903,7 @@ class RedisStore:
             if bid == self._columns_blocked_by:
                 self._columns_blocked_by = ""
         if any(evicted[1::2]):
-            self._delete_objects([h for h in evicted[1::2] if h])
+            self._delete_objects([(bid, h) for bid, h in zip(evicted[0::2], evicted[1::2], strict=True) if h])
         self._apply_status(status)
 
     def put(self, batch: TensorBatch) -> int:
@@ -1003,7 +1033,7 @@ class RedisStore:
         self._cached_bytes = 0
         self._columns, self._columns_blocked_by = None, ""
         self._apply_status(status)
-        self._delete_objects(refs[1::2])
+        self._delete_objects(list(zip(refs[0::2], refs[1::2], strict=True)))
 
     def close(self) -> None:
         """Write the sample count and disconnect; the data stays in Redis for the next replay service."""
