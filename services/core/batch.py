@@ -44,7 +44,8 @@ def _index(array: Any, idx: np.ndarray) -> Any:
     return array[idx]
 
 
-def _nbytes(value: Any) -> int:
+def array_nbytes(value: Any) -> int:
+    """Bytes of a numpy array, torch tensor or Ragged (values and lengths)."""
     if isinstance(value, np.ndarray):
         return int(value.nbytes)
     if isinstance(value, Ragged):
@@ -151,7 +152,7 @@ class Ragged:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.values) + _nbytes(self.lengths)
+        return array_nbytes(self.values) + array_nbytes(self.lengths)
 
     def flat_lengths(self) -> np.ndarray:
         lengths = self.lengths.detach().cpu().numpy() if _is_torch(self.lengths) else self.lengths
@@ -293,7 +294,7 @@ class TensorBatch:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(v) for v in self.tensors.values())
+        return sum(array_nbytes(v) for v in self.tensors.values())
 
     # -- dimensions ----------------------------------------------------------------------------------------
     def dims_of(self, name: str) -> tuple[str, ...]:
@@ -505,5 +506,5 @@ def cat_ragged(parts: list[Ragged], axis: int) -> Ragged:
     return Ragged(_index(values, segment_index(np.concatenate(starts)[order], flat_lengths)), lengths)
 
 
-__all__ = ["Ragged", "TensorBatch", "cat_ragged", "check_lengths", "flatten_names", "nest_names", "segment_index",
-           "tree_map", "SEP"]
+__all__ = ["Ragged", "TensorBatch", "array_nbytes", "cat_ragged", "check_lengths", "flatten_names", "nest_names",
+           "segment_index", "tree_map", "SEP"]

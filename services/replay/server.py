@@ -33,7 +33,7 @@ from services.core.objectstore import open_store
 from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.replay.datasets import DatasetError, chunks, load_dataset
-from services.replay.stores import ReplayStore, open_replay_store
+from services.replay.stores import MAX_SAMPLE_ROWS, ReplayStore, check_sample, open_replay_store
 from services.replay.stores.memory import MemoryStore
 from services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable
 
@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 PUTS = Counter("rlfabric_replay_puts_total", "trajectory batches stored")
 TRANSITIONS = Gauge("rlfabric_replay_transitions", "rows stored, by source", ["source"])
 STORE_ERRORS = Counter("rlfabric_replay_store_errors_total", "requests the store could not serve (e.g. Redis lost)")
-MAX_SAMPLE_ROWS = 1 << 24
+MAX_PARKED_GETS = 1024  # long-polling gets parked at once: each holds a reply, and every put scans them
+MAX_PARKED_PER_PEER = 16  # ... by one connection (a learner parks one at a time)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                 if found is not None:
                     reply.send("batch", found)
                 elif wait_s > 0:
-                    self.waiting.append(_Waiting(time.monotonic() + wait_s, min_version, reply))
+                    self._park(_Waiting(time.monotonic() + wait_s, min_version, reply))
                 else:
                     reply.send("empty")
             elif kind == "sample":
@@ -114,7 +115,9 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                     reply.send("batch", found)
             elif kind == "sample_windows":
                 n, length = meta_int(meta, "n", 0, 1, MAX_SAMPLE_ROWS), meta_int(meta, "length", 0, 1, 1 << 16)
-                reply.send("batch", self._source(meta).sample_windows(n, length, self.rng))
+                store = self._source(meta)
+                check_sample(n * length, store.row_bytes, self.data.max_bytes)
+                reply.send("batch", store.sample_windows(n, length, self.rng))
             else:
                 raise ValueError(f"unknown request kind {kind!r}; expected put, get, sample or sample_windows")
 
@@ -125,7 +128,10 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         mix = meta.get("mix")
         if mix is None:
             store = self._source(meta)
-            return store.sample(n, self.rng) if store.transitions else None
+            if not store.transitions:
+                return None
+            check_sample(n, store.row_bytes, self.data.max_bytes)
+            return store.sample(n, self.rng)
         if not isinstance(mix, dict) or not mix or not all(
                 isinstance(w, int | float) and not isinstance(w, bool) and w >= 0 for w in mix.values()) or sum(
                 mix.values()) <= 0:
@@ -136,6 +142,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         weights = np.array([mix[k] if self.stores[k].transitions else 0.0 for k in names], dtype=np.float64)
         if weights.sum() <= 0:
             return None
+        check_sample(n, max(self.stores[k].row_bytes for k, w in zip(names, weights, strict=True) if w),
+                     self.data.max_bytes)
         counts = self.rng.multinomial(n, weights / weights.sum())
         parts = []
         for index, (name, k) in enumerate(zip(names, counts, strict=True)):
@@ -146,6 +154,18 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         out = TensorBatch.cat(parts, "sample")
         out.meta = {"sources": names}
         return out
+
+    def _park(self, waiting: _Waiting) -> None:
+        """Park a long-polling get until a batch comes or its wait ends; beyond the bounds it is refused (a
+        ValueError, which the data plane answers as an error naming the bound)."""
+        if len(self.waiting) >= MAX_PARKED_GETS:
+            raise ValueError(f"{len(self.waiting)} gets are parked already, the most replay holds "
+                             f"(MAX_PARKED_GETS={MAX_PARKED_GETS}); ask again without wait_s, or later")
+        peer = waiting.reply.identity
+        if sum(w.reply.identity == peer for w in self.waiting) >= MAX_PARKED_PER_PEER:
+            raise ValueError(f"this connection has {MAX_PARKED_PER_PEER} gets parked already, the most one holds "
+                             f"(MAX_PARKED_PER_PEER); wait for their answers before asking again")
+        self.waiting.append(waiting)
 
     def _serve_waiting(self) -> None:
         """Hand new batches to parked gets. Runs after a put was acknowledged, so a store failure here goes to

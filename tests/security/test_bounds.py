@@ -5,6 +5,7 @@ registry entries, and the object keys a Redis replay's refs name."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -150,3 +151,131 @@ def test_a_stored_batch_that_names_a_foreign_object_is_not_read(redis_server, tm
     r.set(f"rlfabric:run1:batch:{bid}", pack_frames([json.dumps(header).encode(), *frames[1:]]))
     with pytest.raises(ReplayStoreError, match="names object 'checkpoints/secret'"):
         store.take_onpolicy(0)
+
+
+# ---- replay: parked long-polls, byte capacity, sample sizes ------------------------------------------------------
+
+@pytest.fixture
+def replay():
+    """A replay service in this process, as `rlfabric serve replay` builds it (its data plane on loopback)."""
+    import asyncio
+
+    from services.core.runtime import ServiceOptions, ServiceRuntime
+    from services.replay.server import ReplayService
+
+    async def build():
+        return ReplayService(ServiceRuntime(ServiceOptions(role="replay")), "127.0.0.1")
+
+    service = asyncio.run(build())
+    clients = []
+
+    def client(max_bytes: int = 1 << 26):
+        from services.core.dataplane import DataClient
+
+        clients.append(DataClient(service.data.endpoint, max_bytes=max_bytes, timeout_s=10, peer="replay"))
+        return clients[-1]
+
+    service.client = client
+    yield service
+    for c in clients:
+        c.close()
+    service.data.stop()
+
+
+def _wait_parked(service, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(service.waiting) < count:
+        assert time.monotonic() < deadline, f"{len(service.waiting)} gets parked, expected {count}"
+        time.sleep(0.005)
+
+
+def test_parked_long_polls_are_bounded_per_connection_and_per_service(replay):
+    """Before the fix every get with wait_s was parked, without limit, for up to an hour each."""
+    from services.core.dataplane import RemoteError
+    from services.replay.server import MAX_PARKED_GETS, MAX_PARKED_PER_PEER
+
+    get = TensorBatch(meta={"min_version": 0, "wait_s": 60.0})
+    greedy = replay.client()
+    for _ in range(MAX_PARKED_PER_PEER):
+        greedy.send("get", get)
+    with pytest.raises(RemoteError, match=f"this connection has {MAX_PARKED_PER_PEER} gets parked.*"
+                                          "MAX_PARKED_PER_PEER"):
+        greedy.recv(greedy.send("get", get), timeout_s=5)
+    for _ in range(MAX_PARKED_GETS // MAX_PARKED_PER_PEER - 1):
+        other = replay.client()
+        for _ in range(MAX_PARKED_PER_PEER):
+            other.send("get", get)
+    _wait_parked(replay, MAX_PARKED_GETS)
+    late = replay.client()
+    with pytest.raises(RemoteError, match=f"{MAX_PARKED_GETS} gets are parked already.*MAX_PARKED_GETS"):
+        late.request("get", get, timeout_s=5)
+    assert late.request("get", TensorBatch(meta={"min_version": 0}))[0] == "empty"  # a plain get still answers
+    # a put serves the oldest parked get; its slot is free again
+    batch = TensorBatch({"obs": np.zeros((2, 1), np.float32)}, version=0, dims=("time", "env"))
+    assert late.request("put", batch)[0] == "ack"
+    kind, _ = greedy.recv(1, timeout_s=5)
+    assert kind == "batch"
+    seq = late.send("get", get)
+    deadline = time.monotonic() + 10
+    while not (replay.waiting and replay.waiting[-1].reply.seq == seq):  # the late get is parked now, not refused
+        assert time.monotonic() < deadline, "the late get was not parked"
+        time.sleep(0.005)
+    assert len(replay.waiting) == MAX_PARKED_GETS
+
+
+def test_a_sample_larger_than_a_reply_can_carry_is_refused_before_it_is_gathered(replay):
+    """Before the fix `sample` gathered n rows of any size (n up to 2^24) and only then found it could not send
+    them; now n x the largest row is checked against data_plane.max_message_bytes first."""
+    from services.core.dataplane import RemoteError
+
+    replay.data.max_bytes = 1 << 20
+    c = replay.client(max_bytes=1 << 20)
+    rows = TensorBatch({"obs": np.ones((4, 2, 16 << 10), np.uint8)}, version=0, dims=("time", "env"))  # 16 KiB rows
+    assert c.request("put", rows)[0] == "ack"
+    assert replay.store.row_bytes == (16 << 10) + 8
+    with pytest.raises(RemoteError, match="a sample of 64 rows of up to 16392 bytes.*max_message_bytes=1048576"):
+        c.request("sample", TensorBatch(meta={"n": 64}), timeout_s=5)
+    with pytest.raises(RemoteError, match="max_message_bytes"):
+        c.request("sample", TensorBatch(meta={"n": 64, "mix": {"online": 1.0}}), timeout_s=5)
+    with pytest.raises(RemoteError, match="a sample of 64 rows"):
+        c.request("sample_windows", TensorBatch(meta={"n": 16, "length": 4}), timeout_s=5)
+    with pytest.raises(RemoteError, match=r"exceeds 16777216"):
+        c.request("sample_windows", TensorBatch(meta={"n": 1 << 20, "length": 1 << 10}), timeout_s=5)
+    kind, out = c.request("sample", TensorBatch(meta={"n": 32}))
+    assert kind == "batch" and out["obs"].shape == (32, 16 << 10)  # what fits is served
+    assert c.request("sample_windows", TensorBatch(meta={"n": 8, "length": 2}))[1]["obs"].shape == (8, 2, 16 << 10)
+
+
+def test_memory_replay_capacity_counts_bytes_too():
+    """Before the fix only rows counted: 1M rows of large images could take all of the host's memory."""
+    from services.replay.stores.memory import MemoryStore, default_capacity_bytes
+
+    assert MemoryStore(10).capacity_bytes == default_capacity_bytes() > 0
+    store = MemoryStore(1_000_000, capacity_bytes=10_000)
+    for v in range(3):
+        store.put(TensorBatch({"obs": np.full((1000, 1), v, np.float32)}, version=v, dims=("sample",)))  # 4000 B
+    assert len(store) == 2 and store.bytes == 8000 and store.evicted == 1 and store.transitions == 2000
+    assert store.take_onpolicy(0).version == 1  # the evicted batch left the FIFO too
+    with pytest.raises(ValueError, match="batch of 40000 bytes exceeds the memory replay's byte capacity of 10000"):
+        store.put(TensorBatch({"obs": np.zeros((10_000, 1), np.float32)}, version=3, dims=("sample",)))
+    assert len(store) == 2 and store.bytes == 8000
+
+
+def test_row_bytes_follow_the_window_as_it_evicts():
+    from services.replay.stores.memory import MemoryStore
+
+    store = MemoryStore(30)
+    wide = TensorBatch({"obs": np.zeros((10, 100), np.float32)}, version=0, dims=("sample",))
+    narrow = TensorBatch({"obs": np.zeros((10, 1), np.float32)}, version=1, dims=("sample",))
+    tokens = TensorBatch({"t": Ragged.from_rows([[1] * 50, [], [2]] * 3 + [[3]], dtype=np.int64)}, version=2,
+                         dims=("sample",))
+    store.put(wide)
+    store.put(narrow)
+    assert store.row_bytes == 400 + 8
+    store.put(narrow)
+    store.put(narrow)  # the wide batch is evicted
+    assert store.row_bytes == 4 + 8
+    store.put(tokens)  # a ragged row counts at its longest cell: 50 int64 items and its length
+    assert store.row_bytes == 50 * 8 + 8 + 8
+    store.clear()
+    assert store.row_bytes == 0

@@ -8,21 +8,26 @@ A store holds batches of any declared dims (trajectories ``("time", "env")``, sa
   sample_windows   windows of consecutive steps along "time" (sequence models)
 ``put`` returns only once the batch is stored: the replay service acknowledges a put after it returns, so nothing
 acknowledged is lost. The replay service keeps one store per named source ("online", data sets, interventions).
+Every store knows the most bytes one of its rows can take (``row_bytes``), so a sample request is refused before it
+allocates more than a reply can carry (``check_sample``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from services.core.batch import Ragged, TensorBatch
+from services.core.batch import Ragged, TensorBatch, array_nbytes
 
 if TYPE_CHECKING:
     from services.core.config import RunConfig
     from services.core.objectstore import ObjectStore
 
 TIME = "time"
+MAX_SAMPLE_ROWS = 1 << 24  # rows one sample request may ask for: n, or n x length for windows
+_VERSION_BYTES = 8  # the int64 "version" column every sample carries per row
 
 
 def check_batch(batch: TensorBatch, capacity: int) -> int:
@@ -45,6 +50,61 @@ def check_batch(batch: TensorBatch, capacity: int) -> int:
     if rows > capacity:
         raise ValueError(f"batch of {rows} rows exceeds replay.capacity_transitions={capacity}")
     return rows
+
+
+def row_bytes(batch: TensorBatch, rows: int) -> int:
+    """The most bytes one row of the batch can take in a sample: each per-row field's bytes per row, a ragged
+    field's longest cell (and its length), plus the version column. (Fields that are per batch are not sampled.)"""
+    total = _VERSION_BYTES
+    for name, value in batch.tensors.items():
+        if batch.dims_of(name) != batch.dims:
+            continue
+        if isinstance(value, Ragged):
+            items = int(value.values.shape[0])
+            item_bytes = -(-array_nbytes(value.values) // items) if items else 0
+            lengths = value.flat_lengths()
+            total += 8 + (int(lengths.max()) * item_bytes if lengths.size else 0)
+        else:
+            total += -(-array_nbytes(value) // max(rows, 1))
+    return total
+
+
+def check_sample(rows: int, per_row: int, max_bytes: int) -> None:
+    """Refuse (a ValueError naming the bound and the fix) a sample of ``rows`` rows of up to ``per_row`` bytes each
+    before anything is drawn or gathered: at most MAX_SAMPLE_ROWS rows, and a reply that fits one data-plane
+    message (the caller could not receive a larger one)."""
+    if rows > MAX_SAMPLE_ROWS:
+        raise ValueError(f"a sample of {rows} rows (n, times length for windows) exceeds {MAX_SAMPLE_ROWS}; ask for "
+                         f"fewer rows per request")
+    if rows * per_row > max_bytes:
+        raise ValueError(f"a sample of {rows} rows of up to {per_row} bytes each could take {rows * per_row} bytes, "
+                         f"more than data_plane.max_message_bytes={max_bytes} (the reply must fit one message); ask "
+                         f"for fewer rows per request or raise data_plane.max_message_bytes")
+
+
+class WindowMax:
+    """The largest value over a FIFO window (added at the tail, evicted from the head) in O(1) amortised: it keeps
+    the entries that no later entry equals or outweighs. What a store's ``row_bytes`` reads on every sample."""
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[Any, int]] = deque()
+
+    def append(self, item: Any, value: int) -> None:
+        while self._entries and self._entries[-1][1] <= value:
+            self._entries.pop()
+        self._entries.append((item, value))
+
+    def evict(self, item: Any) -> None:
+        """``item`` left the head of the window."""
+        if self._entries and self._entries[0][0] is item:
+            self._entries.popleft()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @property
+    def value(self) -> int:
+        return self._entries[0][1] if self._entries else 0
 
 
 def draw_rows(counts: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -147,6 +207,7 @@ def gather_windows(batches: list[TensorBatch], counts: np.ndarray, flat: np.ndar
 
 class ReplayStore(Protocol):
     capacity: int
+    row_bytes: int  # the most bytes a row of the window can take in a sample (row_bytes()); 0 when empty
     transitions: int
     bytes: int
     puts: int

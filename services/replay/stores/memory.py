@@ -3,17 +3,28 @@
 Two views over the same batches: an on-policy FIFO the learner consumes once (oldest first, refusing data older
 than the staleness bound the caller passes), and a capacity-bounded window that off-policy users sample rows (or
 windows of steps) from uniformly. Batches keep their declared dims; a row is one cell of their batch shape.
+Capacity is counted in rows and in bytes (rows alone would let a client that sends large rows fill the host's
+memory): the oldest batches are evicted while either is exceeded, and a batch larger than either is refused.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from services.core.batch import TensorBatch
-from services.replay.stores import check_batch, draw_rows, gather_rows, sample_windows
+from services.replay.stores import WindowMax, check_batch, draw_rows, gather_rows, row_bytes, sample_windows
+
+
+def default_capacity_bytes() -> int:
+    """Half of this host's physical memory: what a memory replay may hold by default."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):  # (no sysconf names on this platform)
+        return 16 << 30
 
 
 @dataclass(eq=False)  # identity, not field equality: comparing batches would compare arrays
@@ -24,9 +35,12 @@ class _Stored:
 
 
 class MemoryStore:
-    def __init__(self, capacity_transitions: int):
+    def __init__(self, capacity_transitions: int, capacity_bytes: int | None = None):
+        """``capacity_bytes``: the most bytes of batches held (default: half of this host's memory)."""
         self.capacity = capacity_transitions
+        self.capacity_bytes = default_capacity_bytes() if capacity_bytes is None else capacity_bytes
         self._window: deque[_Stored] = deque()
+        self._row_bytes = WindowMax()
         self._pending: deque[_Stored] = deque()
         self.transitions = 0
         self.bytes = 0
@@ -36,14 +50,20 @@ class MemoryStore:
     def put(self, batch: TensorBatch) -> int:
         n = check_batch(batch, self.capacity)
         item = _Stored(batch, n, batch.nbytes)
+        if item.nbytes > self.capacity_bytes:
+            raise ValueError(f"batch of {item.nbytes} bytes exceeds the memory replay's byte capacity of "
+                             f"{self.capacity_bytes} (by default half of the replay host's memory); send smaller "
+                             f"batches, or use replay.store=redis")
         self._window.append(item)
+        self._row_bytes.append(item, row_bytes(batch, n))
         self._pending.append(item)
         self.transitions += n
         self.bytes += item.nbytes
         self.puts += 1
         self.newest_version = max(self.newest_version, batch.version)
-        while self.transitions > self.capacity:
+        while self.transitions > self.capacity or self.bytes > self.capacity_bytes:
             old = self._window.popleft()
+            self._row_bytes.evict(old)
             self.transitions -= old.transitions
             self.bytes -= old.nbytes
             self.evicted += 1
@@ -83,6 +103,7 @@ class MemoryStore:
 
     def clear(self) -> None:
         self._window.clear()
+        self._row_bytes.clear()
         self._pending.clear()
         self.transitions = self.bytes = 0
 
@@ -92,6 +113,11 @@ class MemoryStore:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def row_bytes(self) -> int:
+        """The most bytes one row of the window can take in a sample (0 when empty)."""
+        return self._row_bytes.value
 
     def __len__(self) -> int:
         return len(self._window)

@@ -59,7 +59,7 @@ from redis.retry import Retry
 
 from services.core.batch import Ragged, TensorBatch
 from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
-from services.replay.stores import check_batch, draw_rows, gather_rows, sample_windows
+from services.replay.stores import WindowMax, check_batch, draw_rows, gather_rows, row_bytes, sample_windows
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -393,6 +393,7 @@ class _Entry:
     id: str
     transitions: int
     version: int
+    row_bytes: int  # the most bytes one of its rows takes in a sample (stores.row_bytes; reloaded: the mean)
 
 
 def redact_url(url: str) -> str:
@@ -512,6 +513,7 @@ class RedisStore:
         self._object_prefix = f"replay/{_safe_key_part(run_id, 'run')}" + (
             "" if source == "online" else f"/src-{_safe_key_part(source, 'source')}")
         self._window: deque[_Entry] = deque()
+        self._row_bytes = WindowMax()  # the largest row_bytes of the window's entries
         self._window_rows = 0  # transitions in the mirrored window
         self._pending = 0
         self._stats: dict[str, int] = {}
@@ -676,10 +678,15 @@ class RedisStore:
         stats, window = self._run("load", load)
         self._stats = {k.decode(): int(v) for k, v in stats.items()}
         self._window = deque()
+        self._row_bytes.clear()
         for raw in window:
             parts = raw.split(b" ")
             if len(parts) == 5:
-                self._window.append(_Entry(parts[0].decode(), int(parts[1]), int(parts[2])))
+                # (a reloaded entry knows its bytes, not its rows' sizes: the mean row, exact for dense fields)
+                n, nbytes = int(parts[1]), int(parts[3])
+                entry = _Entry(parts[0].decode(), n, int(parts[2]), 8 - (-nbytes // max(n, 1)))
+                self._window.append(entry)
+                self._row_bytes.append(entry, entry.row_bytes)
         self._pending = min(self._stats.get("pending", 0), len(self._window))
         self._window_rows = sum(e.transitions for e in self._window)
         live = {e.id for e in self._window}
@@ -718,6 +725,11 @@ class RedisStore:
     @property
     def pending(self) -> int:
         return self._pending
+
+    @property
+    def row_bytes(self) -> int:
+        """The most bytes one row of the window can take in a sample (0 when empty)."""
+        return self._row_bytes.value
 
     def __len__(self) -> int:
         return len(self._window)
@@ -891,11 +903,13 @@ class RedisStore:
         if entry is not None:
             # (applied == 0 means an earlier attempt whose reply was lost stored it: still ours to mirror)
             self._window.append(entry)
+            self._row_bytes.append(entry, entry.row_bytes)
             self._window_rows += entry.transitions
         for raw in evicted[0::2]:
             bid = raw.decode()
             if self._window and self._window[0].id == bid:
                 old = self._window.popleft()
+                self._row_bytes.evict(old)
                 self._window_rows -= old.transitions
                 if self._columns is not None:
                     self._columns.drop_oldest(old.transitions)
@@ -927,7 +941,7 @@ class RedisStore:
             self._cache_put(bid, TensorBatch(dict(batch.tensors), meta=dict(batch.meta), version=batch.version,
                                              seq=batch.seq, dims=batch.dims, field_dims=dict(batch.field_dims)),
                             nbytes)
-        self._after_put(reply, _Entry(bid, n, batch.version))
+        self._after_put(reply, _Entry(bid, n, batch.version, row_bytes(batch, n)))
         return self.puts
 
     def take_onpolicy(self, min_version: int) -> TensorBatch | None:
@@ -1028,6 +1042,7 @@ class RedisStore:
         """Drop every stored batch (and its offloaded objects); the counters stay, as MemoryStore's do."""
         refs, status = self._run("clear", lambda: self._evalsha(self._client, "clear", self._batch_prefix))
         self._window.clear()
+        self._row_bytes.clear()
         self._window_rows = 0
         self._cache.clear()
         self._cached_bytes = 0
