@@ -33,6 +33,8 @@ from pathlib import Path
 
 import setproctitle
 
+from services.core.paths import local_stack_args
+
 log = logging.getLogger(__name__)
 
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
@@ -331,7 +333,8 @@ class LocalStack:
     def spawn_workers(self, roles: tuple[str, ...]) -> None:
         """Start workers that register with the coordinator once it is up (they wait for its address file)."""
         for name in _names(roles):
-            self._spawn(name, f"services.{name.split('-')[0]}.server", ["--coordinator-file", str(self.port_file)])
+            self._spawn(name, f"services.{name.split('-')[0]}.server", ["--coordinator-file", str(self.port_file),
+                                                                        *local_stack_args(self.host, self.runs_root)])
 
     def wait_coordinator(self, timeout_s: float = 60.0) -> str:
         proc = self.procs["coordinator"]
@@ -355,7 +358,8 @@ class LocalStack:
     def start_worker(self, role: str, name: str | None = None, pool: str = "") -> subprocess.Popen:
         """One more worker of ``role``; ``pool`` registers it in that resource pool (``--pool``)."""
         return self._spawn(name or role, f"services.{role}.server",
-                           ["--coordinator", self.address, *(["--pool", pool] if pool else [])])
+                           ["--coordinator", self.address, *(["--pool", pool] if pool else []),
+                            *local_stack_args(self.host, self.runs_root)])
 
     def start(self) -> str:
         return self.start_coordinator(workers=self.roles)

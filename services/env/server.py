@@ -18,6 +18,7 @@ from prometheus_client import Counter
 from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataServer, Reply
+from services.core.ownership import check_owner
 from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
@@ -27,6 +28,8 @@ from services.env.pool import EnvPools
 log = logging.getLogger(__name__)
 ENV_STEPS = Counter("rlfabric_env_steps_total", "env steps simulated", ["pool"])
 REJECTED = Counter("rlfabric_env_rejected_messages_total", "data-plane messages refused")
+ENV_BUILD_FAILURES = Counter("rlfabric_env_build_failures_total", "Configure calls whose envs crashed while being "
+                             "built (not the spec's fault)")
 
 
 def _space(spec: dict) -> env_pb2.Space:
@@ -61,6 +64,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
 
     # -- control plane -------------------------------------------------------------------------------------
     async def Configure(self, request, context):
+        await check_owner(self.runtime, request.run_id, context)
         try:
             config = RunConfig.from_json(request.config_json)
         except ConfigError as exc:
@@ -69,12 +73,16 @@ class EnvService(env_pb2_grpc.EnvServicer):
         try:
             # training shards are built by the rollout workers' first resets (sized by the plan)
             pools = await asyncio.to_thread(EnvPools, config, False)
-        except (UnknownEnvError, ValueError) as exc:
+        except (UnknownEnvError, ValueError, TypeError) as exc:  # the spec's: an unknown id, options, kwargs
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 — a simulator that fails to build is reported, not hidden
+            # Not the spec's fault (a crashed simulator, a missing library, memory): INTERNAL, so the coordinator
+            # recovers the run on another worker instead of failing it as bad input.
+            ENV_BUILD_FAILURES.inc()
             log.exception("env construction failed")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"env.id {env.id!r} failed to build: {exc.__class__.__name__}: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"env.id {env.id!r} failed to build on this env worker: "
+                                f"{exc.__class__.__name__}: {exc}")
         with self.lock:
             old, self.pools, self.config = self.pools, pools, config
             self.data.max_bytes = config.data_plane.max_message_bytes

@@ -24,6 +24,9 @@ from services.core.devices import resolve_device
 from services.core.models import build_policy
 from services.core.objectstore import ObjectStore, open_store
 from services.core.offload import ModelOffload, state_tensors
+from services.core.ownership import check_owner
+from services.core.paths import DataRoots, Endpoints, confine_storage
+from services.core.paths import add_arguments as add_path_arguments
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
@@ -37,9 +40,12 @@ UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
 
-def _read_checkpoint(path: str, field: str) -> dict:
+def _read_checkpoint(path: str, field: str, roots: DataRoots | None = None) -> dict:
+    """A checkpoint file a run spec names: under the worker's data roots (any path without them), a regular file
+    within the read bound (paths.PathRefused, a ValueError naming the field, otherwise)."""
+    roots = roots if roots is not None else DataRoots.anywhere()
     try:
-        data = open(path, "rb").read()
+        data = roots.read_bytes(path, field)
     except OSError as exc:
         raise ValueError(f"{field}={path!r} cannot be read ({exc.strerror}). Fix: give a checkpoint file of a "
                          f"finished run (RUN_DIR/checkpoints/...)") from None
@@ -54,8 +60,12 @@ def _frozen(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
-    def __init__(self, runtime: ServiceRuntime, host: str, torch_threads: int):
+    def __init__(self, runtime: ServiceRuntime, host: str, torch_threads: int, roots: DataRoots | None = None,
+                 endpoints: Endpoints | None = None):
         self.runtime = runtime
+        # where a run spec may have this learner read and write, and which endpoints it may reach (the operator's)
+        self.roots = roots if roots is not None else DataRoots.parse(".")
+        self.endpoints = endpoints if endpoints is not None else Endpoints.parse("")
         self.host = host
         self.torch_threads = torch_threads
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
@@ -93,7 +103,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             if not path:
                 raise ValueError(f"algorithm {spec.name!r} needs an expert: set algorithm.expert_checkpoint to a "
                                  f"checkpoint file of a run with the same env")
-            state = _read_checkpoint(path, "algorithm.expert_checkpoint")
+            state = _read_checkpoint(path, "algorithm.expert_checkpoint", self.roots)
             expert_config = RunConfig.from_json(state["config_json"])
             expert = build_policy(expert_config.policy_name, json.loads(state["env_spec_json"]),
                                   expert_config.policy).to(self.device)
@@ -110,7 +120,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.ranks.close()
             self.ranks = None
         self.device = resolve_device(config.runtime.device)
-        self.store = open_store(config.storage, run_dir, run_id)
+        storage, run_dir = confine_storage(config.storage, run_dir, self.roots, self.endpoints)
+        self.store = open_store(storage, run_dir, run_id)
         detail: dict = {}
         state = None
         if resume:
@@ -124,7 +135,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                 detail = {"resumed_from": "", "skipped": [], "extra": {}}
         warm = None
         if config.policy.init_checkpoint and not resume:  # a warm start (a supervised run's weights)
-            warm = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint")["policy"]
+            warm = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint", self.roots)["policy"]
         if config.runtime.learner_ranks > 1:
             self.device = rank_device(self.device, 0)
             self.ranks = RankGroup(config.runtime.learner_ranks, self.device, config.data_plane.timeout_s)
@@ -188,6 +199,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                              float(cached)))
 
     async def Configure(self, request, context):
+        await check_owner(self.runtime, request.run_id, context)
         try:
             config = RunConfig.from_json(request.config_json)
             context_info = json.loads(request.context_json or "{}")
@@ -335,12 +347,13 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
-    learner_pb2_grpc.add_LearnerServicer_to_server(LearnerService(runtime, args.host, args.torch_threads),
-                                                   runtime.server)
+    service = LearnerService(runtime, args.host, args.torch_threads, DataRoots.parse(args.data_root),
+                             Endpoints.parse(args.allow_endpoints))
+    learner_pb2_grpc.add_LearnerServicer_to_server(service, runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_service("learner", _build, argv)
+    run_service("learner", _build, argv, add_path_arguments)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from services.core.batch import SEP, TensorBatch
+from services.core.paths import DataRoots, PathRefused
 
 CHUNK_ROWS = 1 << 15
 
@@ -22,29 +23,38 @@ class DatasetError(ValueError):
     """A data set file that cannot be used; the message names the file, the array and the fix."""
 
 
-def load_dataset(path: str | Path, max_rows: int, max_bytes: int = 8 << 30) -> TensorBatch:
+def load_dataset(path: str | Path, max_rows: int, max_bytes: int = 8 << 30, roots: DataRoots | None = None,
+                 field: str = "replay.datasets") -> TensorBatch:
     """The file's arrays as one ("sample",) batch of version 0. Sizes are checked from the archive's directory
-    before any array is read."""
+    before any array is read. ``roots``: the directories a run spec's data set must lie in (any, without them);
+    either way only a regular file is opened (a FIFO or a device is refused, not read)."""
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such data set file. Fix: write one with `rlfabric collect` (an .npz of "
-                           f"obs, actions, rewards, next_obs, terminated) and point replay.datasets at it")
+    roots = roots if roots is not None else DataRoots.anywhere()
     try:
-        with zipfile.ZipFile(path) as archive:
-            size = sum(info.file_size for info in archive.infolist())
-    except zipfile.BadZipFile:
-        raise DatasetError(f"{path}: not an .npz archive") from None
-    if size > max_bytes:
-        raise DatasetError(f"{path}: {size} bytes uncompressed exceeds the {max_bytes}-byte bound for a data set")
-    tensors: dict[str, np.ndarray] = {}
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            for name in npz.files:
-                if not name or "" in name.split(SEP):
-                    raise DatasetError(f"{path}: array name {name!r} is not a field name")
-                tensors[name] = np.ascontiguousarray(npz[name])
-    except ValueError as exc:  # object arrays (pickle) are refused here
-        raise DatasetError(f"{path}: cannot read safely ({exc})") from None
+        if not roots.confine(path, field).exists():
+            raise DatasetError(f"{path}: no such data set file. Fix: write one with `rlfabric collect` (an .npz of "
+                               f"obs, actions, rewards, next_obs, terminated) and point replay.datasets at it")
+        file = roots.open(path, field)
+    except PathRefused as exc:
+        raise DatasetError(str(exc)) from None
+    with file:
+        try:
+            with zipfile.ZipFile(file) as archive:
+                size = sum(info.file_size for info in archive.infolist())
+        except zipfile.BadZipFile:
+            raise DatasetError(f"{path}: not an .npz archive") from None
+        if size > max_bytes:
+            raise DatasetError(f"{path}: {size} bytes uncompressed exceeds the {max_bytes}-byte bound for a data set")
+        file.seek(0)
+        tensors: dict[str, np.ndarray] = {}
+        try:
+            with np.load(file, allow_pickle=False) as npz:
+                for name in npz.files:
+                    if not name or "" in name.split(SEP):
+                        raise DatasetError(f"{path}: array name {name!r} is not a field name")
+                    tensors[name] = np.ascontiguousarray(npz[name])
+        except ValueError as exc:  # object arrays (pickle) are refused here
+            raise DatasetError(f"{path}: cannot read safely ({exc})") from None
     if not tensors:
         raise DatasetError(f"{path}: holds no arrays")
     rows = {name: (a.shape[0] if a.ndim else -1) for name, a in tensors.items()}

@@ -17,25 +17,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge
 
+from services.core import paths
 from services.core.algorithm import DEFAULT_SOURCE
 from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataServer, Reply, meta_float, meta_int
 from services.core.objectstore import open_store
+from services.core.ownership import check_owner
+from services.core.paths import DataRoots, Endpoints, confine_storage, redis_endpoint
 from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.replay.datasets import DatasetError, chunks, load_dataset
 from services.replay.stores import MAX_SAMPLE_ROWS, ReplayStore, check_sample, open_replay_store
 from services.replay.stores.memory import MemoryStore
-from services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable
+from services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable, redact_url
 
 log = logging.getLogger(__name__)
 PUTS = Counter("rlfabric_replay_puts_total", "trajectory batches stored")
@@ -43,6 +48,17 @@ TRANSITIONS = Gauge("rlfabric_replay_transitions", "rows stored, by source", ["s
 STORE_ERRORS = Counter("rlfabric_replay_store_errors_total", "requests the store could not serve (e.g. Redis lost)")
 MAX_PARKED_GETS = 1024  # long-polling gets parked at once: each holds a reply, and every put scans them
 MAX_PARKED_PER_PEER = 16  # ... by one connection (a learner parks one at a time)
+REDIS_PASSWORD_ENV = "RLFABRIC_REDIS_PASSWORD"  # the Redis password, from the worker's environment, never a run spec
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` when it names none (compose's Redis: redis://redis:6379/0 in the spec, the password
+    in the replay container's environment)."""
+    parts = urlsplit(url)
+    if not password or parts.password is not None or parts.scheme not in ("redis", "rediss"):
+        return url
+    return urlunsplit(parts._replace(netloc=f"{quote(parts.username or '', safe='')}:{quote(password, safe='')}@"
+                                            f"{parts.netloc.rsplit('@', 1)[-1]}"))
 
 
 @dataclass
@@ -53,8 +69,12 @@ class _Waiting:
 
 
 class ReplayService(replay_pb2_grpc.ReplayServicer):
-    def __init__(self, runtime: ServiceRuntime, host: str):
+    def __init__(self, runtime: ServiceRuntime, host: str, roots: DataRoots | None = None,
+                 endpoints: Endpoints | None = None):
         self.runtime = runtime
+        # where a run spec's data sets and object store may lie, and the Redis/S3 endpoints it may name (the operator's)
+        self.roots = roots if roots is not None else DataRoots.parse(".")
+        self.endpoints = endpoints if endpoints is not None else Endpoints.parse("")
         self.lock = threading.Lock()
         self.stores: dict[str, ReplayStore] = {DEFAULT_SOURCE: MemoryStore(RunConfig().replay.capacity_transitions)}
         self.rng = np.random.default_rng(0)
@@ -205,6 +225,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             source_transitions={name: store.transitions for name, store in self.stores.items()})
 
     async def Configure(self, request, context):
+        await check_owner(self.runtime, request.run_id, context)
         try:
             config = RunConfig.from_json(request.config_json)
         except ConfigError as exc:
@@ -221,7 +242,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             code = (grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input else grpc.StatusCode.UNAVAILABLE
                     if isinstance(exc, ReplayStoreUnavailable) else grpc.StatusCode.FAILED_PRECONDITION)
             await context.abort(code, str(exc))
-        except (ConfigError, DatasetError) as exc:  # storage.* settings (ObjectStoreError), replay.datasets files
+        # storage.* settings (ObjectStoreError), replay.datasets files, paths and endpoints the operator did not allow
+        except (ConfigError, DatasetError, paths.PathRefused, paths.EndpointRefused) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"replay: {exc}")
         except (ValueError, OSError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay: cannot open replay.store="
@@ -234,14 +256,21 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                                       "sources": {k: len(s) for k, s in stores.items()}, "loaded": loaded})
         return common_pb2.ConfigureReply(data_endpoint=self.data.endpoint, detail_json=json.dumps({"loaded": loaded}))
 
-    @staticmethod
-    def _open_stores(config: RunConfig, run_id: str, run_dir: str) -> tuple[dict[str, ReplayStore], dict[str, int]]:
+    def _open_stores(self, config: RunConfig, run_id: str, run_dir: str
+                     ) -> tuple[dict[str, ReplayStore], dict[str, int]]:
         """A store per source. Redis reopens what an earlier replay service stored under this run_id; its large
         tensors go to the run's object store (none without a run_dir or storage.root: they then stay in Redis).
-        A data set source is (re)loaded from its file when its store is empty."""
+        A data set source is (re)loaded from its file when its store is empty. Paths lie under this worker's data
+        roots and endpoints are on its allow-list (a ValueError naming the field otherwise)."""
         objects = None
-        if config.replay.store == "redis" and (run_dir or config.storage.root or config.storage.kind != "filesystem"):
-            objects = open_store(config.storage, run_dir, run_id=run_id)
+        if config.replay.store == "redis":
+            self.endpoints.check(redis_endpoint(config.replay.redis_url), "replay.redis_url",
+                                 redact_url(config.replay.redis_url))
+            config = config.model_copy(update={"replay": config.replay.model_copy(
+                update={"redis_url": with_password(config.replay.redis_url, os.environ.get(REDIS_PASSWORD_ENV, ""))})})
+            if run_dir or config.storage.root or config.storage.kind != "filesystem":
+                storage, run_dir = confine_storage(config.storage, run_dir, self.roots, self.endpoints)
+                objects = open_store(storage, run_dir, run_id=run_id)
         stores: dict[str, ReplayStore] = {}
         loaded: dict[str, int] = {}
         try:
@@ -250,7 +279,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                 if name not in stores and name not in config.replay.datasets:
                     stores[name] = open_replay_store(config, run_id, objects, source=name)
             for name, path in config.replay.datasets.items():
-                data = load_dataset(path, max_rows=config.replay.capacity_transitions)
+                data = load_dataset(path, max_rows=config.replay.capacity_transitions, roots=self.roots,
+                                    field=f"replay.datasets.{name}")
                 store = stores[name] = open_replay_store(config, run_id, objects, source=name,
                                                          capacity=max(data.rows, 1))
                 if len(store) == 0:
@@ -314,11 +344,12 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
-    replay_pb2_grpc.add_ReplayServicer_to_server(ReplayService(runtime, args.host), runtime.server)
+    service = ReplayService(runtime, args.host, DataRoots.parse(args.data_root), Endpoints.parse(args.allow_endpoints))
+    replay_pb2_grpc.add_ReplayServicer_to_server(service, runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_service("replay", _build, argv)
+    run_service("replay", _build, argv, paths.add_arguments)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from prometheus_client import Counter, Gauge
 
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import PeerTimeout, RemoteError
+from services.core.ownership import check_owner
+from services.core.paths import DataRoots, Endpoints, add_arguments, confine_storage
 from services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
@@ -35,8 +37,11 @@ def _reply(r: CollectResult) -> rollout_pb2.CollectReply:
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, runtime: ServiceRuntime):
+    def __init__(self, runtime: ServiceRuntime, roots: DataRoots | None = None, endpoints: Endpoints | None = None):
         self.runtime = runtime
+        # where a run spec may have this worker read weights from, and which endpoints it may reach (the operator's)
+        self.roots = roots if roots is not None else DataRoots.parse(".")
+        self.endpoints = endpoints if endpoints is not None else Endpoints.parse("")
         self.worker: RolloutWorker | None = None
         self.producing: threading.Event | None = None
         runtime.on_shutdown(self.close)
@@ -66,6 +71,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         return self.worker
 
     async def Configure(self, request, context):
+        await check_owner(self.runtime, request.run_id, context)
         try:
             config = RunConfig.from_json(request.config_json)
             info = json.loads(request.context_json or "{}")
@@ -76,6 +82,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except (ConfigError, KeyError, json.JSONDecodeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Configure needs config_json, context_json.env_spec and peers env/replay/learner: {exc}")
+        try:  # the object store its cold start reads: under the operator's roots, at an allowed endpoint
+            storage, run_dir = confine_storage(config.storage, str(info.get("run_dir") or "."), self.roots,
+                                               self.endpoints)
+        except ValueError as exc:  # PathRefused, EndpointRefused
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rollout: {exc}")
+        config = config.model_copy(update={"storage": storage})
         self.close()
         base = int(info.get("base_version", 0))
         start = int(info.get("start_iteration", 0))
@@ -90,8 +102,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         try:
             self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start, index,
                                                   envs or None, offset)
-            stored = await self._call(context, self.worker.submit(self.worker.cold_start, info.get("run_dir", "."),
-                                                                 request.run_id))
+            stored = await self._call(context, self.worker.submit(self.worker.cold_start, run_dir, request.run_id))
             need = int(info.get("min_version", base + start))  # what its first batch needs (staleness allowing)
             try:
                 await asyncio.wrap_future(self.worker.submit(self.worker.sync_weights, need,
@@ -194,11 +205,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
-    rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutService(runtime), runtime.server)
+    service = RolloutService(runtime, DataRoots.parse(args.data_root), Endpoints.parse(args.allow_endpoints))
+    rollout_pb2_grpc.add_RolloutServicer_to_server(service, runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_service("rollout", _build, argv)
+    run_service("rollout", _build, argv, add_arguments)
 
 
 if __name__ == "__main__":

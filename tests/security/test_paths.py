@@ -1,0 +1,158 @@
+"""Finding 8, paths and endpoints a token holder chooses: every client-named path resolves under the operator's data
+roots (relative ones from the first; absolute ones elsewhere, '..' and symlinks out refused, naming the field, the
+root and the flag), only regular files within a size bound are read (``/dev/zero`` and a FIFO are refused at once,
+not read until memory runs out or forever), and a run spec's endpoints must be on the operator's allow-list."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from services.core.config import RunConfig
+from services.core.paths import (
+    DataRoots,
+    EndpointRefused,
+    Endpoints,
+    PathRefused,
+    confine_storage,
+    redis_endpoint,
+)
+from tests.conftest import short_config
+
+
+@pytest.fixture
+def layout(tmp_path):
+    """A data root with a checkpoint-like file in it, and a secret file beside it (outside)."""
+    root = tmp_path / "root"
+    (root / "ckpts").mkdir(parents=True)
+    (root / "ckpts" / "a.pt").write_bytes(b"inside")
+    (tmp_path / "secret").write_bytes(b"outside")
+    (root / "link-out").symlink_to(tmp_path / "secret")
+    os.mkfifo(root / "fifo")
+    return SimpleNamespace(root=root, roots=DataRoots.parse(str(root)), outside=tmp_path / "secret")
+
+
+def test_relative_paths_start_at_the_root_and_stay_in_it(layout):
+    assert layout.roots.confine("ckpts/a.pt", "policy.init_checkpoint") == layout.root / "ckpts" / "a.pt"
+    assert layout.roots.read_bytes("ckpts/a.pt", "policy.init_checkpoint") == b"inside"
+    assert layout.roots.read_bytes(str(layout.root / "ckpts/a.pt"), "policy.init_checkpoint") == b"inside"
+
+
+@pytest.mark.parametrize("name", ["absolute", "dotdot", "symlink"])
+def test_paths_that_resolve_outside_are_refused_naming_field_root_and_flag(layout, name):
+    path = {"absolute": str(layout.outside), "dotdot": "ckpts/../../secret", "symlink": "link-out"}[name]
+    with pytest.raises(PathRefused) as info:
+        layout.roots.read_bytes(path, "algorithm.expert_checkpoint")
+    msg = str(info.value)
+    assert "algorithm.expert_checkpoint" in msg and str(layout.root) in msg and "--data-root" in msg
+
+
+def test_devices_fifos_and_oversized_files_are_refused_without_reading(layout):
+    anywhere = DataRoots.anywhere()
+    with pytest.raises(PathRefused, match="a device, not a regular file"):
+        anywhere.read_bytes("/dev/zero", "policy.init_checkpoint")
+    with pytest.raises(PathRefused, match="a FIFO, not a regular file"):  # (opening it would block: no writer)
+        layout.roots.read_bytes("fifo", "policy.init_checkpoint")
+    with pytest.raises(PathRefused, match="a directory"):
+        layout.roots.read_bytes("ckpts", "policy.init_checkpoint")
+    with pytest.raises(PathRefused, match=r"over the 3-byte bound \(paths.MAX_READ_BYTES\)"):
+        layout.roots.read_bytes("ckpts/a.pt", "policy.init_checkpoint", max_bytes=3)
+
+
+def test_learner_reads_checkpoints_only_under_its_roots(layout):
+    from services.learner.server import _read_checkpoint
+
+    for path, roots, expected in (("/dev/zero", DataRoots.anywhere(), "a device, not a regular file"),
+                                  ("/dev/zero", layout.roots, "outside this worker's data root"),
+                                  (str(layout.root / "fifo"), layout.roots, "a FIFO"),
+                                  (str(layout.outside), layout.roots, "outside this worker's data root")):
+        with pytest.raises(ValueError, match=expected) as info:
+            _read_checkpoint(path, "policy.init_checkpoint", roots)
+        assert "policy.init_checkpoint" in str(info.value)
+
+
+def test_data_sets_are_read_only_under_the_roots_and_only_from_regular_files(layout):
+    from services.replay.datasets import DatasetError, load_dataset
+
+    np.savez(layout.root / "demos.npz", obs=np.zeros((4, 2), np.float32))
+    assert load_dataset("demos.npz", 10, roots=layout.roots).rows == 4
+    np.savez(layout.outside.with_suffix(".npz"), obs=np.zeros((4, 2), np.float32))
+    for path, expected in ((str(layout.outside.with_suffix(".npz")), "outside"), ("fifo", "a FIFO"),
+                           ("/dev/zero", "outside")):
+        with pytest.raises(DatasetError, match=expected):
+            load_dataset(path, 10, roots=layout.roots, field="replay.datasets.demos")
+    with pytest.raises(DatasetError, match="a device"):  # even for a user's own tool (no roots)
+        load_dataset("/dev/zero", 10)
+
+
+def test_storage_root_and_run_directory_are_confined(layout):
+    storage = RunConfig().storage.model_copy(update={"root": "stores/run"})
+    confined, run_dir = confine_storage(storage, "runs/a", layout.roots, Endpoints.parse(""))
+    assert confined.root == str(layout.root / "stores" / "run") and run_dir == str(layout.root / "runs" / "a")
+    for field, storage_root, given_dir in (("storage.root", "/etc", "runs/a"), ("storage.root", "../x", "runs/a"),
+                                           ("run directory", "", "/etc")):
+        with pytest.raises(PathRefused, match=field):
+            confine_storage(RunConfig().storage.model_copy(update={"root": storage_root}), given_dir, layout.roots,
+                            Endpoints.parse(""))
+
+
+def test_endpoints_come_from_the_allow_list():
+    allowed = Endpoints.parse("minio:9000, redis:6379")
+    s3 = RunConfig().storage.model_copy(update={"kind": "s3", "endpoint": "minio:9000"})
+    confine_storage(s3, ".", DataRoots.parse("."), allowed)
+    for endpoint in ("169.254.169.254:80", "http://evil:9000", "minio:9001"):
+        with pytest.raises(EndpointRefused, match="storage.endpoint.*--allow-endpoints"):
+            confine_storage(s3.model_copy(update={"endpoint": endpoint}), ".", DataRoots.parse("."), allowed)
+    assert redis_endpoint("redis://:pw@redis/0") == "redis:6379"
+    allowed.check(redis_endpoint("redis://redis:6379/0"), "replay.redis_url")
+    with pytest.raises(EndpointRefused, match="replay.redis_url"):
+        allowed.check(redis_endpoint("redis://127.0.0.1:6379/0"), "replay.redis_url")
+    Endpoints.parse("*").check("anything:1", "storage.endpoint")
+
+
+class _Aborted(Exception):
+    def __init__(self, code, details):
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
+
+
+class _Context:
+    async def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_replay_refuses_a_redis_url_not_allowed_before_connecting(layout):
+    """The replay service opens Redis where the spec says only if its operator allowed it (SSRF otherwise)."""
+    from services.replay.server import ReplayService
+
+    worker = SimpleNamespace(roots=layout.roots, endpoints=Endpoints.parse("redis:6379"))
+    config = short_config(replay={"store": "redis", "redis_url": "redis://:hunter2@10.0.0.1:6380/0"})
+    with pytest.raises(EndpointRefused) as info:
+        ReplayService._open_stores(worker, config, "r", str(layout.root))
+    assert "10.0.0.1:6380" in str(info.value) and "hunter2" not in str(info.value)
+    config = short_config(replay={"datasets": {"demos": str(layout.outside)}})
+    from services.replay.datasets import DatasetError
+
+    with pytest.raises(DatasetError, match="replay.datasets.demos.*outside"):
+        ReplayService._open_stores(worker, config, "r", str(layout.root))
+
+
+def test_rollout_configure_refuses_a_storage_root_outside(layout):
+    from services.rollout.server import RolloutService
+
+    runtime = SimpleNamespace(options=SimpleNamespace(role="rollout", coordinator=""), worker_id="", owner_run="",
+                              on_shutdown=lambda hook: None, watch=lambda name, probe: None)
+    service = RolloutService(runtime, layout.roots, Endpoints.parse(""))
+    request = SimpleNamespace(run_id="r", config_json=short_config(storage={"root": str(layout.outside.parent)}).to_json(),
+                              context_json=json.dumps({"env_spec": {}, "run_dir": str(layout.root)}),
+                              peers={"env": "x", "replay": "x", "learner": "x"})
+    with pytest.raises(_Aborted) as info:
+        asyncio.run(service.Configure(request, _Context()))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "storage.root" in info.value.details
+    assert service.worker is None  # refused before anything was built
