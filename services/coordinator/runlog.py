@@ -22,6 +22,14 @@ COLUMNS = [
 ]
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` owner-only (0600, also when it existed wider), never through a symlink planted there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def import_tensorboardx():
     """tensorboardX imports torch (1.4 s of CPU) only to recognise torch tensors; we log floats. In a process that
     has not imported torch (the coordinator never does), hide torch for the import: 0.15 s instead."""
@@ -42,7 +50,8 @@ class RunLog:
         """A fresh run log, or (``resume_iteration``) the existing one cut back to the checkpoint: rows after it
         were produced by work the resumed run repeats, so the curve continues without a jump back."""
         self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o700)  # owner-only: a run's files are no other local user's business
         # the x axis: env steps, or iterations for a run that collects nothing (offline)
         self.step_key = "env_steps" if config.collects else "iteration"
         self.rows: list[dict[str, float]] = []
@@ -55,8 +64,8 @@ class RunLog:
                 kept = [r for r in reader if int(float(r["iteration"])) <= resume_iteration]
                 self.columns += [c for c in reader.fieldnames or [] if c not in self.columns]
             self.rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in kept]
-        else:
-            (run_dir / "config.yaml").write_text(dump_yaml(config))
+        else:  # without its secrets (S3 keys, a Redis password): `rlfabric resume` takes them from the workers
+            write_private(run_dir / "config.yaml", dump_yaml(config.redacted()))
         self._csv_file = None
         self._written: list[dict] = list(kept)  # verbatim: a resumed file reads exactly as it did before the stop
         self._rewrite()

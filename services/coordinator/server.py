@@ -21,7 +21,7 @@ from services.coordinator.loop import TrainingLoop
 from services.coordinator.recovery import Loss, unreachable
 from services.coordinator.registry import RegistryFull, Worker, WorkerRegistry
 from services.coordinator.run import Run, RunFailed, StopRequested, WorkerLost
-from services.coordinator.runindex import RunIndex
+from services.coordinator.runindex import RUN_INDEX_ERRORS, RunIndex
 from services.core.config import ConfigError, RunConfig, parse_config
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
@@ -52,8 +52,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         and two writers would share the index's temporary file (1.6 ms at the bounds: 64 active, 1,000 kept)."""
         self.index.save([rec for rec in self.earlier if rec["run_id"] not in self.runs] + [
             # (a finished run's config is in its run directory; the index needs none)
-            {"run_id": r.run_id, "run_dir": str(r.run_dir), "config_json": "" if r.finished else r.config.to_json(),
-             "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries} for r in self.runs.values()])
+            # (secrets redacted: a run taken up again takes them from its workers' environment)
+            {"run_id": r.run_id, "run_dir": str(r.run_dir),
+             "config_json": "" if r.finished else r.config.redacted().to_json(),
+             "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries,
+             **({"reason": r.reason} if r.finished and r.reason else {})} for r in self.runs.values()])
 
     def _forget_old_runs(self) -> None:
         """Finished runs beyond --max-kept-runs leave memory, oldest first (their directories stay)."""
@@ -74,8 +77,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 config = RunConfig.from_json(rec["config_json"])
             except (ConfigError, ValueError) as exc:
+                # not forgotten: FAILED with the reason, in GetRun/ListRuns and in the index
+                RUN_INDEX_ERRORS.labels("invalid_config").inc()
                 log.error("cannot take up run %s after a restart: its recorded config does not validate (%s)",
                           rec["run_id"], exc)
+                run = Run(str(rec["run_id"]), RunConfig(), Path(str(rec["run_dir"])))
+                run.recoveries = int(rec.get("recoveries", 0))
+                run.set_state(coordinator_pb2.FAILED, f"not taken up after a coordinator restart: its recorded config "
+                              f"no longer validates ({exc}). Fix: resume it with a valid spec (rlfabric resume "
+                              f"{rec['run_dir']} --set FIELD=VALUE)")
+                self.runs[run.run_id] = run
                 continue
             run = Run(rec["run_id"], config, Path(rec["run_dir"]))
             run.recoveries, run.on_recovery = int(rec.get("recoveries", 0)), self._record

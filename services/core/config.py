@@ -7,6 +7,7 @@ import difflib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -464,12 +465,47 @@ class RunConfig(_Strict):
     def to_json(self) -> str:
         return self.model_dump_json()
 
+    def secrets(self) -> list[str]:
+        """The fields of this spec that hold a secret (S3 keys, a password in replay.redis_url)."""
+        named = [f"storage.{k}" for k in ("access_key", "secret_key") if getattr(self.storage, k)]
+        return named + (["replay.redis_url"] if _url_password(self.replay.redis_url) else [])
+
+    def redacted(self) -> RunConfig:
+        """This spec without its secrets: what run files (config.yaml), the run index and logs hold, and what a
+        worker that opens no store is sent. A run resumed from it takes the secrets from its workers' environment
+        ($RLFABRIC_S3_ACCESS_KEY / $RLFABRIC_S3_SECRET_KEY, $RLFABRIC_REDIS_PASSWORD) or from ``--set`` again."""
+        if not self.secrets():
+            return self
+        storage = self.storage.model_copy(update={"access_key": "", "secret_key": ""})
+        replay = self.replay.model_copy(update={"redis_url": _without_password(self.replay.redis_url)})
+        return self.model_copy(update={"storage": storage, "replay": replay})
+
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         try:
             return cls.model_validate(json.loads(text))
         except (ValidationError, json.JSONDecodeError) as exc:
             raise ConfigError(_explain(exc, "config_json")) from None
+
+
+def _url_password(url: str) -> bool:
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:  # an unparseable URL may still hold one: treat it as secret
+        return "@" in url
+
+
+def _without_password(url: str) -> str:
+    """A URL as a run file may hold it: the user name kept, the password dropped (the whole URL when it does not
+    parse, since a password could hide in it)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return ""
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}@{host}" if parts.username else host))
 
 
 def _resolve(loc: tuple) -> tuple[tuple, list[Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -29,8 +30,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class PrivateFileHandler(logging.StreamHandler):
+    """Appends to a log file only its owner may read (0600, also when it existed wider), never through a symlink
+    planted at its path: logs name runs, hosts and errors that are no other local user's business."""
+
+    def __init__(self, path: str):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        super().__init__(os.fdopen(fd, "a", encoding="utf-8"))
+        self.baseFilename = os.path.abspath(path)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+            self.stream.close()
+        finally:
+            super().close()
+
+
 def setup_logging(service: str, log_file: str | None = None, level: str = "INFO") -> None:
-    handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler: logging.Handler = PrivateFileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -32,6 +32,9 @@ ENV_EXAMPLE = ROOT / "compose" / ".env.example"
 RUN_SPEC = ROOT / "examples" / "cartpole_ppo_compose.yaml"
 RLFABRIC = ("coordinator", "env", "replay", "learner", "rollout")
 BACKING = ("redis", "minio")
+# compose refuses to start without each of these (no default credentials): the secret and the backing services'
+REQUIRED = {"RLFABRIC_TOKEN": "compose-test-secret-0123456789", "RLFABRIC_S3_ACCESS_KEY": "compose-test-user",
+            "RLFABRIC_S3_SECRET_KEY": "compose-test-password", "RLFABRIC_REDIS_PASSWORD": "compose-test-redis"}
 
 
 def _compose_cli() -> list[str] | None:
@@ -60,19 +63,28 @@ def test_compose_file_validates_with_docker_compose(tmp_path):
     cli = _compose_cli()
     if cli is None:
         pytest.skip("neither docker-compose nor `docker compose` is installed (CI installs docker-compose)")
-    env = _clean_env()
-    refused = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env,
-                             timeout=60)
-    assert refused.returncode != 0 and "RLFABRIC_TOKEN" in refused.stderr  # no secret, no deployment
-    env = _clean_env(RLFABRIC_TOKEN="compose-test-secret-0123456789")
+    for missing in REQUIRED:  # no secret or no credentials, no deployment (and the error names what to set)
+        env = _clean_env(**{k: v for k, v in REQUIRED.items() if k != missing})
+        refused = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env,
+                                 timeout=60)
+        assert refused.returncode != 0 and missing in refused.stderr, (missing, refused.stderr)
+    env = _clean_env(**REQUIRED)
     result = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     normalised = yaml.safe_load(result.stdout)
     assert set(normalised["services"]) == set(RLFABRIC) | set(BACKING)
-    assert normalised["services"]["coordinator"]["environment"]["RLFABRIC_PORT"] == "50051"
+    services = normalised["services"]
+    assert services["coordinator"]["environment"]["RLFABRIC_PORT"] == "50051"
     for role in RLFABRIC:  # the secret reaches every rlfabric service, from the env file
-        assert normalised["services"][role]["environment"]["RLFABRIC_TOKEN"] == "compose-test-secret-0123456789"
+        assert services[role]["environment"]["RLFABRIC_TOKEN"] == "compose-test-secret-0123456789"
+    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == "compose-test-password"
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1] == "compose-test-redis"
+    assert services["replay"]["environment"]["RLFABRIC_REDIS_PASSWORD"] == "compose-test-redis"
+    # credentials reach only the workers that open the stores
+    for role in ("coordinator", "env"):
+        assert not {"RLFABRIC_S3_SECRET_KEY", "RLFABRIC_REDIS_PASSWORD"} & set(services[role]["environment"])
 
     # The same command must reject a schema error, or the check above proves nothing.
     broken = tmp_path / "broken.yml"
@@ -102,18 +114,29 @@ def test_redis_and_minio_keep_data_in_named_volumes(compose):
     redis_cmd = compose["services"]["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
     minio_env = compose["services"]["minio"]["environment"]
-    assert minio_env["MINIO_ROOT_USER"].startswith("${RLFABRIC_S3_ACCESS_KEY:-")
-    assert minio_env["MINIO_ROOT_PASSWORD"].startswith("${RLFABRIC_S3_SECRET_KEY:-")
+    # no default credentials: `:?` makes compose refuse to start without them
+    assert minio_env["MINIO_ROOT_USER"].startswith("${RLFABRIC_S3_ACCESS_KEY:?")
+    assert minio_env["MINIO_ROOT_PASSWORD"].startswith("${RLFABRIC_S3_SECRET_KEY:?")
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${RLFABRIC_REDIS_PASSWORD:?")
 
 
 def _service_flags(role: str) -> set[str]:
-    """The RLFABRIC_* names `rlfabric serve ROLE` understands, from the real parsers."""
+    """The RLFABRIC_* names `rlfabric serve ROLE` understands, from the real parsers (the flags every service
+    shares, and the ones its main adds)."""
+    import importlib
+
+    extras = []
+    module = importlib.import_module(f"services.{role}.server")
+    real = module.run_service
+    try:  # what the service's main hands run_service as its own flags
+        module.run_service = lambda _role, _build, _argv=None, extra=None: extras.append(extra)
+        module.main([])
+    finally:
+        module.run_service = real
     parser = argparse.ArgumentParser()
     ServiceOptions.add_arguments(parser)
-    if role == "coordinator":
-        from services.coordinator.server import _extra
-
-        _extra(parser)
+    if extras and extras[0] is not None:
+        extras[0](parser)
     return {env_var(o) for a in parser._actions for o in a.option_strings if o.startswith("--")}
 
 
@@ -133,8 +156,9 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
         port = env["RLFABRIC_PORT"]
         ports.add(port)
         assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.core.healthcheck", f"{role}:{port}"]
+        # (secrets are read from the environment, never flags: they would show in `ps`)
         unknown = {k for k in env if k.startswith("RLFABRIC_") and not k.startswith("RLFABRIC_S3_")
-                   and k != "RLFABRIC_TOKEN"}  # (the secret is read from the environment, not a flag)
+                   and k not in ("RLFABRIC_TOKEN", "RLFABRIC_REDIS_PASSWORD")}
         unknown -= _service_flags(role)
         assert not unknown, f"{role}: {sorted(unknown)} are not flags of `rlfabric serve {role}`"
         if role == "coordinator":
@@ -169,6 +193,7 @@ def test_compose_run_spec_uses_redis_and_minio_by_service_name():
     assert config.replay.store == "redis" and config.replay.redis_url == "redis://redis:6379/0"
     assert config.storage.kind == "s3" and config.storage.endpoint == "minio:9000"
     assert not config.storage.access_key and not config.storage.secret_key  # from the workers' environment
+    assert not config.secrets()  # the Redis password too
 
 
 # -- (c) configuration by environment, for real --------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""Finding 9, secrets in files: S3 keys and a Redis password in a run spec never reach config.yaml, the run index or
+the logs; run directories are owner-only (0700) and the files holding a run's spec, the index and logs 0600."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from services.core.config import RunConfig, dump_yaml
+from tests.conftest import short_config
+
+SECRETS = ("AKIA-SPEC-KEY", "spec-secret-key", "hunter2")
+
+
+def _secret_config(**overrides) -> RunConfig:
+    return short_config(storage={"access_key": SECRETS[0], "secret_key": SECRETS[1]},
+                        replay={"redis_url": f"redis://default:{SECRETS[2]}@redis:6379/0"}, **overrides)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_redacted_config_has_no_secret_and_keeps_the_rest():
+    config = _secret_config()
+    assert config.secrets() == ["storage.access_key", "storage.secret_key", "replay.redis_url"]
+    clean = config.redacted()
+    text = clean.to_json()
+    assert not any(s in text for s in SECRETS)
+    assert clean.replay.redis_url == "redis://default@redis:6379/0" and clean.storage.access_key == ""
+    assert clean.env == config.env and clean.algorithm == config.algorithm and not clean.secrets()
+    assert config.storage.secret_key == SECRETS[1]  # the run itself keeps them (its store workers need them)
+    plain = short_config()
+    assert plain.redacted() is plain
+
+
+def test_run_directory_is_private_and_config_yaml_holds_no_secret(tmp_path):
+    from services.coordinator.runlog import RunLog
+
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True, mode=0o755)
+    (run_dir / "config.yaml").write_text("old")
+    os.chmod(run_dir / "config.yaml", 0o644)
+    log = RunLog(run_dir, _secret_config())
+    try:
+        text = (run_dir / "config.yaml").read_text()
+        assert not any(s in text for s in SECRETS) and "redis://default@redis:6379/0" in text
+        assert _mode(run_dir) == 0o700 and _mode(run_dir / "config.yaml") == 0o600
+    finally:
+        log._tb.close()
+        log._csv_file.close()
+
+
+def test_log_files_are_owner_only_and_never_written_through_a_symlink(tmp_path):
+    from services.core.logs import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    path = tmp_path / "learner.log"
+    path.write_text("")
+    os.chmod(path, 0o644)
+    try:
+        setup_logging("learner", str(path))
+        logging.getLogger("x").warning("hello")
+        root.handlers[0].flush()
+        assert _mode(path) == 0o600 and '"msg": "hello"' in path.read_text()
+        target = tmp_path / "elsewhere"
+        target.write_text("")
+        (tmp_path / "planted.log").symlink_to(target)
+        with pytest.raises(OSError):
+            setup_logging("learner", str(tmp_path / "planted.log"))
+        assert target.read_text() == ""
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+class _Context:
+    async def abort(self, code, details):
+        raise AssertionError(f"{code}: {details}")
+
+
+def test_run_index_holds_no_secret_and_is_owner_only(tmp_path):
+    """SubmitRun records the run in runs.json: its spec without the secrets, in a 0600 file of a 0700 folder."""
+    from services.coordinator.server import CoordinatorService
+    from services.core.proto.rlfabric.v1 import coordinator_pb2
+
+    async def main():
+        runtime = SimpleNamespace(address="127.0.0.1:1", on_shutdown=lambda hook: None)
+        service = CoordinatorService(runtime, str(tmp_path), 3.0, take_up_runs=False)
+        try:
+            status = await service.SubmitRun(coordinator_pb2.SubmitRunRequest(
+                config_yaml=dump_yaml(_secret_config()), run_dir="with-secrets"), _Context())
+            assert service.runs[status.run_id].config.storage.secret_key == SECRETS[1]  # in memory, for the run
+        finally:
+            await service.shutdown()
+
+    asyncio.run(main())
+    index = tmp_path / ".coordinator" / "runs.json"
+    text = index.read_text()
+    assert "with-secrets" in text and not any(s in text for s in SECRETS)
+    recorded = RunConfig.from_json(json.loads(text)["runs"][0]["config_json"])
+    assert recorded.replay.redis_url == "redis://default@redis:6379/0"
+    assert _mode(index) == 0o600 and _mode(index.parent) == 0o700
