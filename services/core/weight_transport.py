@@ -5,6 +5,11 @@ publisher-subscriber pair gets its own 2-rank group built directly on a ``Prefix
 ``TCPStore`` (rank 0 = publisher, rank 1 = subscriber). The ZeroMQ channel keeps the control (manifest, versions,
 long-poll); these groups only move bucket bytes. Sends run on one thread per pair, so a blocking send never
 stalls the publisher's data-plane thread.
+
+torch.distributed authenticates nobody, so what it listens on is narrowed instead: the store and every gloo
+device bind the service's own address (loopback for a local stack), never all interfaces, and each pair's keys
+live under a random prefix that the subscriber learns only from the publisher's answer on the (CURVE-secured)
+weight channel. A stranger who reaches the store cannot name, read or forge a pair's rendezvous keys.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -40,9 +47,80 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(1.0, seconds))
 
 
-def make_group(backend: str, store: dist.Store, pair: int, rank: int, local_ip: str, timeout_s: float):
-    """A 2-rank group of its own (blocks until the other rank builds its side, at most ``timeout_s``)."""
-    prefixed = dist.PrefixStore(f"rlfabric/weights/pair/{pair}/", store)
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+PREFIX_HEX = 32  # a group's key prefix: 128 random bits
+
+
+def new_prefix() -> str:
+    """A group's random key prefix (hex): handed to its peer over an authenticated channel only."""
+    return secrets.token_hex(PREFIX_HEX // 2)
+
+
+def check_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or len(prefix) != PREFIX_HEX or any(c not in "0123456789abcdef" for c in prefix):
+        raise ValueError(f"a torch.distributed group prefix must be {PREFIX_HEX} lowercase hex digits, got "
+                         f"{str(prefix)[:40]!r}: the publisher and subscriber run different rlfabric versions")
+    return prefix
+
+
+def bind_address(host: str, advertise_host: str = "") -> str:
+    """The one local address torch.distributed listeners bind: the service's own bind address, or where it binds
+    all interfaces, the address its advertised name resolves to (what peers dial). Never the wildcard."""
+    name = (advertise_host or socket.gethostname()) if host.strip("[]") in WILDCARDS else host.strip("[]")
+    try:
+        return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as exc:
+        raise OSError(f"cannot resolve {name!r} to bind torch.distributed to ({exc}). Fix: start the service with "
+                      f"--advertise-host set to this host's reachable address") from None
+
+
+def listening_store(ip: str, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server that listens on ``ip`` only. Left to itself torch binds all interfaces, so the socket is
+    bound here and its descriptor handed over (the libuv server owns and closes it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((ip, 0))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind a torch.distributed store to {ip} ({exc.strerror}). Fix: give the service an "
+                      f"address of this host (--host or --advertise-host)") from None
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(ip, port, None, True, _timedelta(timeout_s), wait_for_workers=False,
+                             master_listen_fd=fd, use_libuv=True)
+    except Exception:
+        os.close(fd)
+        raise
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface holding IPv4 address ``ip`` (Linux), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                addr = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(addr[20:24]) == ip:
+                return name
+    return None
+
+
+def _nccl_interface(local_ip: str) -> None:
+    """NCCL picks its socket interface once per process from NCCL_SOCKET_IFNAME (by default any but loopback):
+    unless the operator chose one, it is the interface of the address this group uses."""
+    if "NCCL_SOCKET_IFNAME" not in os.environ and (name := interface_of(local_ip)) is not None:
+        os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"
+
+
+def make_group(backend: str, store: dist.Store, prefix: str, rank: int, local_ip: str, timeout_s: float):
+    """A 2-rank group of its own on the keys under ``prefix`` (blocks until the other rank builds its side, at most
+    ``timeout_s``); its gloo device listens on ``local_ip`` only."""
+    prefixed = dist.PrefixStore(f"rlfabric/weights/{check_prefix(prefix)}", store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _timedelta(timeout_s)
@@ -51,6 +129,7 @@ def make_group(backend: str, store: dist.Store, pair: int, rank: int, local_ip: 
     if backend == "nccl":
         if not dist.is_nccl_available() or not torch.cuda.is_available():
             raise RuntimeError("weight_sync.transport=nccl needs CUDA and a torch build with NCCL; use gloo or zmq")
+        _nccl_interface(local_ip)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _timedelta(timeout_s)
         opts.is_high_priority_stream = False
@@ -66,8 +145,8 @@ def _sync(backend: str) -> None:
 class _Pair:
     """Publisher side of one subscriber: its group, and a thread that sends queued bucket lists in order."""
 
-    def __init__(self, host: PairHost, pair: int, peer_ip: str, timeout_s: float):
-        self.host, self.pair, self.peer_ip, self.timeout_s = host, pair, peer_ip, timeout_s
+    def __init__(self, host: PairHost, pair: int, prefix: str, peer_ip: str, timeout_s: float):
+        self.host, self.pair, self.prefix, self.peer_ip, self.timeout_s = host, pair, prefix, peer_ip, timeout_s
         self.jobs: queue.Queue = queue.Queue()
         self.alive = True
         self.used = time.monotonic()
@@ -77,7 +156,7 @@ class _Pair:
     def _run(self) -> None:
         backend = self.host.backend
         try:
-            group = make_group(backend, self.host.store, self.pair, 0, local_ip_toward(self.peer_ip), self.timeout_s)
+            group = make_group(backend, self.host.store, self.prefix, 0, self.host.ip, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 — the subscriber never came, or could not connect
             log.warning("weights: pair %d (%s) did not connect: %s", self.pair, self.peer_ip, exc)
             self.alive = False
@@ -99,20 +178,22 @@ class _Pair:
 
 
 class PairHost:
-    """Publisher side: one TCPStore (port 0, bound on all interfaces) and a group per joined subscriber."""
+    """Publisher side: one TCPStore listening on ``ip`` (the service's own address; see ``bind_address``) and a
+    group per joined subscriber, each on keys under a random prefix."""
 
-    def __init__(self, backend: str, timeout_s: float = 60.0):
+    def __init__(self, backend: str, ip: str, timeout_s: float = 60.0):
         if backend not in BACKENDS:
             raise ValueError(f"unknown torch.distributed backend {backend!r}; expected one of {BACKENDS}")
-        self.backend = backend
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, _timedelta(timeout_s), wait_for_workers=False)
+        self.backend, self.ip = backend, ip
+        self.store = listening_store(ip, timeout_s)
         self.port = self.store.port
         self._ids = itertools.count(1)
         self._pairs: dict[int, _Pair] = {}
         self._lock = threading.Lock()
 
-    def join(self, peer_ip: str, timeout_s: float) -> int:
-        """Start building a group with a new subscriber; it builds its side with the returned pair id."""
+    def join(self, peer_ip: str, timeout_s: float) -> tuple[int, str]:
+        """Start building a group with a new subscriber; it builds its side with the returned pair id and key
+        prefix (which must reach it over an authenticated channel only)."""
         with self._lock:
             dead = [p for p, pair in self._pairs.items() if not pair.alive]
             for p in dead:
@@ -120,9 +201,9 @@ class PairHost:
             if len(self._pairs) >= MAX_PAIRS:  # subscribers that vanished without leaving: close the idlest
                 idlest = min(self._pairs, key=lambda p: self._pairs[p].used)
                 self._pairs.pop(idlest).jobs.put(None)
-            pair = next(self._ids)
-            self._pairs[pair] = _Pair(self, pair, peer_ip, timeout_s)
-        return pair
+            pair, prefix = next(self._ids), new_prefix()
+            self._pairs[pair] = _Pair(self, pair, prefix, peer_ip, timeout_s)
+        return pair, prefix
 
     def send(self, pair: int, buckets: list[torch.Tensor]) -> None:
         """Queue bucket tensors for the pair's thread; they stay referenced (alive) until sent."""
@@ -149,10 +230,10 @@ class PairHost:
 class PairClient:
     """Subscriber side of one pair: receives bucket tensors (CPU for gloo, CUDA for NCCL) in order."""
 
-    def __init__(self, backend: str, store_host: str, store_port: int, pair: int, timeout_s: float):
+    def __init__(self, backend: str, store_host: str, store_port: int, pair: int, prefix: str, timeout_s: float):
         self.backend, self.pair = backend, pair
         store = dist.TCPStore(store_host, store_port, None, False, _timedelta(timeout_s))
-        self.group = make_group(backend, store, pair, 1, local_ip_toward(store_host), timeout_s)
+        self.group = make_group(backend, store, prefix, 1, local_ip_toward(store_host), timeout_s)
         self._store = store
 
     def recv(self, buckets: list[torch.Tensor]) -> None:

@@ -260,6 +260,7 @@ class WeightPublisher:
             raise ValueError(f"data_plane.max_message_bytes={max_bytes} leaves no room for weight buckets")
         self.server = DataServer(host, max_bytes=max_bytes, name="weights", advertise_host=advertise_host)
         self.endpoint = self.server.endpoint
+        self._host, self._advertise_host = host, advertise_host  # where torch.distributed pairs listen
         self._lock = threading.Lock()
         self._version = -1
         self._lineage = secrets.token_hex(8)  # names a version sequence: equal numbers from another one differ
@@ -422,13 +423,16 @@ class WeightPublisher:
             raise ValueError(f"this publisher serves weights over {self.sync.transport}, not {backend}; set the "
                              f"same weight_sync.transport on the learner")
         if self._pairs is None:
-            from services.core.weight_transport import PairHost
+            from services.core.weight_transport import PairHost, bind_address
 
-            self._pairs = PairHost("nccl" if self.sync.transport == "nccl" else "gloo")
+            self._pairs = PairHost("nccl" if self.sync.transport == "nccl" else "gloo",
+                                   bind_address(self._host, self._advertise_host))
         if backend != self._pairs.backend:
             raise ValueError(f"this publisher serves {self._pairs.backend}, not {backend}")
-        pair = self._pairs.join(str(meta.get("ip", "127.0.0.1"))[:64], meta_float(meta, "timeout_s", 30.0, 0.1, 3600.0))
-        reply.send("joined", TensorBatch(meta={"pair": pair, "port": self._pairs.port}))
+        pair, prefix = self._pairs.join(str(meta.get("ip", "127.0.0.1"))[:64],
+                                        meta_float(meta, "timeout_s", 30.0, 0.1, 3600.0))
+        # the pair's key prefix travels only here, on the authenticated weight channel: nobody else can name its keys
+        reply.send("joined", TensorBatch(meta={"pair": pair, "port": self._pairs.port, "prefix": prefix}))
 
     def _send(self, pair: int, version: int, base: int, lineage: str, reply: Reply) -> None:
         payload = self._payload(version, base, lineage, exact=True)
@@ -675,7 +679,7 @@ class WeightSubscriber:
             _, batch = self.client.request("join", TensorBatch(meta={
                 "transport": self.sync.transport, "ip": local_ip_toward(host), "timeout_s": self.timeout_s}))
             self._pair = PairClient(self.sync.transport, host, int(batch.meta["port"]), int(batch.meta["pair"]),
-                                    self.timeout_s)
+                                    batch.meta.get("prefix"), self.timeout_s)
         return self._pair
 
     def _drop_pair(self) -> None:

@@ -15,6 +15,10 @@ every rank as a command, and all ranks then run the same collective code. Gloo o
 
 A rank that dies makes the next collective fail on rank 0 within ``data_plane.timeout_s`` (not hang), and the
 learner's health check names it.
+
+torch.distributed authenticates nobody, so the group is kept out of reach instead: rank 0 binds the store to
+loopback itself (torch would bind all interfaces), gloo listens on the loopback interface, and the group's keys live
+under a random prefix that reaches ranks 1..N-1 in their environment (never argv, which ``ps`` shows).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import copy
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -34,10 +37,13 @@ import torch
 import torch.distributed as dist
 
 from services.core.codec import decode, encode, pack_frames, unpack_frames
+from services.core.weight_transport import check_prefix, interface_of, listening_store, new_prefix
 
 log = logging.getLogger(__name__)
 CONFIGURE, UPDATE, WEIGHTS, OPTIMIZER, STOP = range(5)
 MAX_COMMAND_BYTES = 1 << 31
+LOOPBACK = "127.0.0.1"  # every rank runs on the learner's host
+PREFIX_ENV = "RLFABRIC_LEARNER_STORE_PREFIX"
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -47,12 +53,6 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 def backend_for(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else "nccl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- what every rank runs -----------------------------------------------------------------------------------------
@@ -77,11 +77,24 @@ def _receive() -> tuple[int, bytes]:
     return op, data.cpu().numpy().tobytes()
 
 
-def _init(device: torch.device, rank: int, world: int, timeout_s: float, init_method: str) -> None:
+def _init(device: torch.device, rank: int, world: int, timeout_s: float, store: dist.Store, prefix: str) -> None:
     global _wire
     _wire = device
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"rlfabric/learner/{check_prefix(prefix)}",
+                                                                        store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def _loopback_interfaces() -> dict[str, str]:
+    """Environment that makes gloo (and NCCL, unless the operator chose) listen on the loopback interface: gloo
+    otherwise listens on whatever this host's name resolves to."""
+    name = interface_of(LOOPBACK)
+    if name is None:
+        return {}
+    env = {"GLOO_SOCKET_IFNAME": name}
+    if "NCCL_SOCKET_IFNAME" not in os.environ:
+        env["NCCL_SOCKET_IFNAME"] = f"={name}"
+    return env
 
 
 def shard_policy(policy: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -180,7 +193,10 @@ def worker_main() -> None:
     device = rank_device(base, int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _init(device, rank, world, float(os.environ.get("RLFABRIC_LEARNER_TIMEOUT_S", "600")), "env://")
+    timeout_s = float(os.environ.get("RLFABRIC_LEARNER_TIMEOUT_S", "600"))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                          timedelta(seconds=timeout_s))
+    _init(device, rank, world, timeout_s, store, os.environ.get(PREFIX_ENV, ""))
     policy = algo = None
     try:
         while True:
@@ -214,15 +230,19 @@ class RankGroup:
 
     def __init__(self, world: int, device: torch.device, timeout_s: float):
         self.world, self.device = world, device
-        port = _free_port()
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "RLFABRIC_LEARNER_DEVICE": device.type,
-               "RLFABRIC_LEARNER_TIMEOUT_S": str(timeout_s)}
+        self.store = listening_store(LOOPBACK, timeout_s)
+        prefix = new_prefix()
+        interfaces = _loopback_interfaces()
+        if "GLOO_SOCKET_IFNAME" in interfaces:  # this process is rank 0: its gloo device listens there too
+            os.environ["GLOO_SOCKET_IFNAME"] = interfaces["GLOO_SOCKET_IFNAME"]
+        env = {**os.environ, **interfaces, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(self.store.port),
+               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "RLFABRIC_LEARNER_DEVICE": device.type,
+               "RLFABRIC_LEARNER_TIMEOUT_S": str(timeout_s), PREFIX_ENV: prefix}
         self.procs = [subprocess.Popen([sys.executable, "-m", "services.learner.ranks"],
-                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL)
                       for r in range(1, world)]
         try:
-            _init(device, 0, world, timeout_s, f"tcp://127.0.0.1:{port}")
+            _init(device, 0, world, timeout_s, self.store, prefix)
         except Exception:
             self._kill()
             raise
