@@ -19,6 +19,7 @@ from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataServer, Reply
 from services.core.ownership import check_owner
+from services.core.paths import add_arguments as add_path_arguments
 from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
@@ -128,7 +129,9 @@ async def _build(runtime: ServiceRuntime, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_service("env", _build, argv)
+    # Every worker takes the operator's --data-root and --allow-endpoints (a launcher passes them to all alike);
+    # the env service opens no file or endpoint a run spec names.
+    run_service("env", _build, argv, add_path_arguments)
 
 
 if __name__ == "__main__":
