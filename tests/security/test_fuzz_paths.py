@@ -1,0 +1,90 @@
+"""The fuzz flow of issue 19 for paths: every path field of a run spec, given an escape (an absolute path outside,
+'..', a symlink out, /dev/zero, a FIFO), and every endpoint field, given a host the operator did not allow,
+submitted through the coordinator to workers started with narrow --data-root and --allow-endpoints. Each run is
+refused with an error naming the field, none hangs or takes a worker down, and nothing is written outside the
+roots."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from services.core.proto.rlfabric.v1 import coordinator_pb2
+from services.launcher import LocalStack
+from tests.conftest import short_config
+
+ROLES = ("env", "replay", "learner", "rollout")
+TERMINAL = (coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED)
+
+
+@pytest.fixture
+def confined_stack(tmp_path):
+    """A coordinator whose workers read only under data/ and runs/ and connect nowhere a spec names."""
+    from services.coordinator.client import CoordinatorClient
+
+    data, runs, outside = tmp_path / "data", tmp_path / "runs", tmp_path / "outside"
+    for d in (data, runs, outside):
+        d.mkdir()
+    stack = LocalStack(log_dir=tmp_path / "logs", runs_root=runs, roles=(), heartbeat_timeout_s=3.0)
+    stack.start()
+    for role in ROLES:  # (LocalStack's own workers would get a loopback stack's wide roots)
+        stack._spawn(role, f"services.{role}.server", ["--coordinator", stack.address, "--data-root",
+                                                       f"{data}{os.pathsep}{runs}", "--allow-endpoints", ""])
+    stack.client = CoordinatorClient(stack.address)
+    try:
+        deadline = time.monotonic() + 90
+        while len([w for w in stack.client.workers() if w.alive]) < len(ROLES):
+            assert time.monotonic() < deadline and not stack.dead(), f"workers did not register: {stack.dead()}"
+            time.sleep(0.2)
+        yield stack, data, outside
+    finally:
+        stack.client.close()
+        stack.stop()
+
+
+def _escapes(data, outside) -> dict[str, str]:
+    (outside / "ckpt.pt").write_bytes(b"not yours")
+    (data / "link-out").symlink_to(outside / "ckpt.pt")
+    (data / "dir-out").symlink_to(outside)
+    os.mkfifo(data / "fifo")
+    return {"absolute outside": str(outside / "ckpt.pt"), "dot-dot": "../outside/ckpt.pt", "symlink out": "link-out",
+            "/dev/zero": "/dev/zero", "fifo": str(data / "fifo")}
+
+
+@pytest.mark.slow
+def test_path_and_endpoint_escapes_in_a_run_spec_are_refused(confined_stack):
+    stack, data, outside = confined_stack
+    escapes = _escapes(data, outside)
+    cases = []
+    for name, path in escapes.items():
+        cases.append((f"policy.init_checkpoint: {name}", "policy.init_checkpoint",
+                      {"policy": {"init_checkpoint": path}}))
+        cases.append((f"replay.datasets: {name}", "replay.datasets.demos", {"replay": {"datasets": {"demos": path}}}))
+    for name, path in (("absolute outside", str(outside / "store")), ("dot-dot", "../outside/store"),
+                       ("symlink out", "dir-out/store"), ("/dev/zero", "/dev/zero")):
+        cases.append((f"storage.root: {name}", "storage.root", {"storage": {"root": path}}))
+    cases.append(("storage.endpoint: metadata service", "storage.endpoint",
+                  {"storage": {"kind": "s3", "endpoint": "169.254.169.254:80", "access_key": "k", "secret_key": "s"}}))
+    cases.append(("replay.redis_url: a host of the spec's choosing", "replay.redis_url",
+                  {"replay": {"store": "redis", "redis_url": "redis://:pw@10.1.2.3:6379/0"}}))
+    before = sorted(p.name for p in outside.iterdir())
+    for label, field, override in cases:
+        t0 = time.monotonic()
+        config = short_config(**override, train={"total_env_steps": 64, "eval_every_iterations": 0})
+        status = stack.client.submit(config)
+        final = stack.client.wait(status.run_id)
+        took = time.monotonic() - t0
+        assert final.state == coordinator_pb2.FAILED and final.bad_input, (label, final.state, final.reason)
+        assert field in final.reason, (label, final.reason)
+        assert took < 60, (label, took)  # refused at once: no FIFO wedge, no read of /dev/zero
+        assert "pw" not in final.reason.replace("pwd", "")  # (no password echoed)
+    assert sorted(p.name for p in outside.iterdir()) == before  # nothing written outside the roots
+    assert not stack.dead() and len([w for w in stack.client.workers() if w.alive]) == len(ROLES)
+    # and a spec inside the roots still runs on the same workers
+    status = stack.client.submit(short_config(storage={"root": "stores/ok"},
+                                              train={"total_env_steps": 64, "eval_every_iterations": 0}))
+    final = stack.client.wait(status.run_id)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+    assert (data / "stores" / "ok").is_dir()
