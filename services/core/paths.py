@@ -203,3 +203,14 @@ def confine_storage(storage, run_dir: str, roots: DataRoots, endpoints: Endpoint
     elif storage.root:
         storage = storage.model_copy(update={"root": str(roots.confine(storage.root, "storage.root"))})
     return storage, confined_dir
+
+
+def confine_model(config, roots: DataRoots):
+    """``config`` with ``policy.lm.path`` (a saved model directory its libraries open themselves) resolved under the
+    data roots, else PathRefused naming the field."""
+    lm = config.policy.lm
+    if not lm.path:
+        return config
+    policy = config.policy.model_copy(update={"lm": lm.model_copy(
+        update={"path": str(roots.confine(lm.path, "policy.lm.path"))})})
+    return config.model_copy(update={"policy": policy})

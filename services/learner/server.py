@@ -25,7 +25,7 @@ from services.core.models import build_policy
 from services.core.objectstore import ObjectStore, open_store
 from services.core.offload import ModelOffload, state_tensors
 from services.core.ownership import check_owner
-from services.core.paths import DataRoots, Endpoints, confine_storage
+from services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
 from services.core.paths import add_arguments as add_path_arguments
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
@@ -121,6 +121,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.ranks = None
         self.device = resolve_device(config.runtime.device)
         storage, run_dir = confine_storage(config.storage, run_dir, self.roots, self.endpoints)
+        config = confine_model(config, self.roots)  # (its checkpoints record where the model came from)
         self.store = open_store(storage, run_dir, run_id)
         detail: dict = {}
         state = None

@@ -15,7 +15,7 @@ from prometheus_client import Counter, Gauge
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import PeerTimeout, RemoteError
 from services.core.ownership import check_owner
-from services.core.paths import DataRoots, Endpoints, add_arguments, confine_storage
+from services.core.paths import DataRoots, Endpoints, add_arguments, confine_model, confine_storage
 from services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
@@ -82,12 +82,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except (ConfigError, KeyError, json.JSONDecodeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Configure needs config_json, context_json.env_spec and peers env/replay/learner: {exc}")
-        try:  # the object store its cold start reads: under the operator's roots, at an allowed endpoint
+        try:  # the object store its cold start reads and the model it loads: under the operator's roots
             storage, run_dir = confine_storage(config.storage, str(info.get("run_dir") or "."), self.roots,
                                                self.endpoints)
+            config = confine_model(config, self.roots).model_copy(update={"storage": storage})
         except ValueError as exc:  # PathRefused, EndpointRefused
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rollout: {exc}")
-        config = config.model_copy(update={"storage": storage})
         self.close()
         base = int(info.get("base_version", 0))
         start = int(info.get("start_iteration", 0))

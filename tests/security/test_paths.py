@@ -156,3 +156,12 @@ def test_rollout_configure_refuses_a_storage_root_outside(layout):
         asyncio.run(service.Configure(request, _Context()))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "storage.root" in info.value.details
     assert service.worker is None  # refused before anything was built
+
+
+def test_a_saved_model_directory_is_confined_too(layout):
+    from services.core.paths import confine_model
+
+    config = short_config(policy={"lm": {"path": "models/lm"}})
+    assert confine_model(config, layout.roots).policy.lm.path == str(layout.root / "models" / "lm")
+    with pytest.raises(PathRefused, match="policy.lm.path.*--data-root"):
+        confine_model(short_config(policy={"lm": {"path": str(layout.outside.parent)}}), layout.roots)
