@@ -2,7 +2,9 @@
 
   rlfabric train CONFIG [--run-dir DIR] [--set key=value ...] [--coordinator HOST:PORT]
   rlfabric resume RUN_DIR [--coordinator HOST:PORT]   continue a run from its newest valid checkpoint
-  rlfabric up [--runs-root DIR]                       start every service locally and keep serving
+  rlfabric up [--runs-root DIR] [--tls auto]          start every service locally and keep serving
+  rlfabric certs OUT_DIR --hosts h1,h2                a private CA and the services' and clients' certificates
+  rlfabric scrape-token                               the metrics credential derived from the deployment's secret
   rlfabric serve SERVICE --coordinator HOST:PORT      one service (for multi-host deployments)
   rlfabric status --coordinator HOST:PORT             workers and runs
   rlfabric stop RUN_ID --coordinator HOST:PORT
@@ -232,8 +234,22 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path | None, stack,
 def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import LocalStack
 
+    tls, tls_note = None, ""
+    if args.tls == "auto":
+        from services.core import certs
+
+        tls_dir = Path(args.runs_root) / ".rlfabric" / "tls"
+        paths = certs.existing(tls_dir) or certs.generate(tls_dir, certs.local_hosts(args.host))
+        tls, client = certs.service_files(paths), certs.client_files(paths)
+        tls_note = (f"\n  gRPC is mTLS and metrics HTTPS with the CA in {tls_dir} (delete it to make a new one): "
+                    f"clients also set RLFABRIC_TLS_CA={Path(client.ca).resolve()} "
+                    f"RLFABRIC_TLS_CERT={Path(client.cert).resolve()} RLFABRIC_TLS_KEY={Path(client.key).resolve()}")
+    elif not auth.is_loopback(args.host) and not args.insecure_plaintext:
+        return _fail(f"refusing to serve on {args.host} without TLS: every call would carry the stack's bearer in "
+                     f"clear. Fix: --tls auto (a private CA for this stack), bind 127.0.0.1, or pass "
+                     f"--insecure-plaintext on a network you trust", 2)
     stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host,
-                       take_up_runs=True)
+                       take_up_runs=True, tls=tls, insecure_plaintext=args.insecure_plaintext)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job may inherit SIGINT as ignored
         signal.signal(sig, lambda *_: stop.append(1))
@@ -241,10 +257,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         address = stack.start()
         stack.supervise()  # restart policy on-failure: a dead worker comes back, up to 5 times with back-off
         token_file = auth.write_token_file(Path(args.runs_root) / ".rlfabric" / "token", stack.token)
+        scrape_file = auth.write_token_file(Path(args.runs_root) / ".rlfabric" / "scrape-token",
+                                            auth.Security(stack.token).scrape_token)
         console.print(f"rlfabric is up: coordinator at [bold]{address}[/]; logs in {stack.log_dir}. Ctrl-C stops.\n"
                       f"  its secret is in {token_file} (owner-only): clients use it with "
-                      f"RLFABRIC_TOKEN_FILE={token_file.resolve()} or rlfabric.Client(address, token_file=...)",
-                      soft_wrap=True)
+                      f"RLFABRIC_TOKEN_FILE={token_file.resolve()} or rlfabric.Client(address, token_file=...); "
+                      f"Prometheus scrapes with the token in {scrape_file}{tls_note}", soft_wrap=True)
         print(address, flush=True)
         while not stop:
             dead = stack.dead()  # supervised: only what exited for good, the coordinator included
@@ -255,6 +273,40 @@ def cmd_up(args: argparse.Namespace) -> int:
         pass
     finally:
         stack.stop()
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """A private CA and certificates for a deployment (services/core/certs.py)."""
+    from services.core import certs
+
+    out = Path(args.out_dir)
+    if certs.existing(out) and not args.force:
+        return _fail(f"{out} already holds a deployment CA and certificates; pass --force to replace them (every "
+                     f"service and client then needs the new files)", 2)
+    hosts = [*args.hosts.split(","), *(certs.LOOPBACK if not args.no_loopback else ())]
+    try:
+        paths = certs.generate(out, list(dict.fromkeys(h.strip() for h in hosts if h.strip())), args.days)
+    except auth.AuthError as exc:
+        return _fail(str(exc), 2)
+    console.print(f"CA, services' and clients' certificates in {out} (keys owner-only; keep ca.key offline):\n"
+                  f"  services: --tls-cert {paths['server.pem']} --tls-key {paths['server.key']} "
+                  f"--tls-ca {paths['ca.pem']}\n"
+                  f"  clients:  RLFABRIC_TLS_CERT={paths['client.pem']} RLFABRIC_TLS_KEY={paths['client.key']} "
+                  f"RLFABRIC_TLS_CA={paths['ca.pem']}", soft_wrap=True)
+    print(out)
+    return 0
+
+
+def cmd_scrape_token(args: argparse.Namespace) -> int:
+    """The metrics scrape token of the deployment's secret (what Prometheus' credentials_file holds)."""
+    try:
+        security = auth.from_environment(args.token_file)
+    except auth.AuthError as exc:
+        return _fail(str(exc), 2)
+    if not security.enabled:
+        return _fail("no deployment secret: set RLFABRIC_TOKEN_FILE (or RLFABRIC_TOKEN), or pass --token-file", 2)
+    print(security.scrape_token)
     return 0
 
 
@@ -331,9 +383,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
         spawn = max(0, value) if relative else 0
         if args.spawn and spawn:
             log_dir = Path(args.log_dir)
-            log_dir.mkdir(parents=True, exist_ok=True)
+            from services.launcher import open_private_log, private_dir
+
+            private_dir(log_dir)
             for n in range(spawn):
-                log = open(log_dir / f"{args.role}-scaled-{os.getpid()}-{n}.log", "w")
+                log = os.fdopen(open_private_log(log_dir / f"{args.role}-scaled-{os.getpid()}-{n}.log"), "w")
                 import subprocess
 
                 subprocess.Popen([sys.executable, "-m", f"services.{args.role}.server", "--coordinator",
@@ -489,6 +543,22 @@ def cmd_export_lerobot(args: argparse.Namespace, rest: list[str]) -> int:
     return int(export_main(rest) or 0)
 
 
+def _client_tls(parser: argparse.ArgumentParser) -> None:
+    """TLS of a client of a deployment's services: each flag is its RLFABRIC_TLS_* variable (set from it)."""
+    parser.add_argument("--tls-ca", default="", help="the deployment CA (servers are verified with it) "
+                                                     "[env RLFABRIC_TLS_CA]")
+    parser.add_argument("--tls-cert", default="", help="a client certificate the CA signed, for mTLS services "
+                                                       "[env RLFABRIC_TLS_CERT]")
+    parser.add_argument("--tls-key", default="", help="the key of --tls-cert [env RLFABRIC_TLS_KEY]")
+
+
+def _apply_client_tls(args: argparse.Namespace) -> None:
+    for what in ("ca", "cert", "key"):
+        value = getattr(args, f"tls_{what}", "")
+        if value:
+            os.environ[auth.TLS_ENV[what]] = str(Path(value).resolve())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfabric", description="RL post-training as independent services")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -499,20 +569,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--coordinator", default="", help="submit to a running coordinator instead")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _client_tls(p)
     p = sub.add_parser("resume", help="continue a run from its newest valid checkpoint")
     p.add_argument("run_dir")
     p.add_argument("--coordinator", default="")
     p.add_argument("--quiet", action="store_true")
+    _client_tls(p)
     p = sub.add_parser("up", help="start every service locally and keep serving")
     p.add_argument("--runs-root", default="runs")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--tls", choices=("off", "auto"), default="off",
+                   help="auto: a private CA under <runs-root>/.rlfabric/tls (made once), gRPC over mTLS, metrics "
+                        "over HTTPS; required for a non-loopback --host unless --insecure-plaintext")
+    p.add_argument("--insecure-plaintext", action="store_true",
+                   help="serve a non-loopback --host without TLS (the services log a warning)")
+    p = sub.add_parser("certs", help="a private CA and the services' and clients' certificates of a deployment")
+    p.add_argument("out_dir")
+    p.add_argument("--hosts", required=True, help="every name or address clients and peers dial, comma-separated "
+                                                  "(the advertised hosts: --advertise-host or the host name)")
+    p.add_argument("--no-loopback", action="store_true", help="leave localhost, 127.0.0.1 and ::1 out")
+    p.add_argument("--days", type=int, default=825, help="validity of the services' and clients' certificates")
+    p.add_argument("--force", action="store_true", help="replace the CA and certificates already in OUT_DIR")
+    p = sub.add_parser("scrape-token", help="print the metrics scrape token of the deployment's secret")
+    p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN_FILE / _TOKEN)")
     p = sub.add_parser("serve", help="run one service (its own flags follow)", add_help=False)
     p.add_argument("service", choices=(*SERVICES, "robot_gateway"))
     p = sub.add_parser("status", help="workers and runs of a coordinator")
     p.add_argument("--coordinator", required=True)
+    _client_tls(p)
     p = sub.add_parser("stop", help="stop a run")
     p.add_argument("run_id")
     p.add_argument("--coordinator", required=True)
+    _client_tls(p)
     p = sub.add_parser("scale", help="add or remove env/rollout workers of a live run (at an epoch boundary)")
     p.add_argument("run_id")
     p.add_argument("role", choices=("rollout", "env"))
@@ -521,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", action="store_true", help="start the added workers as local processes first")
     p.add_argument("--log-dir", default="runs/logs", help="where --spawn writes the new workers' logs")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for workers and the boundary")
+    _client_tls(p)
     p = sub.add_parser("plan", help="predict every candidate plan of a spec on a cluster (cluster simulator)")
     p.add_argument("config")
     p.add_argument("--cluster", required=True, help="pools as NAME=UNITS,..., e.g. 'rollout=24,learner=8'")
@@ -550,6 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           "(the env's start_noise + 0.05)")
     p.add_argument("--driver", default="sim", help="whose kinematics the expert uses")
     p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN)")
+    _client_tls(p)
     sub.add_parser("export-lerobot", help="export recorded robot episodes to a LeRobot data set (its flags follow)",
                    add_help=False)
     return parser
@@ -564,9 +654,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "export-lerobot":
         sys.exit(cmd_export_lerobot(parser.parse_args(argv[:1]), argv[1:]))
     args = parser.parse_args(argv)
+    _apply_client_tls(args)
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
                 "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect,
-                "teleop": cmd_teleop}
+                "teleop": cmd_teleop, "certs": cmd_certs, "scrape-token": cmd_scrape_token}
     sys.exit(handlers[args.command](args))
 
 

@@ -94,10 +94,27 @@ def _die_with(pid: int, grace_s: float = 10.0) -> None:
     threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
 
 
+def private_dir(path: Path) -> Path:
+    """Make ``path`` and any missing parents owner-only (0700): run directories and logs hold what a run's spec
+    and its services say, which is no other local user's business."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        p.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def open_private_log(path: str | Path, truncate: bool = True) -> int:
+    """A log file only its owner can read (0600 even when it existed wider), as a write descriptor."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0),
+                 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def _forked_service(module: str, argv: list[str], log_path: str, env: dict[str, str], launcher: int) -> None:
     """Entry of a service forked from the preloaded forkserver: the environment the launcher has now (not the one
     the forkserver started with), stdout/stderr to its log, dies with the launcher."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_private_log(log_path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -270,18 +287,23 @@ def prestart(torch_threads: int = 1) -> None:
 class LocalStack:
     def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
                  heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
-                 token: str | None = None, take_up_runs: bool = False):
+                 token: str | None = None, take_up_runs: bool = False, tls=None, insecure_plaintext: bool = False):
         """``token``: the stack's secret (every port checks it; default: the deployment's RLFABRIC_TOKEN when set,
         so the stack's services reach other services of the deployment such as a robot gateway, else a new one per
         stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only).
         ``take_up_runs``: the coordinator's first start takes up runs its runs root records as not ended (``up``
-        does; ``train``/``resume`` run one run of their own). A restarted coordinator always takes up its runs."""
+        does; ``train``/``resume`` run one run of their own). A restarted coordinator always takes up its runs.
+        ``tls``: the services' auth.TLSFiles (certificate, key and CA: gRPC with mTLS, metrics over HTTPS; this
+        process calls them with the same identity). ``insecure_plaintext``: let a non-loopback ``host`` serve
+        without TLS (the services warn)."""
         self.take_up_runs = take_up_runs
         self.log_dir = Path(log_dir)
         self.runs_root = Path(runs_root)
         self.roles = roles
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.host = host
+        self.tls = tls
+        self.insecure_plaintext = insecure_plaintext
         self.torch_threads = torch_threads
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args): how to start it again
@@ -299,9 +321,10 @@ class LocalStack:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         self.commands[name] = (module, args)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
+        os.close(open_private_log(self.log_dir / f"{name}.log", truncate=False))  # the service appends to it
         argv = ["--host", self.host, "--log-file", str(self.log_dir / f"{name}.log"),
-                "--torch-threads", str(self.torch_threads), *args]
+                "--torch-threads", str(self.torch_threads), *self._security_flags(), *args]
         env = _service_env(self.torch_threads, self.token)
         if self.preload:
             proc = _forkserver_context(self.torch_threads).Process(
@@ -310,18 +333,25 @@ class LocalStack:
             proc.start()
             self.procs[name] = ForkedProcess(proc)
             return self.procs[name]
-        stderr = open(self.log_dir / f"{name}.stderr", "w")
+        stderr = os.fdopen(open_private_log(self.log_dir / f"{name}.stderr"), "w")
         proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.DEVNULL, stdout=stderr,
                                 stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         self.procs[name] = proc
         return proc
+
+    def _security_flags(self) -> list[str]:
+        flags = ["--insecure-plaintext"] if self.insecure_plaintext else []
+        if self.tls is not None and self.tls.enabled:
+            flags += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--metrics-tls",
+                      *(["--tls-ca", self.tls.ca] if self.tls.ca else [])]
+        return flags
 
     def spawn_coordinator(self) -> None:
         """Start the coordinator without waiting for it (``wait_coordinator`` does): a launcher does its own
         remaining work (validating the spec, starting workers) while the coordinator comes up."""
         from services.core import auth
 
-        auth.configure(self.token, auth.current().tls)  # this process is the stack's client
+        auth.configure(self.token, self.tls or auth.current().tls)  # this process is the stack's client
         self.port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
         if self.preload:
             prestart(self.torch_threads)

@@ -1,12 +1,17 @@
-"""Who may talk to a service: one shared secret per deployment, checked on every port.
+"""Who may talk to a service: one shared secret per deployment, checked on every port, never sent on any.
 
-    gRPC       every call carries ``authorization: Bearer <token>`` in its metadata; servers compare it in constant
-               time and refuse anything else with UNAUTHENTICATED. Optional TLS (and mTLS: clients must present a
-               certificate signed by ``tls_ca``) through gRPC's own credentials.
-    ZeroMQ     CURVE on every data port. The server and client key pairs are derived from the token (HKDF-SHA256),
-               so holding the token is what lets a peer complete the handshake; the ZAP handler admits only the
-               derived client key. A peer without it gets nothing: its messages never reach a handler.
-    metrics    the Prometheus endpoint wants the same bearer token (Prometheus' ``authorization`` scrape setting).
+Every credential is derived from the secret with HKDF-SHA256 under its own label, so what one port sees gives
+nothing on another:
+
+    gRPC       every call carries ``authorization: Bearer <bearer>``, the bearer derived from the secret; servers
+               compare it in constant time and refuse anything else with UNAUTHENTICATED before looking the method
+               up. TLS (mTLS: clients must present a certificate signed by ``tls_ca``) through gRPC's own
+               credentials; ``serve`` wants it on any non-loopback address (or an explicit --insecure-plaintext).
+    ZeroMQ     CURVE on every data port, the server and client key pairs derived from the secret: holding it is
+               what lets a peer complete the handshake (the ZAP handler admits only the derived client key). A peer
+               without it gets nothing: its messages never reach a handler. CURVE encrypts.
+    metrics    the Prometheus endpoint wants the scrape token (also derived): it reads metrics and calls nothing.
+               Over TLS with the service's certificate when --metrics-tls is set.
 
 Every process configures this once (``configure``): services from their flags and RLFABRIC_TOKEN /
 RLFABRIC_TOKEN_FILE, clients and the CLI from the environment, a local stack with a secret it generates. Without a
@@ -15,6 +20,10 @@ token everything runs in the clear, which ``serve`` allows on loopback only.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import collections
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -22,9 +31,11 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import stat
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import grpc
@@ -53,7 +64,13 @@ class TLSFiles:
 
     @property
     def enabled(self) -> bool:
+        """A server identity: a service serves TLS with it."""
         return bool(self.cert and self.key)
+
+    @property
+    def client_enabled(self) -> bool:
+        """A client speaks TLS with a CA to verify servers by (and presents cert/key when it has them too)."""
+        return bool(self.ca) or self.enabled
 
     def read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         def load(path: str, what: str) -> bytes | None:
@@ -68,6 +85,13 @@ class TLSFiles:
         return load(self.cert, "cert"), load(self.key, "key"), load(self.ca, "ca")
 
 
+def derive(secret: str, label: str) -> bytes:
+    """32 bytes for one use of the deployment's secret: HKDF-SHA256 (RFC 5869), one block, ``label`` as info.
+    Knowing one label's output (the bearer a sniffer saw) gives neither the secret nor another label's."""
+    prk = hmac.new(b"rlfabric/hkdf/v1", secret.encode(), hashlib.sha256).digest()
+    return hmac.new(prk, label.encode() + b"\x01", hashlib.sha256).digest()
+
+
 @dataclass(frozen=True)
 class Security:
     token: str = ""
@@ -77,26 +101,51 @@ class Security:
     def enabled(self) -> bool:
         return bool(self.token)
 
+    @cached_property
+    def bearer(self) -> str:
+        """What gRPC calls carry (never the secret itself)."""
+        return base64.urlsafe_b64encode(derive(self.token, "rlfabric/grpc-bearer")).rstrip(b"=").decode()
+
+    @cached_property
+    def scrape_token(self) -> str:
+        """What a metrics scraper presents: it reads /metrics and is refused by every gRPC method."""
+        return base64.urlsafe_b64encode(derive(self.token, "rlfabric/metrics-scrape")).rstrip(b"=").decode()
+
+    @cached_property
+    def _authorization(self) -> bytes:
+        return f"Bearer {self.bearer}".encode()
+
+    @cached_property
+    def _scrape_authorization(self) -> bytes:
+        return f"Bearer {self.scrape_token}".encode()
+
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
+        return ((METADATA_KEY, self._authorization.decode()),) if self.token else ()
 
     def accepts(self, value: str | bytes | None) -> bool:
-        """Constant-time check of an ``authorization`` header value."""
-        if not self.token:
-            return True
-        if isinstance(value, bytes):
-            value = value.decode(errors="replace")
-        return hmac.compare_digest((value or "").encode(), f"Bearer {self.token}".encode())
+        """Constant-time check of a gRPC call's ``authorization`` header value."""
+        return _matches(self.token, self._authorization if self.token else b"", value)
 
-    # -- CURVE keys derived from the token --------------------------------------------------------------------
+    def accepts_scrape(self, value: str | bytes | None) -> bool:
+        """Constant-time check of a metrics request's ``Authorization`` header value."""
+        return _matches(self.token, self._scrape_authorization if self.token else b"", value)
+
+    # -- CURVE keys derived from the secret ---------------------------------------------------------------------
     def _secret_key(self, role: str) -> bytes:
-        material = hmac.new(self.token.encode(), f"rlfabric/curve/{role}".encode(), hashlib.sha256).digest()
-        return z85.encode(material)
+        return z85.encode(derive(self.token, f"rlfabric/curve/{role}"))
 
     def curve_keys(self, role: str) -> tuple[bytes, bytes]:
         """(public, secret) z85 keys of ``role`` ("server" or "client")."""
         secret = self._secret_key(role)
         return zmq.curve_public(secret), secret
+
+
+def _matches(token: str, expected: bytes, value: str | bytes | None) -> bool:
+    if not token:
+        return True
+    if isinstance(value, str):
+        value = value.encode(errors="replace")
+    return hmac.compare_digest(value or b"", expected)
 
 
 _current = Security()
@@ -139,11 +188,32 @@ def read_token_file(path: str) -> str:
 
 def write_token_file(path: str | Path, token: str) -> Path:
     """The token in a file only its owner can read (what a notebook points RLFABRIC_TOKEN_FILE at)."""
+    return write_private_file(path, (token + "\n").encode())
+
+
+def write_private_file(path: str | Path, data: bytes) -> Path:
+    """``data`` in a regular file only its owner can read or write. Created (parents 0700) or replaced in place:
+    a symlink at ``path`` is refused rather than followed (it could point the secret anywhere), and an existing
+    file is chmodded 0600 through its descriptor before anything is written to it, whatever mode it had."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AuthError(f"refusing to write a secret through the symlink {str(path)!r}. Fix: remove it, or "
+                            f"name the real file") from None
+        raise AuthError(f"cannot write {str(path)!r} ({exc.strerror})") from None
+    with os.fdopen(fd, "wb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AuthError(f"refusing to write a secret to {str(path)!r}: it is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise AuthError(f"refusing to write a secret to {str(path)!r}: another user (uid {info.st_uid}) owns "
+                            f"it. Fix: remove it, or choose another path")
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        f.write(data)
     return path
 
 
@@ -169,38 +239,30 @@ def is_loopback(host: str) -> bool:
 
 
 # -- gRPC ---------------------------------------------------------------------------------------------------------
-def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that refuses the call."""
-    async def abort(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+async def _refuse(request_iterator, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong token: this service wants the bearer derived from the deployment's secret "
+                        "(give the client RLFABRIC_TOKEN or RLFABRIC_TOKEN_FILE)")
+    yield  # pragma: no cover (never reached: abort raises)
 
-    async def abort_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-        yield  # pragma: no cover (never reached: abort raises)
 
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
-    return grpc.unary_unary_rpc_method_handler(abort, **kw)
+# Raw bytes in and out, any call kind (on the wire every gRPC call is a stream): a refused call never has its
+# method looked up, its request read or anything counted.
+_REFUSE = grpc.stream_stream_rpc_method_handler(_refuse)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose metadata lacks the deployment's token (health checks included: a prober holds the
-    token too)."""
+    """Refuses every call whose metadata lacks the deployment's bearer (health checks included: a prober holds the
+    secret too). The first interceptor: nothing runs for a call it refuses, unknown methods included."""
 
     def __init__(self, security: Security):
         self.security = security
 
     async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or self.security.accepts(dict(details.invocation_metadata or ()).get(METADATA_KEY)):
-            return handler
-        return _deny(handler, "missing or wrong token: this service wants the deployment's secret "
-                              "(RLFABRIC_TOKEN or RLFABRIC_TOKEN_FILE) as 'authorization: Bearer <token>'")
+        value = next((v for k, v in details.invocation_metadata or () if k == METADATA_KEY), None)
+        if self.security.accepts(value):
+            return await continuation(details)
+        return _REFUSE
 
 
 class _Metadata:
@@ -268,8 +330,9 @@ class _SyncDetails(grpc.ClientCallDetails):
 
 def _channel_credentials(security: Security) -> grpc.ChannelCredentials:
     cert, key, ca = security.tls.read()
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key if ca else None,
-                                        certificate_chain=cert if ca else None)
+    mutual = ca is not None and cert is not None and key is not None  # a client certificate for mTLS servers
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key if mutual else None,
+                                        certificate_chain=cert if mutual else None)
 
 
 def aio_channel(address: str, options: list, security: Security | None = None) -> grpc.aio.Channel:
@@ -277,7 +340,7 @@ def aio_channel(address: str, options: list, security: Security | None = None) -
     security = security or _current
     interceptors = [cls(security.metadata()) for cls in (_AioTokenUU, _AioTokenUS, _AioTokenSU, _AioTokenSS)] \
         if security.token else None
-    if security.tls.enabled:
+    if security.tls.client_enabled:
         return grpc.aio.secure_channel(address, _channel_credentials(security), options=options,
                                        interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
@@ -286,7 +349,7 @@ def aio_channel(address: str, options: list, security: Security | None = None) -
 def sync_channel(address: str, options: list, security: Security | None = None) -> grpc.Channel:
     """A blocking channel (clients, the CLI, health probes) that presents this process's token."""
     security = security or _current
-    if security.tls.enabled:
+    if security.tls.client_enabled:
         channel = grpc.secure_channel(address, _channel_credentials(security), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
@@ -351,41 +414,117 @@ def _start_authenticator(security: Security) -> None:
 
 
 # -- the metrics endpoint ----------------------------------------------------------------------------------------
-def start_metrics_server(port: int, addr: str, security: Security | None = None) -> tuple[object, int]:
-    """Prometheus' WSGI app behind the bearer token (when one is configured). Returns (server, bound port)."""
-    from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+class MetricsServer:
+    """Prometheus' text format behind the scrape token, over TLS when given a context: one asyncio loop in one
+    thread, whatever the number of connections. A connection gets ``timeout_s`` to send its request head (at most
+    ``MAX_HEAD_BYTES``) and to take the reply; past ``max_connections`` open ones, the oldest is dropped, so idle
+    connections (slowloris) neither pile up threads nor keep a scrape out."""
 
-    from prometheus_client import make_wsgi_app
+    MAX_HEAD_BYTES = 16 * 1024
 
+    def __init__(self, addr: str, port: int, security: Security, ssl_context: ssl.SSLContext | None = None,
+                 timeout_s: float = 5.0, max_connections: int = 64):
+        from prometheus_client import REGISTRY
+
+        self.security, self.ssl_context = security, ssl_context
+        self.timeout_s, self.max_connections = timeout_s, max_connections
+        self.registry = REGISTRY
+        self._sock = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET,
+                                          backlog=128)
+        self.port = self._sock.getsockname()[1]
+        self._open: collections.OrderedDict[asyncio.StreamWriter, None] = collections.OrderedDict()
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(
+            self._serve, sock=self._sock, ssl=self.ssl_context, limit=self.MAX_HEAD_BYTES,
+            ssl_handshake_timeout=self.timeout_s if self.ssl_context else None))
+        self._started.set()
+        self._loop.run_forever()
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open[writer] = None
+        while len(self._open) > self.max_connections:
+            oldest = next(iter(self._open))
+            del self._open[oldest]
+            oldest.transport.abort()
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout_s)
+            status, headers, body = self._respond(head)
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n".encode()
+                         + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers) + b"\r\n" + body)
+            writer.close()  # once the reply is flushed (a reader that does not take it is cut off below)
+            await asyncio.wait_for(writer.wait_closed(), self.timeout_s)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ssl.SSLError):
+            pass  # slow, oversized, half-sent or gone: the connection is cut below, nothing else to do
+        finally:
+            self._open.pop(writer, None)
+            writer.transport.abort()
+
+    def _respond(self, head: bytes) -> tuple[str, list[tuple[str, str]], bytes]:
+        from prometheus_client.exposition import choose_encoder
+
+        request, *lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if request.split(" ", 1)[0] != "GET":
+            return "405 Method Not Allowed", [("Allow", "GET"), ("Content-Type", "text/plain")], b"GET only\n"
+        if not self.security.accepts_scrape(headers.get("authorization")):
+            return ("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")],
+                    b"metrics want 'Authorization: Bearer <scrape token>' (`rlfabric scrape-token` prints it)\n")
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        return "200 OK", [("Content-Type", content_type)], encoder(self.registry)
+
+    def shutdown(self) -> None:
+        def stop() -> None:
+            self._server.close()
+            for writer in self._open:
+                writer.transport.abort()
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(stop)
+        self._thread.join(5)
+
+
+def server_ssl_context(security: Security) -> ssl.SSLContext:
+    """A TLS server context from this process's certificate and key (what --metrics-tls serves with)."""
+    if not security.tls.enabled:
+        raise AuthError("metrics over TLS want this service's certificate. Fix: give --tls-cert and --tls-key "
+                        "(`rlfabric certs` makes them), or drop --metrics-tls")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(security.tls.cert, security.tls.key)
+    return context
+
+
+def start_metrics_server(port: int, addr: str, security: Security | None = None, tls: bool = False
+                         ) -> tuple[MetricsServer, int]:
+    """The metrics endpoint (see MetricsServer); ``tls`` serves it with this process's certificate. Returns
+    (server, bound port)."""
     security = security or _current
-    app = make_wsgi_app()
-
-    def guarded(environ, start_response):
-        if not security.accepts(environ.get("HTTP_AUTHORIZATION")):
-            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")])
-            return [b"metrics want 'Authorization: Bearer <token>' (the deployment's RLFABRIC_TOKEN)\n"]
-        return app(environ, start_response)
-
-    class Server(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = make_server(addr, port, guarded, server_class=Server, handler_class=Quiet)
-    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
-    return httpd, httpd.server_port
+    server = MetricsServer(addr, port, security, server_ssl_context(security) if tls else None)
+    return server, server.port
 
 
 def metrics_headers(security: Security | None = None) -> dict[str, str]:
-    """Headers a metrics scraper sends (tests and tools)."""
+    """Headers a metrics scraper sends (tests and tools): the scrape token, never the gRPC bearer."""
     security = security or _current
-    return {"Authorization": f"Bearer {security.token}"} if security.token else {}
+    return {"Authorization": f"Bearer {security.scrape_token}"} if security.token else {}
 
 
-__all__ = ["AuthError", "Security", "TLSFiles", "TokenInterceptor", "add_port", "aio_channel", "configure",
-           "current", "from_environment", "generate_token", "is_loopback", "read_token_file", "secure_client_socket",
-           "secure_server_socket", "start_metrics_server", "sync_channel", "write_token_file", "metrics_headers"]
+__all__ = ["AuthError", "MetricsServer", "Security", "TLSFiles", "TokenInterceptor", "add_port", "aio_channel",
+           "configure", "current", "derive", "from_environment", "generate_token", "is_loopback", "read_token_file",
+           "secure_client_socket", "secure_server_socket", "server_ssl_context", "start_metrics_server",
+           "sync_channel", "write_private_file", "write_token_file", "metrics_headers"]

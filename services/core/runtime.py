@@ -39,12 +39,18 @@ COMPONENT_UP = Gauge("rlfabric_component_up", "1 while a service's internal comp
 
 
 class _CountRpcs(grpc.aio.ServerInterceptor):
+    """Counts calls by method, after the token check (it sits behind TokenInterceptor, which never passes a refused
+    call on) and only for registered methods: the label is the caller's choice, so an unknown path counts under
+    one "unknown" label instead of a new Prometheus child per name (memory anyone could grow)."""
+
     def __init__(self, service: str):
         self.service = service
 
     async def intercept_service(self, continuation, handler_call_details):
-        RPCS.labels(self.service, handler_call_details.method.rsplit("/", 1)[-1]).inc()
-        return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1] if handler is not None else "unknown"
+        RPCS.labels(self.service, method).inc()
+        return handler
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -58,6 +64,7 @@ class ServiceOptions:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
+    metrics_tls: bool = False
     coordinator: str = ""
     port_file: str = ""
     advertise_host: str = ""
@@ -84,6 +91,11 @@ class ServiceOptions:
         parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
         parser.add_argument("--tls-ca", default="", help="PEM CA that signs every service's certificate: peers are "
                                                          "verified with it and must present one (mTLS)")
+        parser.add_argument("--insecure-plaintext", action="store_true",
+                            help="serve gRPC without TLS on a non-loopback --host (the bearer and every control "
+                                 "message cross the network readable); a warning is logged at start")
+        parser.add_argument("--metrics-tls", action="store_true",
+                            help="serve metrics over HTTPS with --tls-cert/--tls-key")
         parser.add_argument("--pool", default="", help="the resource pool this worker belongs to: a run places a "
                                                         "stage on the workers of the pool scheduling.placement names")
 
@@ -197,9 +209,9 @@ class ServiceRuntime:
 
     def __init__(self, options: ServiceOptions):
         self.options = options
-        interceptors = [_CountRpcs(options.role)]
-        if auth.current().enabled:
-            interceptors.insert(0, auth.TokenInterceptor(auth.current()))
+        # the token check first: a refused call never reaches the counter (or anything else)
+        interceptors = [*([auth.TokenInterceptor(auth.current())] if auth.current().enabled else []),
+                        _CountRpcs(options.role)]
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -277,7 +289,9 @@ class ServiceRuntime:
         if not self.port:
             raise SystemExit(f"{self.options.role}: cannot bind gRPC on {self.options.host}:{self.options.port}")
         await self.server.start()
-        self._metrics_server, self.metrics_port = auth.start_metrics_server(self.options.metrics_port, self.options.host)
+        self._metrics_server, self.metrics_port = auth.start_metrics_server(
+            self.options.metrics_port, self.options.host, tls=self.options.metrics_tls)
+        self.on_shutdown(self._metrics_server.shutdown)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._watch_components()))
         loop = asyncio.get_running_loop()
@@ -300,7 +314,8 @@ class ServiceRuntime:
 
     def endpoint(self) -> common_pb2.Endpoint:
         return common_pb2.Endpoint(grpc=self.address, data=self.data_endpoint,
-                                   metrics=f"http://{self.advertise_host}:{self.metrics_port}/metrics")
+                                   metrics=f"{'https' if self.options.metrics_tls else 'http'}://"
+                                           f"{self.advertise_host}:{self.metrics_port}/metrics")
 
     async def register(self) -> None:
         async with channel(self.options.coordinator) as ch:
@@ -387,15 +402,32 @@ def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace],
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.exit(2, f"{parser.prog}: error: --tls-cert and --tls-key go together (the certificate and its key)\n")
+    if args.tls_ca and not args.tls_cert:
+        parser.exit(2, f"{parser.prog}: error: --tls-ca makes peers present certificates, so this service needs its "
+                       f"own: give --tls-cert and --tls-key too (`rlfabric certs` makes all three)\n")
+    if args.metrics_tls and not args.tls_cert:
+        parser.exit(2, f"{parser.prog}: error: --metrics-tls serves metrics with this service's certificate: give "
+                       f"--tls-cert and --tls-key (`rlfabric certs` makes them)\n")
     if not security.enabled and not auth.is_loopback(args.host):
         parser.exit(2, f"{parser.prog}: error: refusing to serve on {args.host} without a secret: anyone who can "
                        f"reach it could run, stop and feed runs. Fix: set RLFABRIC_TOKEN (or --token-file) to the "
                        f"deployment's secret on every host, e.g. from `python -c 'import secrets; "
                        f"print(secrets.token_urlsafe(32))'`, or bind 127.0.0.1\n")
+    plaintext = not security.tls.enabled and not auth.is_loopback(args.host)
+    if plaintext and not args.insecure_plaintext:
+        parser.exit(2, f"{parser.prog}: error: refusing to serve gRPC on {args.host} without TLS: every call would "
+                       f"carry the deployment's bearer in clear to anyone on the network. Fix: give --tls-cert and "
+                       f"--tls-key (and --tls-ca for mTLS; `rlfabric certs DIR --hosts ...` makes them), bind "
+                       f"127.0.0.1, or pass --insecure-plaintext on a network you trust\n")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
     options = ServiceOptions(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
-                             coordinator=args.coordinator, port_file=args.port_file,
+                             metrics_tls=args.metrics_tls, coordinator=args.coordinator, port_file=args.port_file,
                              advertise_host=args.advertise_host, labels={"pool": args.pool} if args.pool else {})
+
+    if plaintext:
+        log.warning("serving gRPC in the clear on a non-loopback address (--insecure-plaintext): anyone on the "
+                    "network can read the bearer and every control message, and use the bearer",
+                    extra={"host": args.host})
 
     async def main() -> None:
         if args.coordinator_file:
