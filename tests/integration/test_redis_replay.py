@@ -34,7 +34,8 @@ class ReplayProcess:
         with open(workdir / f"{name}.stderr", "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.replay.server", "--port-file", str(port_file),
-                 "--log-file", str(self.log)], stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
+                 "--log-file", str(self.log), "--data-root", str(workdir), "--allow-endpoints", "*"],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"))  # no preexec_fn: see tests/support_redis.py
         deadline = time.monotonic() + 30
         while not port_file.exists():

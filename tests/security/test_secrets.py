@@ -111,3 +111,13 @@ def test_run_index_holds_no_secret_and_is_owner_only(tmp_path):
     recorded = RunConfig.from_json(json.loads(text)["runs"][0]["config_json"])
     assert recorded.replay.redis_url == "redis://default@redis:6379/0"
     assert _mode(index) == 0o600 and _mode(index.parent) == 0o700
+
+
+def test_replay_takes_the_redis_password_from_its_environment_not_the_spec():
+    from services.replay.server import with_password
+
+    assert with_password("redis://redis:6379/0", "p@ss/word") == "redis://:p%40ss%2Fword@redis:6379/0"
+    assert with_password("redis://user@redis:6379/0", "pw") == "redis://user:pw@redis:6379/0"
+    assert with_password("redis://:own@redis:6379/0", "pw") == "redis://:own@redis:6379/0"  # the spec's wins
+    assert with_password("redis://redis:6379/0", "") == "redis://redis:6379/0"
+    assert with_password("unix:///run/redis.sock", "pw") == "unix:///run/redis.sock"
