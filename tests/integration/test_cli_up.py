@@ -112,3 +112,54 @@ def _cmdline(pid: str) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_up_with_tls_auto_serves_mutual_tls_and_a_public_host_wants_tls(tmp_path, monkeypatch):
+    """`up --tls auto` makes the stack's CA and certificates: gRPC is mTLS, metrics HTTPS, clients (the CLI with
+    --tls-*, rlfabric.Client from RLFABRIC_TLS_*) get in with the client certificate, a peer without one does not.
+    Without TLS, `up` refuses a non-loopback host (finding 6 of issue 19)."""
+    import ssl
+    import urllib.request
+
+    from services.core import auth
+    from services.core.runtime import GRPC_OPTIONS, ROLE_NAMES
+
+    refused = subprocess.run([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "public"),
+                              "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--tls auto" in refused.stderr and "--insecure-plaintext" in refused.stderr
+    assert not (tmp_path / "public").exists()
+    runs = tmp_path / "runs"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(runs), "--tls", "auto"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        tls = runs / ".rlfabric" / "tls"
+        for var, name in (("CA", "ca.pem"), ("CERT", "client.pem"), ("KEY", "client.key")):
+            monkeypatch.setenv(f"RLFABRIC_TLS_{var}", str(tls / name))
+        address, client = _serving(up, tmp_path)
+        token_file = runs / ".rlfabric" / "token"
+        status = subprocess.run([sys.executable, "-m", "services.cli", "status", "--coordinator", address,
+                                 "--tls-ca", str(tls / "ca.pem"), "--tls-cert", str(tls / "client.pem"),
+                                 "--tls-key", str(tls / "client.key")], capture_output=True, text=True, timeout=60,
+                                env={**{k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")},
+                                     "RLFABRIC_TOKEN_FILE": str(token_file)})
+        assert status.returncode == 0 and "rollout" in status.stdout, status.stderr
+        token = token_file.read_text().strip()
+        for stranger in (auth.Security(token), auth.Security(token, auth.TLSFiles(ca=str(tls / "ca.pem")))):
+            with auth.sync_channel(address, GRPC_OPTIONS, stranger) as channel:  # in clear; TLS without a cert
+                with pytest.raises(grpc.RpcError):
+                    channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
+        replay = next(w for w in client.workers() if ROLE_NAMES[w.role] == "replay")
+        assert replay.endpoint.metrics.startswith("https://")
+        scrape = (runs / ".rlfabric" / "scrape-token").read_text().strip()
+        request = urllib.request.Request(replay.endpoint.metrics, headers={"Authorization": f"Bearer {scrape}"})
+        context = ssl.create_default_context(cafile=str(tls / "ca.pem"))
+        assert b"rlfabric_rpcs_total" in urllib.request.urlopen(request, timeout=10, context=context).read()
+        logs = runs / "logs"  # issue 19, finding 9: what services log is their owner's alone
+        assert logs.stat().st_mode & 0o777 == 0o700
+        assert {p.stat().st_mode & 0o777 for p in logs.iterdir()} == {0o600}
+        client.close()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
