@@ -67,7 +67,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
     async def Configure(self, request, context):
         await check_owner(self.runtime, request.run_id, context)
         try:
-            config = RunConfig.from_json(request.config_json)
+            config = RunConfig.from_json(request.config_json).redacted()  # it opens no store: it keeps no secret
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         env = config.env

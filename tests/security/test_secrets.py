@@ -121,3 +121,26 @@ def test_replay_takes_the_redis_password_from_its_environment_not_the_spec():
     assert with_password("redis://:own@redis:6379/0", "pw") == "redis://:own@redis:6379/0"  # the spec's wins
     assert with_password("redis://redis:6379/0", "") == "redis://redis:6379/0"
     assert with_password("unix:///run/redis.sock", "pw") == "unix:///run/redis.sock"
+
+
+def test_the_env_worker_keeps_no_secret_of_the_runs_it_serves(monkeypatch):
+    """The env service opens no store: the S3 keys and Redis password a spec holds are not kept there."""
+    from services.env import server
+
+    runtime = SimpleNamespace(options=SimpleNamespace(role="env", coordinator=""), worker_id="", owner_run="",
+                              advertise_host="127.0.0.1", data_endpoint="", state="idle", on_shutdown=lambda hook: None,
+                              watch=lambda name, probe: None)
+
+    async def main():
+        service = server.EnvService(runtime, "127.0.0.1")
+        try:
+            from services.core.proto.rlfabric.v1 import common_pb2
+
+            await service.Configure(common_pb2.ConfigureRequest(run_id="r", config_json=_secret_config().to_json()),
+                                    _Context())
+            return service.config.to_json()
+        finally:
+            service.close()
+
+    kept = asyncio.run(main())
+    assert not any(s in kept for s in SECRETS)
