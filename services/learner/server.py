@@ -301,7 +301,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         np_state = np.random.get_state()
         weights = self._weights()
         state = {
-            "config_json": self.config.to_json(),
+            "config_json": self.config.redacted().to_json(),  # (a checkpoint is a file: no S3 key, no password)
             "env_spec_json": json.dumps(self.env_spec),
             "extra_json": extra_json or "{}",
             "policy": weights,

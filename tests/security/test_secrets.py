@@ -144,3 +144,22 @@ def test_the_env_worker_keeps_no_secret_of_the_runs_it_serves(monkeypatch):
 
     kept = asyncio.run(main())
     assert not any(s in kept for s in SECRETS)
+
+
+def test_checkpoints_hold_the_spec_without_its_secrets(tmp_path):
+    """A checkpoint is a file (or an object) others may copy: the spec inside it is redacted like config.yaml."""
+    import torch
+
+    from services.core.objectstore import FilesystemObjectStore
+    from services.learner import checkpoint as ckpt
+    from services.learner.server import LearnerService
+
+    store = FilesystemObjectStore(tmp_path)
+    learner = SimpleNamespace(config=_secret_config(), env_spec={}, ranks=None, version=3, store=store,
+                              algo=SimpleNamespace(state_dict=lambda: {}), generator=torch.Generator(),
+                              _weights=lambda: {"w": torch.zeros(2)})
+    LearnerService._write_checkpoint(learner, "checkpoints/final.pt", "{}", False)
+    raw = (tmp_path / "checkpoints" / "final.pt").read_bytes()
+    assert not any(s.encode() in raw for s in SECRETS)
+    state = ckpt.unpack(raw)
+    assert RunConfig.from_json(state["config_json"]).env == learner.config.env
