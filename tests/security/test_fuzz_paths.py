@@ -88,3 +88,16 @@ def test_path_and_endpoint_escapes_in_a_run_spec_are_refused(confined_stack):
     final = stack.client.wait(status.run_id)
     assert final.state == coordinator_pb2.SUCCEEDED, final.reason
     assert (data / "stores" / "ok").is_dir()
+
+
+def test_a_local_stack_refuses_devices_and_fifos_as_checkpoints(stack, tmp_path):
+    """A loopback local stack reads wherever its one user points (its roots include /), but never a device or a
+    FIFO: /dev/zero would fill the learner's memory, a FIFO would wedge it while health says SERVING."""
+    os.mkfifo(tmp_path / "fifo")
+    for path, kind in (("/dev/zero", "a device"), (str(tmp_path / "fifo"), "a FIFO")):
+        status = stack.client.submit(short_config(policy={"init_checkpoint": path},
+                                                  train={"total_env_steps": 64, "eval_every_iterations": 0}),
+                                     run_dir=tmp_path / f"run-{kind.split()[-1].lower()}")
+        final = stack.client.wait(status.run_id)
+        assert final.state == coordinator_pb2.FAILED and final.bad_input, final.reason
+        assert f"policy.init_checkpoint='{path}'" in final.reason and f"is {kind}, not a regular file" in final.reason
