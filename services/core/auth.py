@@ -487,15 +487,23 @@ class MetricsServer:
         encoder, content_type = choose_encoder(headers.get("accept", ""))
         return "200 OK", [("Content-Type", content_type)], encoder(self.registry)
 
-    def shutdown(self) -> None:
-        def stop() -> None:
-            self._server.close()
-            for writer in self._open:
-                writer.transport.abort()
-            self._loop.stop()
+    async def _close(self) -> None:
+        self._server.close()
+        for writer in list(self._open):
+            writer.transport.abort()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-        self._loop.call_soon_threadsafe(stop)
+    def shutdown(self) -> None:
+        """Stop listening, cut every connection, end the thread."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self._loop.close()
 
 
 def server_ssl_context(security: Security) -> ssl.SSLContext:

@@ -37,19 +37,19 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _env_service(workdir: Path, *flags: str, token: str = TOKEN, env: dict | None = None
-                 ) -> Iterator[tuple[str, int, int, Path]]:
+def _env_service(workdir: Path, *flags: str) -> Iterator[tuple[str, int, int, Path]]:
     """An env service process with the token (and ``flags``): (gRPC address, pid, metrics port, log file)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, log_file, metrics_port = workdir / "env.address", workdir / "env.log", free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.env.server", "--port-file", str(port_file),
-                             "--metrics-port", str(metrics_port), "--log-file", str(log_file), *flags],
-                            env=env or _clean_env(RLFABRIC_TOKEN=token), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(workdir / "env.stderr", "wb") as stderr:  # a file: a pipe nobody reads could stall the service
+        proc = subprocess.Popen([sys.executable, "-m", "services.env.server", "--port-file", str(port_file),
+                                 "--metrics-port", str(metrics_port), "--log-file", str(log_file), *flags],
+                                env=_clean_env(RLFABRIC_TOKEN=TOKEN), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 90
         while not port_file.exists():
-            assert proc.poll() is None, proc.stderr.read()
+            assert proc.poll() is None, (workdir / "env.stderr").read_text()[-2000:]
             assert time.monotonic() < deadline, "the env service did not start"
             time.sleep(0.05)
         yield port_file.read_text().strip(), proc.pid, metrics_port, log_file
