@@ -460,3 +460,19 @@ def test_sequence_windows_match_the_memory_store(redis_server):  # noqa: F811
     for name in ("obs", "rewards", "version"):
         np.testing.assert_array_equal(a[name], b[name])
     assert (np.diff(b["rewards"], axis=1) == 100).all()
+
+
+def test_row_bytes_follow_the_window_and_survive_a_reopen(redis_server):  # noqa: F811
+    """What replay checks a sample request against: the largest row of the window, as batches come and go."""
+    s = _store(redis_server, capacity=24)
+    s.put(_batch(0, width=100))  # obs 400 B + rewards 4 B per row, and the version column
+    s.put(_batch(1, width=1))
+    assert s.row_bytes == 400 + 4 + 8
+    s.put(_batch(2, width=1))
+    s.put(_batch(3, width=1))  # capacity 24 holds 3 batches of 8 rows: the wide one is evicted
+    assert s.row_bytes == 4 + 4 + 8
+    s.close()
+    again = _store(redis_server, capacity=24)  # a reloaded entry knows its bytes: the mean row (per-env
+    assert again.row_bytes == 8 + (8 * 8 + 8) // 8  # last_values included), at least the true one
+    again.clear()
+    assert again.row_bytes == 0
