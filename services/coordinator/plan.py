@@ -23,11 +23,22 @@ import grpc
 from services.coordinator.recovery import unreachable
 from services.coordinator.registry import Worker
 from services.coordinator.run import Run, RunFailed
-from services.coordinator.stages import Stage, rpc
+from services.coordinator.stages import Stage, Unresponsive, rpc
 from services.core.config import RunConfig, SchedulingConfig
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
 Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
+
+# Deadlines of Train and Collect. The worker bounds its own waits for peers by data_plane.timeout_s (the learner's
+# wait for a batch's shards, a rollout's env steps and weight fetch: each ends in an error of its own by then, give
+# or take a few seconds of transport slack); the rest is compute, which no config field bounds. So a call may take
+# data_plane.timeout_s of waiting plus the largest of WORK_MIN_S, WORK_FACTOR x data_plane.timeout_s and
+# SLOWEST_FACTOR x the slowest call of its kind in this placement (work that grows, such as longer LM responses).
+# A worker past that is wedged (its heartbeats and health check may still say it is fine) and the run loses it:
+# recovery re-places the run without it. Defaults: 30 s + 300 s.
+WORK_MIN_S = 30.0
+WORK_FACTOR = 10.0
+SLOWEST_FACTOR = 3.0
 
 
 @dataclass
@@ -81,6 +92,7 @@ class PlanExecutor:
         self.endpoints: dict[str, str] = {}
         self.env_spec: dict = {}
         self.base_version = 0
+        self.slowest: dict[str, float] = {}  # seconds of the slowest Train / Collect that answered
 
     # -- the narrow interface schedulers see (records.PlanControl) -------------------------------------------
     @property
@@ -205,6 +217,29 @@ class PlanExecutor:
             self.run.log(f"plan {self.plan_name} from iteration {next_index}: {self.describe()}")
 
     # -- iterations ----------------------------------------------------------------------------------------
+    def deadline(self, method: str) -> float:
+        """Seconds a Train or Collect call may take (the rule above WORK_MIN_S)."""
+        wait = self.cfg.data_plane.timeout_s
+        return wait + max(WORK_MIN_S, WORK_FACTOR * wait, SLOWEST_FACTOR * self.slowest.get(method, 0.0))
+
+    async def _work(self, stage: Stage, method: str, request):
+        """Train or Collect under its deadline; a worker that misses it is lost to the run (the attempt ends and
+        the run recovers without it, or fails once runtime.max_recoveries is spent), never waited on forever."""
+        deadline, started = self.deadline(method), asyncio.get_running_loop().time()
+        try:
+            reply = await rpc(stage, method, request, deadline)
+        except Unresponsive as exc:
+            wait = self.cfg.data_plane.timeout_s
+            why = (f"did not answer {method} within its {deadline:.0f}s deadline (data_plane.timeout_s={wait:g} for "
+                   f"its waits on peers, and the rest for its work): wedged or overloaded. If its work really takes "
+                   f"that long, raise data_plane.timeout_s")
+            self.run.lost.append((exc.worker, why))
+            self.run.log(f"{exc.worker.describe()} {why}", level="warning")
+            raise
+        elapsed = asyncio.get_running_loop().time() - started
+        self.slowest[method] = max(self.slowest.get(method, 0.0), elapsed)
+        return reply
+
     async def iterations(self, i: int, until: int) -> AsyncIterator[Step]:
         """Iterations [i, until) under the current plan, re-planned at boundaries where changes wait."""
         while i < until:
@@ -221,8 +256,8 @@ class PlanExecutor:
                 await self.apply_changes(i)
 
     async def _train(self, i: int, min_version: int) -> learner_pb2.TrainReply:
-        return await rpc(self.stage("learner"), "Train", learner_pb2.TrainRequest(batch_index=i,
-                                                                                min_version=min_version))
+        return await self._work(self.stage("learner"), "Train", learner_pb2.TrainRequest(batch_index=i,
+                                                                                        min_version=min_version))
 
     async def _train_only(self, i: int, until: int) -> AsyncIterator[Step]:
         while i < until:
@@ -234,7 +269,7 @@ class PlanExecutor:
     async def _turns(self, i: int, until: int) -> AsyncIterator[Step]:
         while i < until:
             version = self.base_version + i
-            shards = await asyncio.gather(*(rpc(r, "Collect", rollout_pb2.CollectRequest(
+            shards = await asyncio.gather(*(self._work(r, "Collect", rollout_pb2.CollectRequest(
                 batch_index=i, min_version=version)) for r in self.rollouts))
             yield Step(i, self.plan_name, list(shards), await self._train(i, version))
             i += 1

@@ -3,6 +3,7 @@ that names the worker, the call and the cause)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -33,12 +34,27 @@ class Stage:
         return cls(worker, ch, STUBS[worker.role](ch))
 
 
+class Unresponsive(RunFailed):
+    """The worker did not answer a call within the call's deadline: wedged or hopelessly overloaded, while its
+    heartbeats and health check may still say it is fine."""
+
+    def __init__(self, reason: str, worker: Worker, method: str, deadline_s: float):
+        super().__init__(reason)
+        self.worker, self.method, self.deadline_s = worker, method, deadline_s
+
+
 async def rpc(stage: Stage, method: str, request, timeout: float | None = None):
-    """Call a worker; any failure becomes a RunFailed that names the worker, the call and the cause."""
+    """Call a worker; any failure becomes a RunFailed that names the worker, the call and the cause (Unresponsive
+    when the call's own deadline passed)."""
+    started = time.monotonic()
     try:
         return await getattr(stage.stub, method)(request, timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         detail = exc.details() or exc.code().name
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and \
+                time.monotonic() - started >= 0.9 * timeout:  # ours, not a worker's report on its own peers
+            raise Unresponsive(f"{stage.worker.describe()}: {method} got no answer within its {timeout:.0f}s "
+                               f"deadline", stage.worker, method, timeout) from None
         if exc.code() == grpc.StatusCode.UNAVAILABLE and not await healthy(stage):
             # its control plane is gone: never place work on it again (if it lives, its next heartbeat is
             # refused and it registers anew); a live worker reporting an unreachable peer stays placeable
