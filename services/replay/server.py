@@ -7,6 +7,10 @@ Data-plane requests (``source`` defaults to "online", where rollout workers put 
                                                             "source" index into meta.sources for a mix)
   sample_windows {n, length, source?}                    -> n windows ("sample", "time") of consecutive steps
 
+What a client can make replay hold is bounded: parked gets (MAX_PARKED_GETS, MAX_PARKED_PER_PEER), and a sample's
+rows (n, times length for windows) and bytes (they must fit one data-plane message), checked before anything is
+drawn; the excess is refused with an error naming the bound.
+
 Each named source is a store of its own (``replay.store``: memory, or Redis so the data outlives this process);
 ``replay.datasets`` sources are loaded from files at Configure. A store that cannot do its job (Redis lost beyond
 the retries) answers with an error naming the config field and the fix.
