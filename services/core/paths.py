@@ -161,7 +161,8 @@ def redis_endpoint(url: str) -> str:
         parts = urlsplit(url)
         if parts.scheme == "unix":
             return f"unix:{parts.path}"
-        return f"{parts.hostname or ''}:{parts.port or 6379}"
+        host = parts.hostname or ""
+        return f"{f'[{host}]' if ':' in host else host}:{parts.port or 6379}"  # an IPv6 host as [::1]:6379
     except ValueError:
         return url
 

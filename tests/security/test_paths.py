@@ -110,6 +110,7 @@ def test_endpoints_come_from_the_allow_list():
         with pytest.raises(EndpointRefused, match="storage.endpoint.*--allow-endpoints"):
             confine_storage(s3.model_copy(update={"endpoint": endpoint}), ".", DataRoots.parse("."), allowed)
     assert redis_endpoint("redis://:pw@redis/0") == "redis:6379"
+    assert redis_endpoint("redis://[::1]:6380/0") == "[::1]:6380" and redis_endpoint("redis://x:99999") != "x:99999"
     allowed.check(redis_endpoint("redis://redis:6379/0"), "replay.redis_url")
     with pytest.raises(EndpointRefused, match="replay.redis_url"):
         allowed.check(redis_endpoint("redis://127.0.0.1:6379/0"), "replay.redis_url")
