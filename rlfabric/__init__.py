@@ -8,9 +8,10 @@
         ...
     rlfabric.registries.algorithms()                # {"ppo": PPO, "sac": SAC, "iql": IQL, "bc": BC, ...}
 
-Against services that serve TLS (`rlfabric up --tls auto`, or `serve` with --tls-*), the client takes the
-deployment's CA, and for mTLS a client certificate, from RLFABRIC_TLS_CA / RLFABRIC_TLS_CERT / RLFABRIC_TLS_KEY
-(what `up --tls auto` and `rlfabric certs` print).
+Against services that serve TLS (`rlfabric up --tls auto`, or `serve` with --tls-*), a client made with
+``token_file=`` (or none, reading RLFABRIC_TOKEN_FILE / RLFABRIC_TOKEN) takes the deployment's CA, and for mTLS a
+client certificate, from RLFABRIC_TLS_CA / RLFABRIC_TLS_CERT / RLFABRIC_TLS_KEY (what `up --tls auto` and
+`rlfabric certs` print).
 
 Everything here is a name for something the services define (services/ stays the service code): the client of
 the coordinator's API, the run-spec schema, the batch type, a local stack, and the registries where algorithms,
