@@ -245,6 +245,7 @@ class RankGroup:
             _init(device, 0, world, timeout_s, self.store, prefix)
         except Exception:
             self._kill()
+            self.store = None
             raise
         log.info("learner ranks up", extra={"world": world, "backend": backend_for(device)})
 
@@ -305,6 +306,7 @@ class RankGroup:
             self._kill()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self.store = None  # its listening socket closes with the last reference
 
 
 if __name__ == "__main__":
