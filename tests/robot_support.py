@@ -1,4 +1,4 @@
-"""Shared by the robot gateway tests: a real gateway process on loopback with a token."""
+"""Shared by the robot gateway tests: a real gateway process on loopback with a token, or the service in-process."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,3 +37,63 @@ def gateway_process(workdir: Path, token: str, *args: str) -> Iterator[str]:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+class _Runtime:
+    """What RobotGatewayService takes from its ServiceRuntime, in-process (no auth, no health server)."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.options = SimpleNamespace(host="127.0.0.1")
+        self.advertise_host = "127.0.0.1"
+        self.shutdown_hooks: list = []
+        self.probes: dict = {}
+
+    def on_shutdown(self, hook) -> None:
+        self.shutdown_hooks.append(hook)
+
+    def watch(self, component: str, probe) -> None:
+        self.probes[component] = probe
+
+
+@contextmanager
+def gateway_in_process(**service_kwargs) -> Iterator[tuple]:
+    """A RobotGatewayService on its own asyncio loop and thread, served on loopback without a token: for tests
+    that need the gateway's own objects (a test driver registered in this process, its health probes). Yields
+    (stub, service, runtime); the service is closed after."""
+    import asyncio
+
+    import grpc
+
+    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from services.robot_gateway.server import RobotGatewayService
+
+    runtime, aloop, started = _Runtime(), asyncio.new_event_loop(), threading.Event()
+    made: dict = {}
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        made["service"] = RobotGatewayService(runtime, **service_kwargs)
+        robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(made["service"], server)
+        made["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        made["stop"] = stop = asyncio.Event()
+        started.set()
+        await stop.wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=aloop.run_until_complete, args=(serve(),), name="gateway-in-process",
+                              daemon=True)
+    thread.start()
+    if not started.wait(15):
+        raise RuntimeError("the in-process gateway did not start in 15 s")
+    channel = grpc.insecure_channel(f"127.0.0.1:{made['port']}")
+    try:
+        yield robot_gateway_pb2_grpc.RobotGatewayStub(channel), made["service"], runtime
+    finally:
+        channel.close()
+        aloop.call_soon_threadsafe(made["stop"].set)
+        thread.join(15)
+        aloop.close()
+        made["service"].close()

@@ -11,8 +11,13 @@ What the arm does each tick, in order of precedence:
     fault latched      hold, until ClearEStop (a jump, a workspace exit, a malformed command)
     no valid command   hold, once the newest command is older than the watchdog window (or none came yet)
     otherwise          the newest command through the safety filter
-A hold tracks the position measured when the hold began. The commanding source is the policy, or the human while
-one intervenes (teleop): the human's commands replace the policy's per tick, through the same filter and watchdog.
+A hold keeps the current target: the last target sent (the measured position only before any was), never the
+position measured when the hold began, which would step the arm by its servo's tracking error at every hold. Leaving
+a hold, the velocity and slew limits count from that target too. The commanding source is the policy, or the human
+while one intervenes (teleop): the human's commands replace the policy's per tick, through the same filter and
+watchdog. A takeover belongs to the caller that began it (``owner``): another may neither stop it nor command
+through it, until the owner lets go (``release``), after which its stale commands hold the arm until anyone takes
+over or stops the takeover.
 Episodes end with a teleop verdict (success, failure, terminate, or re-record); intervened ticks, episodes with any
 intervention and successes without one are counted.
 """
@@ -31,7 +36,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.robot_gateway.drivers import Driver
-from services.robot_gateway.safety import Limits, SafetyFilter
+from services.robot_gateway.safety import LimitError, Limits, SafetyFilter
 
 log = logging.getLogger(__name__)
 BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 1.0)
@@ -46,6 +51,10 @@ EPISODES = Counter("rlfabric_robot_episodes_total", "episodes ended by a teleop 
                                                                                            "intervened"])
 OUTCOMES = ("success", "failure", "rerecord", "terminate")
 SPIN_S = 0.001  # default: the last millisecond before a deadline is spun, not slept (sleep wakes up to ~1 ms late)
+
+
+class TakeoverError(PermissionError):
+    """A teleop event from a caller that does not own the running takeover (names who does)."""
 
 
 @dataclass
@@ -102,13 +111,13 @@ class ControlLoop:
         self.command: _Command | None = None
         self.human: _Command | None = None
         self.intervening = False
+        self.intervention_owner: object | None = None  # who began the takeover (a Teleop stream); None: no one
         self.episode, self.episode_intervened = 0, 0
         self.counts = EpisodeCounts()
         self.intervention_listeners: list[Callable[[bool, int], None]] = []  # (intervening, episode)
         self.estopped, self.fault = False, ""
         position, velocity = driver.read()
         self.target = position.copy()
-        self.hold_position: np.ndarray | None = None
         self.overruns = 0
         self.last = Tick(0, time.monotonic(), position, velocity, position, False, "", True, "no command yet", 0.0,
                          0.0, 0, -1)
@@ -123,11 +132,23 @@ class ControlLoop:
         with self.lock:
             self.command = _Command(np.asarray(position, dtype=float), seq)
 
-    def intervene(self, active: bool, position: np.ndarray | None = None, seq: int = 0) -> None:
-        """A human takes over (``active``, with their first command) or hands the arm back to the policy."""
+    def _check_owner(self, owner: object | None, what: str) -> None:
+        """Under self.lock: refuse ``what`` from anyone but the takeover's owner (a takeover nobody owns is free)."""
+        if owner is not None and self.intervening and self.intervention_owner not in (None, owner):
+            raise TakeoverError(f"{what}: robot {self.robot_id!r} is taken over by {self.intervention_owner}. Only "
+                                f"the stream that sent INTERVENE_START may command or stop the takeover. Fix: wait "
+                                f"for its INTERVENE_STOP (or for its stream to end)")
+
+    def intervene(self, active: bool, position: np.ndarray | None = None, seq: int = 0,
+                  owner: object | None = None) -> None:
+        """A human takes over (``active``, with their first command) or hands the arm back to the policy. With an
+        ``owner`` (the caller), only the owner of a running takeover may do either (TakeoverError); without one
+        (the gateway itself, ending an episode) it always applies."""
         with self.lock:
+            self._check_owner(owner, "INTERVENE_START" if active else "INTERVENE_STOP")
             changed = active != self.intervening
             self.intervening = active
+            self.intervention_owner = owner if active else None
             self.human = _Command(np.asarray(position, dtype=float), seq) if active and position is not None \
                 else (self.human if active else None)
         if changed:
@@ -136,12 +157,26 @@ class ControlLoop:
             for listener in list(self.intervention_listeners):
                 listener(active, self.episode)
 
-    def teleop_command(self, position: np.ndarray, seq: int) -> bool:
-        """The human's command; used only while they intervene (returns whether it was)."""
+    def teleop_command(self, position: np.ndarray, seq: int, owner: object | None = None) -> bool:
+        """The human's command; used only while they intervene (returns whether it was). Another caller's command
+        during a takeover is refused (TakeoverError)."""
         with self.lock:
+            self._check_owner(owner, "a teleop COMMAND")
             if self.intervening:
                 self.human = _Command(np.asarray(position, dtype=float), seq)
             return self.intervening
+
+    def check_owner(self, owner: object, what: str) -> None:
+        """Raise TakeoverError if another caller owns the running takeover (a verdict would end it)."""
+        with self.lock:
+            self._check_owner(owner, what)
+
+    def release(self, owner: object) -> None:
+        """``owner`` went away (its stream ended): its takeover stays, owned by no one, so its stale commands hold
+        the arm (the watchdog) until someone takes over or stops it; nothing is left that nobody can end."""
+        with self.lock:
+            if self.intervention_owner is owner:
+                self.intervention_owner = None
 
     def end_episode(self, outcome: str) -> EpisodeCounts:
         """A teleop verdict ends the episode: count it (a re-recorded one counts only as re-recorded)."""
@@ -165,14 +200,29 @@ class ControlLoop:
             self.estopped = True
         log.warning("e-stop", extra={"robot": self.robot_id, "reason": reason})
 
+    def latch_fault(self, fault: str) -> None:
+        """Latch a fault from outside the loop (one kept by the device across a reconnect): hold until cleared."""
+        with self.lock:
+            self.fault = fault
+        log.error("safety fault", extra={"robot": self.robot_id, "fault": fault})
+
     def clear(self) -> None:
         """Clear the e-stop and any fault; the arm stays in hold until a fresh command arrives."""
         with self.lock:
             self.estopped, self.fault, self.command = False, "", None
 
     def set_limits(self, limits: Limits) -> Limits:
+        """Narrow (or widen back) the limits; position limits must hold the arm's current target, since the filter
+        clips every target into them: one outside would be yanked to the limit in a tick, past the slew limit."""
         limits.within(self.hard)
         with self.lock:
+            target = self.target
+            outside = (target < limits.position_min) | (target > limits.position_max)
+            if outside.any():
+                j = int(np.flatnonzero(outside)[0])
+                raise LimitError(f"position_min/position_max of joint {j} ({self.driver.joint_names[j]}): "
+                                 f"[{limits.position_min[j]:g}, {limits.position_max[j]:g}] leaves out the arm's "
+                                 f"current target {target[j]:.4f}. Fix: command the arm inside the new limits first")
             self.safety.limits = limits
         return limits
 
@@ -227,7 +277,7 @@ class ControlLoop:
                 if remaining > self.spin_s:
                     time.sleep(remaining - self.spin_s)
                 while time.monotonic() < deadline:
-                    pass
+                    time.sleep(0)  # spins, but lets go of the GIL each turn: the event loop (EStop) never waits
                 now = time.monotonic()
                 lateness, jitter = now - deadline, abs((now - woke_last) - self.period)
                 woke_last = now
@@ -267,20 +317,13 @@ class ControlLoop:
             reason = f"watchdog: no {who} for {now - command.received:.3f} s (window {self.watchdog_s} s)"
         else:
             reason = ""
-            if self.hold_position is not None:  # leaving a hold: limits count from where the arm is
-                self.target = position.copy()
             verdict = safety.apply(command.position, position, self.target, self.period)
             if verdict.fault:
                 with self.lock:
                     self.fault = verdict.fault
                 log.error("safety fault", extra={"robot": self.robot_id, "fault": verdict.fault})
                 reason = f"fault: {verdict.fault}"
-        if reason:
-            if self.hold_position is None:
-                self.hold_position = position.copy()
-            self.target = self.hold_position
-        else:
-            self.hold_position = None
+        if not reason:  # a hold keeps the target (the last one sent), never re-targets the measured position
             self.target = verdict.target
         self.driver.command(self.target, self.period)
         HOLDING.labels(self.robot_id).set(1 if reason else 0)

@@ -13,7 +13,12 @@ back with ``allow_pickle=False``; a file ``replay.datasets`` accepts as it is) a
 episode was: robot, joints, rate, task, verdict, counts). The JSON is written last, so a listing of ``.json`` keys
 finds only complete episodes. With a replay endpoint the episode also goes to a named replay source as one
 ("time",) batch, and optionally its intervened ticks alone to a second source (HG-DAgger's human corrections).
-A RERECORD episode is discarded.
+A RERECORD episode is discarded. An episode to keep that no sink took counts as failed, not kept (the status's
+``episodes_failed``, ``last_error`` and the ``fate="failed"`` metric), and a recorder thread that dies fails the
+gateway's health check.
+
+A recording's memory is bounded: ``queue_ticks`` queued ticks and an episode of ``max_episode_ticks`` rows (its
+columns, their final copy and the encoded file) must fit ``MEMORY_CAP`` per robot (``check_memory``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ log = logging.getLogger(__name__)
 FORMAT = "rlfabric.robot_episode/1"
 KEPT = ("success", "failure", "terminate")
 QUEUE_TICKS = 4096
+MEMORY_CAP = 256 << 20  # bytes a robot's recording may hold: its queue and its episode under way
+QUEUED_TICK_BYTES = 1280  # a Tick waiting in the queue: its arrays and strings as Python objects (measured ~930)
+EPISODE_COPIES = 3  # the columns, their final cut copy, and the encoded npz, at once while an episode is written
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DROPPED = Counter("rlfabric_robot_recording_dropped_ticks_total", "ticks the recorder could not keep: its queue was "
                   "full (the sink is too slow) or the episode passed max_episode_ticks", ["robot", "reason"])
@@ -58,6 +66,31 @@ def check_name(field_name: str, value: str, required: bool = True) -> str:
     if (value or required) and not NAME.match(value):
         raise RecordingError(f"{field_name}={value[:80]!r}: give 1-64 letters, digits, '_' or '-'")
     return value
+
+
+def row_bytes(joints: int) -> int:
+    """Bytes one tick takes in an episode's columns (``_Columns``)."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+               for shape, dtype in _Columns.shapes(joints).values())
+
+
+def episode_tick_cap(joints: int, queue_ticks: int = QUEUE_TICKS) -> int:
+    """The most ticks an episode may keep for its recording to fit MEMORY_CAP beside a queue of ``queue_ticks``."""
+    return max(0, (MEMORY_CAP - queue_ticks * QUEUED_TICK_BYTES) // (EPISODE_COPIES * row_bytes(joints)))
+
+
+def check_memory(joints: int, queue_ticks: int, max_episode_ticks: int, hz: float) -> None:
+    """Refuse a recording whose queue and longest episode would not fit MEMORY_CAP (0s: the defaults)."""
+    queue_ticks = queue_ticks or QUEUE_TICKS
+    need = queue_ticks * QUEUED_TICK_BYTES + EPISODE_COPIES * row_bytes(joints) * (max_episode_ticks or 1)
+    if need > MEMORY_CAP:
+        raise RecordingError(f"queue_ticks={queue_ticks} and max_episode_ticks={max_episode_ticks} need "
+                             f"{need / 2**20:.0f} MiB, past the recording memory cap of {MEMORY_CAP >> 20} MiB per "
+                             f"robot ({QUEUED_TICK_BYTES} bytes a queued tick, {EPISODE_COPIES} x "
+                             f"{row_bytes(joints)} bytes an episode tick of {joints} joints). Fix: at most "
+                             f"{episode_tick_cap(joints, queue_ticks)} episode ticks with this queue "
+                             f"({episode_tick_cap(joints, queue_ticks) / hz / 60:.0f} minutes at {hz:g} Hz), or 0 "
+                             f"for the default")
 
 
 def session_name() -> str:
@@ -82,28 +115,30 @@ class Episode:
 class _Columns:
     """Per-tick columns grown by doubling, so a long episode costs its arrays, not a Python object per tick."""
 
-    def __init__(self, joints: int, capacity: int = 256):
-        self.n, self.joints = 0, joints
+    def __init__(self, joints: int, capacity: int = 256, limit: int = 1 << 62):
+        self.n, self.joints, self.limit = 0, joints, limit
         self.capped = 0  # ticks past max_episode_ticks, not kept
         self.cols: dict[str, np.ndarray] = {}
-        self._alloc(capacity)
+        self._alloc(min(capacity, limit))
+
+    @staticmethod
+    def shapes(j: int) -> dict[str, tuple[tuple[int, ...], type]]:
+        return {"obs/position": ((j,), np.float32), "obs/velocity": ((j,), np.float32),
+                "obs/end_effector": ((3,), np.float32), "actions": ((j,), np.float32),
+                "intervened": ((), np.bool_), "holding": ((), np.bool_), "estopped": ((), np.bool_),
+                "fault": ((), np.bool_), "clipped": ((), np.bool_), "slowed": ((), np.bool_),
+                "command_seq": ((), np.int64), "tick": ((), np.int64), "time": ((), np.float64),
+                "lateness_s": ((), np.float32)}
 
     def _alloc(self, capacity: int) -> None:
-        j = self.joints
-        shapes = {"obs/position": ((j,), np.float32), "obs/velocity": ((j,), np.float32),
-                  "obs/end_effector": ((3,), np.float32), "actions": ((j,), np.float32),
-                  "intervened": ((), np.bool_), "holding": ((), np.bool_), "estopped": ((), np.bool_),
-                  "fault": ((), np.bool_), "clipped": ((), np.bool_), "slowed": ((), np.bool_),
-                  "command_seq": ((), np.int64), "tick": ((), np.int64), "time": ((), np.float64),
-                  "lateness_s": ((), np.float32)}
-        grown = {name: np.zeros((capacity, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+        grown = {name: np.zeros((capacity, *shape), dtype) for name, (shape, dtype) in self.shapes(self.joints).items()}
         for name, old in self.cols.items():
             grown[name][:self.n] = old[:self.n]
         self.cols = grown
 
     def append(self, t: Tick) -> None:
         if self.n == len(self.cols["tick"]):
-            self._alloc(2 * self.n)
+            self._alloc(min(2 * self.n, self.limit))  # never past the episode's cap: the memory bound counts on it
         c, i = self.cols, self.n
         c["obs/position"][i], c["obs/velocity"][i], c["obs/end_effector"][i] = t.position, t.velocity, t.end_effector
         c["actions"][i] = t.target
@@ -195,6 +230,7 @@ class ReplaySink:
 class RecorderStats:
     episodes_kept: int = 0
     episodes_discarded: int = 0
+    episodes_failed: int = 0  # to keep, but no sink took them
     ticks_recorded: int = 0
     queue_dropped: int = 0  # written by the loop thread only
     cap_dropped: int = 0  # written by the recorder thread only
@@ -219,7 +255,8 @@ class Recorder:
                  on_episode: Callable[[Episode, str], None] | None = None):
         self.robot_id, self.joint_names, self.hz = robot_id, list(joint_names), hz
         self.sinks, self.dataset, self.session, self.task = sinks, dataset, session, task
-        self.max_episode_ticks = max_episode_ticks or int(3600 * hz)
+        self.max_episode_ticks = max_episode_ticks or max(1, min(int(3600 * hz), episode_tick_cap(
+            len(self.joint_names), queue_ticks or QUEUE_TICKS)))
         self.queue: queue.Queue = queue.Queue(maxsize=queue_ticks or QUEUE_TICKS)
         self.stats = RecorderStats()
         self.on_episode = on_episode  # (episode, fate) after it was written or discarded: for tests and tools
@@ -227,6 +264,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._first_episode: int | None = None
         self._stopping = False
+        self.error: BaseException | None = None  # why the recorder thread died (the gateway's health says so)
         self._dropped_metric = DROPPED.labels(robot_id, "queue_full")
         self.thread = threading.Thread(target=self._run, name=f"recorder-{robot_id}", daemon=True)
 
@@ -287,7 +325,7 @@ class Recorder:
                         if current is not None:
                             self._close(*current)
                         self._skipped_verdicts(item.episode)
-                        current = (item.episode, _Columns(len(self.joint_names)))
+                        current = (item.episode, _Columns(len(self.joint_names), limit=self.max_episode_ticks))
                         if self._first_episode is None:
                             self._first_episode = item.episode
                     if current[1].n < self.max_episode_ticks:
@@ -309,9 +347,10 @@ class Recorder:
                     reported_drops, last_report = self.stats.ticks_dropped, now
             if current is not None:  # kept if its verdict came; else the episode under way is not kept
                 self._close(*current)
-        except BaseException:  # noqa: BLE001 — a dead recorder must say so; the loop keeps running regardless
+        except BaseException as exc:  # noqa: BLE001 — a dead recorder must say so; the loop keeps running regardless
             log.exception("recorder died", extra={"robot": self.robot_id})
-            self.stats.last_error = "the recorder thread died (see the gateway log)"
+            self.stats.last_error = f"the recorder thread died: {exc!r} (see the gateway log)"[:2000]
+            self.error = exc
         finally:
             for sink in self.sinks:
                 if hasattr(sink, "close"):
@@ -352,9 +391,11 @@ class Recorder:
         if dropped:
             log.warning("episode kept with dropped ticks (the recorder fell behind)",
                         extra={"robot": self.robot_id, "episode": episode, "dropped": dropped})
+        written = 0
         for sink in self.sinks:
             try:
                 uri = sink.write(ep)
+                written += 1
                 if sink.name == "object_store":
                     self.stats.last_episode_uri = uri
             except Exception as exc:  # noqa: BLE001 — one sink failing must not stop the others or the recorder
@@ -363,6 +404,14 @@ class Recorder:
                 WRITE_ERRORS.labels(self.robot_id, sink.name).inc()
                 log.error("could not write a recorded episode", extra={"robot": self.robot_id, "episode": episode,
                                                                        "sink": sink.name, "error": str(exc)[:500]})
+        if not written:  # no sink has it: lost, and said so (never counted kept)
+            self.stats.episodes_failed += 1
+            EPISODES.labels(self.robot_id, "failed").inc()
+            log.error("a recorded episode was lost: every sink refused it", extra={
+                "robot": self.robot_id, "episode": episode, "outcome": outcome, "last_error": self.stats.last_error})
+            if self.on_episode:
+                self.on_episode(ep, "failed")
+            return
         self.stats.episodes_kept += 1
         EPISODES.labels(self.robot_id, "kept").inc()
         log.info("episode recorded", extra={"robot": self.robot_id, "episode": episode, "outcome": outcome,
@@ -384,5 +433,5 @@ def read_episodes(store: ObjectStore, prefix: str = "recordings/") -> list[tuple
     return out
 
 
-__all__ = ["Episode", "ObjectStoreSink", "Recorder", "RecordingError", "ReplaySink", "check_name", "decode_npz",
-           "read_episodes", "session_name"]
+__all__ = ["MEMORY_CAP", "Episode", "ObjectStoreSink", "Recorder", "RecordingError", "ReplaySink", "check_memory",
+           "check_name", "decode_npz", "episode_tick_cap", "read_episodes", "row_bytes", "session_name"]

@@ -3,12 +3,16 @@
     position     each joint target is clipped into [position_min, position_max]
     velocity     a target moves at most velocity_max * dt per tick from the last target
     slew         ... and at most slew_max per tick (the tighter of the two wins)
+    position     the final target is clipped into the position limits once more, after every other step (belt
+                 and braces: no later step may carry it out of them)
     jump         a command further than jump_max from the measured position faults: the arm holds, it never
                  chases a far target (a stale, corrupt or mis-indexed command)
     workspace    the end effector of the target, through the driver's forward kinematics, must stay inside the
                  workspace box, or the arm holds and the gateway faults
 
-Limits can be narrowed at runtime and widened back, never past the driver's hard limits.
+Limits can be narrowed at runtime and widened back, never past the driver's hard limits. Velocity and slew limits
+are >= 0 and jump_max > 0: a negative step bound would clip every move to "the negative step", driving the arm one
+way whatever it is commanded (a zero velocity or slew limit freezes the joint, which is safe).
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ class Limits:
                                  f"per {'axis (x, y, z)' if 'workspace' in f.name else 'joint'}")
             if not np.isfinite(mine).all():
                 raise LimitError(f"{f.name} holds a non-finite value. Fix: give finite limits")
+            if f.name in ("velocity_max", "slew_max") and (mine < 0).any():
+                i = int(np.flatnonzero(mine < 0)[0])
+                raise LimitError(f"{f.name}[{i}]={mine.flat[i]:g} is negative. Fix: give a bound >= 0 (0 freezes the "
+                                 f"joint); a negative one would drive the arm against its commands")
+            if f.name == "jump_max" and not mine > 0:
+                raise LimitError(f"jump_max={float(mine):g} must be > 0. Fix: give the largest distance (rad) between "
+                                 f"a command and the measured position the arm may follow")
             wider = mine < theirs if f.name in lower else mine > theirs
             if wider.any():
                 i = int(np.flatnonzero(wider)[0])
@@ -51,6 +62,9 @@ class Limits:
         if (self.position_min > self.position_max).any() or (self.workspace_min > self.workspace_max).any():
             raise LimitError("a minimum is above its maximum. Fix: position_min <= position_max and "
                              "workspace_min <= workspace_max")
+
+    def same_as(self, other: Limits) -> bool:
+        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
 
     def merged(self, **changes: np.ndarray | float) -> Limits:
         """These limits with the given fields replaced (the rest kept)."""
@@ -83,8 +97,9 @@ class SafetyFilter:
                                               f"(jump_max {lim.jump_max:.3f}); holding instead of following")
         target = np.clip(command, lim.position_min, lim.position_max)
         clipped = bool((target != command).any())
-        step = np.minimum(lim.velocity_max * dt, lim.slew_max)
-        limited = last_target + np.clip(target - last_target, -step, step)
+        step = np.maximum(np.minimum(lim.velocity_max * dt, lim.slew_max), 0.0)  # within() refuses < 0 already
+        limited = np.clip(last_target + np.clip(target - last_target, -step, step), lim.position_min,
+                          lim.position_max)
         slowed = bool((limited != target).any())
         xyz = self.fk(limited)
         if (xyz < lim.workspace_min).any() or (xyz > lim.workspace_max).any():

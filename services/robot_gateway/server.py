@@ -3,7 +3,15 @@ states out, narrow the safety limits, e-stop and clear, record episodes. Every c
 runtime like every other rlfabric service; the loop keeps its guarantees whatever a client sends or fails to send.
 
 Recorded episodes go to the gateway's object store, set by its ``--storage-*`` flags (or ``RLFABRIC_STORAGE_*``;
-S3 credentials from ``$RLFABRIC_S3_ACCESS_KEY`` / ``$RLFABRIC_S3_SECRET_KEY``), opened at the first StartRecording."""
+S3 credentials from ``$RLFABRIC_S3_ACCESS_KEY`` / ``$RLFABRIC_S3_SECRET_KEY``), opened at the first StartRecording;
+to replay only at the endpoints the operator lists with ``--replay-endpoints`` (a client never picks where the
+gateway connects).
+
+What is safety state belongs to the physical device (``Driver.device_key``: the sim's name, a serial port, a Franka
+IP), not to the robot id: the e-stop latch, a latched fault and narrowed limits survive Disconnect and Connect, and
+one device is connected under one id at a time. Connect and Disconnect of one id run one at a time, and whatever
+may block on a device (a driver's constructor, its close) runs off the event loop, so EStop answers within a tick
+whatever else is going on. See docs/robot_safety.md."""
 
 from __future__ import annotations
 
@@ -14,6 +22,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -24,13 +34,14 @@ from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.robot_gateway.cameras import CameraFeed, FrameServer
-from services.robot_gateway.drivers import build_driver
-from services.robot_gateway.loop import ControlLoop, Tick
+from services.robot_gateway.drivers import Driver, build_driver, driver_class
+from services.robot_gateway.loop import ControlLoop, TakeoverError, Tick
 from services.robot_gateway.recording import (
     ObjectStoreSink,
     Recorder,
     RecordingError,
     ReplaySink,
+    check_memory,
     check_name,
     session_name,
 )
@@ -40,6 +51,40 @@ log = logging.getLogger(__name__)
 MAX_ROBOTS = 16
 ROBOT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 STATES_BUFFERED = 64  # per Control stream: a slow reader loses the oldest states, never stalls the loop
+MAX_DEVICES = 1024  # devices whose safety state is remembered after they disconnect
+
+
+@dataclass
+class Device:
+    """The safety state of one physical device, kept across reconnects (a robot id is only a name for a while)."""
+
+    key: str
+    driver: str
+    holder: str | None = None  # the robot id it is connected (or connecting) under
+    estopped: bool = False
+    fault: str = ""
+    limits: Limits | None = None  # narrowed limits; None: the driver's hard limits
+
+    def remembered(self) -> bool:
+        return self.holder is not None or self.estopped or bool(self.fault) or self.limits is not None
+
+
+class _Stream:
+    """A Teleop stream, as the owner of a takeover (named in a refusal)."""
+
+    def __init__(self, peer: str):
+        self.name = f"the Teleop stream of {peer} begun at {time.strftime('%H:%M:%S')}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def stretched(limits: Limits, hard: Limits, target: np.ndarray) -> Limits:
+    """``limits`` with each joint's position range widened just enough to hold ``target`` (within ``hard``): the
+    arm may then move back toward the kept range, never further out."""
+    lo = np.maximum(np.minimum(limits.position_min, target), hard.position_min)
+    hi = np.minimum(np.maximum(limits.position_max, target), hard.position_max)
+    return limits.merged(position_min=lo, position_max=np.maximum(hi, lo))
 
 
 def state_message(robot_id: str, t: Tick) -> pb.RobotState:
@@ -61,9 +106,13 @@ def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
 
 class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     def __init__(self, runtime: ServiceRuntime, storage: StorageConfig | None = None,
-                 storage_default_root: str = "recordings"):
+                 storage_default_root: str = "recordings", replay_endpoints: frozenset[str] = frozenset()):
         self.loops: dict[str, ControlLoop] = {}
         self.drivers: dict[str, str] = {}
+        self.devices: dict[str, Device] = {}  # by device key
+        self.device_of: dict[str, str] = {}  # robot id -> device key, while connected
+        self.id_locks: dict[str, asyncio.Lock] = {}  # Connect and Disconnect of one robot id, one at a time
+        self.replay_endpoints = replay_endpoints
         self.recorders: dict[str, Recorder] = {}  # a stopped one stays, so GetRecording reports how it ended
         self.recording_requests: dict[str, pb.RecordingRequest] = {}
         self.storage, self.storage_default_root = storage or StorageConfig(), storage_default_root
@@ -76,6 +125,9 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     def health(self) -> str | None:
         if self.frames is not None and (why := self.frames.health()) is not None:
             return why
+        for rid, rec in self.recorders.items():
+            if rec.error is not None:
+                return f"the recorder of {rid} died: {rec.error!r} (its episodes are no longer recorded)"
         return next((why for loop in self.loops.values() if (why := loop.health())), None)
 
     async def _loop(self, robot_id: str, context) -> ControlLoop:
@@ -94,6 +146,9 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                             camera_endpoint=self.frames.endpoint if camera else "",
                             camera_size=camera.size if camera else 0)
 
+    def _id_lock(self, robot_id: str) -> asyncio.Lock:
+        return self.id_locks.setdefault(robot_id, asyncio.Lock())
+
     async def Connect(self, request, context):
         rid = request.robot_id
         if not ROBOT_ID.match(rid):
@@ -110,23 +165,87 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         if not (np.isfinite(spin) and spin <= 0.5 / hz):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"spin_s={request.spin_s}: at most half a period "
                                                                   f"({0.5 / hz:.4f} s); 0: 1 ms, -1: never spin")
-        if rid in self.loops:
-            if self.drivers[rid] != request.driver:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"robot {rid!r} is connected with driver "
-                                                                    f"{self.drivers[rid]!r}")
-            return self._info(rid)
         camera_hz = request.camera_hz or 30.0
         if request.camera_size and not (np.isfinite(camera_hz) and 1 <= camera_hz <= 120):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"camera_hz={request.camera_hz}: give 1..120 "
                                                                   f"frames per second (0: 30)")
-        if len(self.loops) >= MAX_ROBOTS:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_ROBOTS} robots are connected already")
+        options = dict(request.options)
+        try:  # importing a driver's module may take a while: off the event loop
+            cls = await asyncio.to_thread(driver_class, request.driver)
+            key = cls.device_key(options, rid)
+        except (ValueError, TypeError, ImportError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
+        async with self._id_lock(rid):  # two Connects of one id never both build a loop
+            if rid in self.loops:
+                if self.drivers[rid] != request.driver or self.device_of[rid] != key:
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"robot {rid!r} is connected to device "
+                                                                        f"{self.device_of[rid]} (driver "
+                                                                        f"{self.drivers[rid]!r}). Fix: Disconnect "
+                                                                        f"it first, or use another robot_id")
+                return self._info(rid)
+            device = self.devices.get(key)
+            if device is not None and device.holder not in (None, rid):
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"device {key} is connected as robot "
+                                                                    f"{device.holder!r}: one device, one robot id "
+                                                                    f"(one loop, one e-stop). Fix: use robot_id "
+                                                                    f"{device.holder!r}, or Disconnect it first")
+            if len(self.loops) >= MAX_ROBOTS:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_ROBOTS} robots are connected already")
+            if device is None:
+                device = self._remember(Device(key, request.driver))
+                if device is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the gateway remembers the safety state "
+                                                                            f"of {MAX_DEVICES} devices already (e-stops "
+                                                                            f"or narrowed limits). Fix: connect and "
+                                                                            f"ClearEStop/widen those, or restart it")
+            device.holder = rid  # reserved: a concurrent Connect of another id for this device is refused
+            try:
+                loop = await self._open(rid, device, request, options, hz, watchdog, spin, camera_hz, context)
+            finally:
+                if rid not in self.loops:
+                    device.holder = None
+                    self._forget_if_clear(device)
+        for _ in range(400):  # its first moments: what priority it got goes in the reply, and a first tick's state
+            if loop.realtime != "not started" and loop.last.tick > 0:  # (a latch kept by the device included)
+                break
+            await asyncio.sleep(0.005)
+        log.info("robot connected", extra={"robot": rid, "driver": request.driver, "device": key, "hz": hz,
+                                           "watchdog_s": watchdog, "realtime": loop.realtime,
+                                           "estopped": loop.estopped})
+        return self._info(rid)
+
+    def _remember(self, device: Device) -> Device | None:
+        """A new device record; when full, a simulated arm's cleared record makes room (a real arm's never)."""
+        if len(self.devices) >= MAX_DEVICES:
+            spare = next((k for k, d in self.devices.items() if d.holder is None and d.driver == "sim"), None)
+            if spare is None:
+                return None
+            del self.devices[spare]
+        self.devices[device.key] = device
+        return device
+
+    def _forget_if_clear(self, device: Device) -> None:
+        if not device.remembered() and self.devices.get(device.key) is device:
+            del self.devices[device.key]
+
+    async def _open(self, rid: str, device: Device, request, options: dict[str, str], hz: float, watchdog: float,
+                    spin: float, camera_hz: float, context) -> ControlLoop:
+        """Build the driver and its loop off the event loop (a Franka's probe alone may take a minute), restore the
+        device's safety state, start ticking; on any failure the driver is closed, off the event loop too."""
+        def build() -> tuple[Driver, Callable | None, ControlLoop]:
+            driver = build_driver(request.driver, options)
+            try:
+                capture = driver.camera(request.camera_size) if request.camera_size else None
+                return driver, capture, ControlLoop(rid, driver, hz, watchdog, spin)
+            except BaseException:
+                driver.close()
+                raise
+
         try:
-            driver = build_driver(request.driver, dict(request.options))
-            capture = driver.camera(request.camera_size) if request.camera_size else None
+            driver, capture, loop = await asyncio.to_thread(build)
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
-        loop = ControlLoop(rid, driver, hz, watchdog, spin)
+        self._restore(loop, device)
         loop.start()
         if capture is not None:
             feed = CameraFeed(rid, capture, camera_hz, lambda: loop.last.tick, request.camera_size)
@@ -134,31 +253,54 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 await asyncio.to_thread(feed.start)
             except RuntimeError as exc:
                 await asyncio.to_thread(loop.stop)
-                driver.close()
+                await asyncio.to_thread(driver.close)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc}. Fix: give the gateway an "
                                                                          f"off-screen renderer (libosmesa6) or "
                                                                          f"camera_size: 0")
             if self.frames is None:
                 self.frames = FrameServer(self.runtime.options.host, self.runtime.advertise_host)
             self.frames.add(feed)
-        self.loops[rid], self.drivers[rid] = loop, request.driver
-        for _ in range(400):  # its first moments: what priority it got goes in the reply
-            if loop.realtime != "not started":
-                break
-            await asyncio.sleep(0.005)
-        log.info("robot connected", extra={"robot": rid, "driver": request.driver, "hz": hz, "watchdog_s": watchdog,
-                                           "realtime": loop.realtime})
-        return self._info(rid)
+        self.loops[rid], self.drivers[rid], self.device_of[rid] = loop, request.driver, device.key
+        return loop
+
+    @staticmethod
+    def _restore(loop: ControlLoop, device: Device) -> None:
+        """The device's latch and narrowed limits, onto its new loop (before it ticks)."""
+        if device.estopped:
+            loop.estop(f"latched before device {device.key} was reconnected")
+        if device.fault:
+            loop.latch_fault(device.fault)
+        if device.limits is None:
+            return
+        try:
+            device.limits.within(loop.hard)
+            loop.set_limits(device.limits)
+        except LimitError as exc:  # the arm was moved while disconnected (or its options changed): hold, loudly
+            loop.set_limits(stretched(device.limits, loop.hard, loop.target)
+                            if device.limits.position_min.shape == loop.hard.position_min.shape else loop.hard)
+            loop.latch_fault(f"the limits kept for device {device.key} do not fit it now ({exc}); they were widened "
+                             f"just enough to hold the arm. Fix: check the arm, SetLimits, then ClearEStop")
 
     async def Disconnect(self, request, context):
-        loop = await self._loop(request.robot_id, context)
-        del self.loops[request.robot_id], self.drivers[request.robot_id]
-        if self.frames is not None:
-            await asyncio.to_thread(self.frames.remove, request.robot_id)
-        await asyncio.get_running_loop().run_in_executor(None, loop.stop)  # joins the loop thread, then brakes
-        loop.driver.close()
-        await self._stop_recorder(request.robot_id, loop)
-        log.info("robot disconnected", extra={"robot": request.robot_id})
+        async with self._id_lock(request.robot_id):
+            loop = await self._loop(request.robot_id, context)
+            del self.loops[request.robot_id], self.drivers[request.robot_id]
+            device = self.devices[self.device_of.pop(request.robot_id)]
+            try:
+                if self.frames is not None:
+                    await asyncio.to_thread(self.frames.remove, request.robot_id)
+                await asyncio.to_thread(loop.stop)  # joins the loop thread, then brakes
+                await asyncio.to_thread(loop.driver.close)
+                await self._stop_recorder(request.robot_id, loop)
+            finally:  # what latched stays with the device, whatever failed above
+                with loop.lock:
+                    device.estopped, device.fault = loop.estopped, loop.fault
+                    limits = loop.safety.limits
+                device.limits = None if limits.same_as(loop.hard) else limits
+                device.holder = None
+                self._forget_if_clear(device)
+        log.info("robot disconnected", extra={"robot": request.robot_id, "device": device.key,
+                                              "estopped": device.estopped})
         return state_message(request.robot_id, loop.last)
 
     async def GetState(self, request, context):
@@ -168,9 +310,10 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     async def ListRobots(self, request, context):
         return pb.RobotList(robots=[self._info(rid) for rid in sorted(self.loops)])
 
-    async def _streamed(self, request_iterator, context, accept):
+    async def _streamed(self, request_iterator, context, accept, on_end: Callable[[ControlLoop], None] | None = None):
         """States of the first message's robot, one per tick, while ``accept`` takes each incoming message
-        (returning why it refuses one: the stream then ends with INVALID_ARGUMENT and the watchdog holds the arm)."""
+        (returning why it refuses one: the stream then ends with INVALID_ARGUMENT, or with the status code it
+        returns beside the reason, and the watchdog holds the arm). ``on_end`` runs however the stream ends."""
         try:
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
@@ -188,7 +331,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         def listener(tick: Tick) -> None:
             aloop.call_soon_threadsafe(offer, tick)
 
-        async def read() -> str | None:
+        async def read() -> str | tuple[grpc.StatusCode, str] | None:
             async for message in request_iterator:
                 if message.robot_id != rid:
                     return f"a message for robot {message.robot_id!r} on the stream of {rid!r}"
@@ -196,19 +339,27 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                     return why
             return None
 
-        if (why := accept(loop, first)) is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        loop.listeners.append(listener)
-        reader = asyncio.create_task(read())
+        async def refuse(why: str | tuple[grpc.StatusCode, str]) -> None:
+            code, why = why if isinstance(why, tuple) else (grpc.StatusCode.INVALID_ARGUMENT, why)
+            await context.abort(code, why)
+
         try:
-            while True:
-                tick = await states.get()
-                if reader.done() and (why := reader.result()) is not None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-                yield state_message(rid, tick)
+            if (why := accept(loop, first)) is not None:
+                await refuse(why)
+            loop.listeners.append(listener)
+            reader = asyncio.create_task(read())
+            try:
+                while True:
+                    tick = await states.get()
+                    if reader.done() and (why := reader.result()) is not None:
+                        await refuse(why)
+                    yield state_message(rid, tick)
+            finally:
+                reader.cancel()
+                loop.listeners.remove(listener)
         finally:
-            reader.cancel()
-            loop.listeners.remove(listener)
+            if on_end is not None:
+                on_end(loop)
 
     @staticmethod
     def _position(loop: ControlLoop, command) -> np.ndarray | str:
@@ -234,18 +385,27 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         ends = {kinds.SUCCESS: "success", kinds.FAILURE: "failure", kinds.RERECORD: "rerecord",
                 kinds.TERMINATE: "terminate"}
 
-        def accept(loop: ControlLoop, event) -> str | None:
+        owner = _Stream(context.peer())  # a takeover this stream begins is its own: no other stream may end it
+
+        def accept(loop: ControlLoop, event) -> str | tuple[grpc.StatusCode, str] | None:
+            try:
+                return take(loop, event)
+            except TakeoverError as exc:
+                return grpc.StatusCode.PERMISSION_DENIED, str(exc)
+
+        def take(loop: ControlLoop, event) -> str | None:
             if event.kind in (kinds.COMMAND, kinds.INTERVENE_START):
                 position = self._position(loop, event.command)
                 if isinstance(position, str):
                     return position
                 if event.kind == kinds.INTERVENE_START:
-                    loop.intervene(True, position, event.command.seq)
+                    loop.intervene(True, position, event.command.seq, owner=owner)
                 else:
-                    loop.teleop_command(position, event.command.seq)
+                    loop.teleop_command(position, event.command.seq, owner=owner)
             elif event.kind == kinds.INTERVENE_STOP:
-                loop.intervene(False)
+                loop.intervene(False, owner=owner)
             elif event.kind in ends:
+                loop.check_owner(owner, f"the verdict {ends[event.kind].upper()}")  # it would end the takeover
                 recorder = self.recorders.get(loop.robot_id)
                 if recorder is not None and recorder.recording:  # the verdict first: the episode's end is known
                     recorder.episode_ended(loop.episode, ends[event.kind])  # before a tick of the next one
@@ -254,7 +414,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 return f"unknown teleop event kind {event.kind}"
             return None
 
-        async for state in self._streamed(request_iterator, context, accept):
+        async for state in self._streamed(request_iterator, context, accept, on_end=lambda loop: loop.release(owner)):
             yield state
 
     async def SetLimits(self, request, context):
@@ -263,7 +423,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         changes = {name: np.asarray(getattr(request, name), float)
                    for name in ("position_min", "position_max", "velocity_max", "slew_max", "workspace_min",
                                 "workspace_max") if len(getattr(request, name))}
-        if request.jump_max:
+        if request.HasField("jump_max"):  # optional: unset keeps the current one, an explicit 0 is refused
             changes["jump_max"] = request.jump_max
         try:
             limits = loop.set_limits(current.merged(**changes))
@@ -317,6 +477,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         replay = next((sink for sink in rec.sinks if isinstance(sink, ReplaySink)), None)
         return pb.RecordingStatus(robot_id=robot_id, recording=rec.recording, dataset=rec.dataset, session=rec.session,
                                   episodes_kept=s.episodes_kept, episodes_discarded=s.episodes_discarded,
+                                  episodes_failed=s.episodes_failed,
                                   ticks_recorded=s.ticks_recorded, ticks_dropped=s.ticks_dropped,
                                   replay_pushes=replay.pushes if replay else 0, write_errors=s.write_errors,
                                   last_episode_uri=s.last_episode_uri, last_error=s.last_error)
@@ -349,11 +510,18 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                                      f"endpoint, tcp://host:port")
             if len(request.task) > 1000:
                 raise RecordingError(f"task: {len(request.task)} characters; at most 1000")
-            if request.queue_ticks > 1 << 20 or request.max_episode_ticks > 1 << 26:
-                raise RecordingError("queue_ticks is at most 1048576 and max_episode_ticks at most 67108864 "
-                                     "(0: the defaults)")
+            check_memory(len(loop.driver.joint_names), request.queue_ticks, request.max_episode_ticks,
+                         1 / loop.period)
         except RecordingError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.replay_endpoint and request.replay_endpoint not in self.replay_endpoints:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"replay_endpoint={request.replay_endpoint[:80]!r} "
+                                                                   f"is not one this gateway's operator allowed "
+                                                                   f"({sorted(self.replay_endpoints) or 'none'}): the "
+                                                                   f"gateway connects only where its operator says. "
+                                                                   f"Fix: start it with --replay-endpoints "
+                                                                   f"tcp://host:port[,...] (or "
+                                                                   f"RLFABRIC_REPLAY_ENDPOINTS)")
         try:  # S3 checks its endpoint, credentials and bucket here: off the event loop
             store = await asyncio.to_thread(self._open_store)
         except (ConfigError, OSError) as exc:
@@ -406,7 +574,8 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
 
 
 def _storage_args(parser) -> None:
-    """Where recorded episodes go: the same choices as a run's ``storage`` section."""
+    """Where recorded episodes go: the same choices as a run's ``storage`` section, and the replay endpoints a
+    recording may push to."""
     parser.add_argument("--storage-kind", choices=("filesystem", "s3"), default="filesystem",
                         help="object store for recorded episodes")
     parser.add_argument("--storage-root", default="recordings", help="filesystem store: its folder")
@@ -414,6 +583,19 @@ def _storage_args(parser) -> None:
     parser.add_argument("--storage-bucket", default="rlfabric", help="S3 bucket")
     parser.add_argument("--storage-prefix", default="", help="key prefix inside the bucket")
     parser.add_argument("--storage-secure", default="false", choices=("true", "false"), help="S3 over TLS")
+    parser.add_argument("--replay-endpoints", default="",
+                        help="comma-separated replay data-plane endpoints (tcp://host:port) a StartRecording may "
+                             "name; none by default (a client never chooses where the gateway connects)")
+
+
+def replay_endpoints(flag: str) -> frozenset[str]:
+    """``--replay-endpoints``: each one tcp://host:port."""
+    endpoints = frozenset(e.strip() for e in flag.split(",") if e.strip())
+    for e in endpoints:
+        host, _, port = e.removeprefix("tcp://").rpartition(":")
+        if not e.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{e!r} is not tcp://host:port")
+    return endpoints
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
@@ -423,8 +605,13 @@ async def _build(runtime: ServiceRuntime, args) -> None:
                                 secure=args.storage_secure == "true")
     except ValueError as exc:
         raise SystemExit(f"rlfabric serve robot_gateway: error: --storage-* flags: {exc}") from None
-    robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(RobotGatewayService(runtime, storage, args.storage_root),
-                                                              runtime.server)
+    try:
+        allowed = replay_endpoints(args.replay_endpoints)
+    except ValueError as exc:
+        raise SystemExit(f"rlfabric serve robot_gateway: error: --replay-endpoints: {exc}. Fix: give "
+                         f"tcp://host:port[,...]") from None
+    robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(
+        RobotGatewayService(runtime, storage, args.storage_root, allowed), runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,7 +55,8 @@ def recorded(tmp_path_factory):
     os.environ["RLFABRIC_STORAGE_ROOT"] = str(root)
     replay = FakeReplay()
     try:
-        with gateway_process(tmp_path_factory.mktemp("gw"), TOKEN) as address:
+        with gateway_process(tmp_path_factory.mktemp("gw"), TOKEN, "--replay-endpoints",
+                             replay.server.endpoint) as address:
             channel = auth.sync_channel(address, GRPC_OPTIONS, auth.Security(TOKEN))
             stub = robot_gateway_pb2_grpc.RobotGatewayStub(channel)
             stub.Connect(pb.ConnectRequest(robot_id="arm", driver="sim", options={"start": "0,-0.3,0.6"},

@@ -37,6 +37,13 @@ class DriverConnectionError(ConnectionError, ValueError):
 class Driver:
     joint_names: list[str]
 
+    @classmethod
+    def device_key(cls, options: dict[str, str], robot_id: str) -> str:
+        """Which physical device ``options`` address (its bus, port or IP), read before anything opens it: the
+        gateway connects one device under one robot id and keeps its e-stop latch and narrowed limits under this
+        key across reconnects. A driver with no address of its own is keyed by the robot id."""
+        return f"{cls.__module__}.{cls.__name__}:{robot_id}"
+
     def hard_limits(self) -> Limits:
         raise NotImplementedError
 
@@ -65,11 +72,17 @@ class Driver:
         pass
 
 
-def build_driver(name: str, options: dict[str, str]) -> Driver:
+def driver_class(name: str) -> type[Driver]:
     if name not in DRIVERS:
         raise ValueError(f"driver {name!r} is not registered; available: {sorted(DRIVERS)}")
     module, cls = DRIVERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_driver(name: str, options: dict[str, str]) -> Driver:
+    """The driver, connected (blocking: a real arm's library may take seconds; the gateway calls this off its
+    event loop)."""
+    return driver_class(name)(**options)
 
 
 def register_driver(name: str, target: str) -> None:
@@ -77,4 +90,4 @@ def register_driver(name: str, target: str) -> None:
 
 
 __all__ = ["DRIVERS", "Driver", "DriverConnectionError", "DriverOptionError", "DriverUnavailable", "build_driver",
-           "register_driver"]
+           "driver_class", "register_driver"]

@@ -20,6 +20,7 @@ The PyPI wheels of both libraries carry libfranka 0.21 (FR3 system 5+); a Panda 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import socket
 import threading
@@ -115,6 +116,16 @@ class FrankaArm(Driver):
                                         f"check FCI is activated in Desk and that the installed libfranka matches "
                                         f"the robot's system version (FR3 system 5+: libfranka >= 0.10; Panda: "
                                         f"0.9)") from exc
+
+    @classmethod
+    def device_key(cls, options: dict[str, str], robot_id: str) -> str:
+        """The control unit's address (an IP written two ways is one robot; a host name is compared as written)."""
+        ip = options.get("ip", "").strip()
+        try:
+            ip = str(ipaddress.ip_address(ip))
+        except ValueError:
+            ip = ip.lower()
+        return f"franka:{ip or robot_id}"
 
     # -- connection ------------------------------------------------------------------------------------------
     def _import_backend(self):

@@ -1,7 +1,13 @@
 """``sim``: a MuJoCo arm (3 revolute joints: base yaw, shoulder and elbow pitch; position servos) whose physics
 advances in real time behind the gateway's loop: each tick steps it by the tick's period. Its model is written
 here, so nothing is downloaded. Its camera renders a private copy of the arm's pose (taken under a lock held only
-for the copy), so rendering never races the physics nor holds up a tick."""
+for the copy), so rendering never races the physics nor holds up a tick.
+
+Its servos are compensated for gravity (``gravcomp`` on every link), as a real arm's controller is: a plain
+position servo sags by gravity's torque over its gain (0.024 rad at the shoulder), so the arm would sit off every
+target and a hold could never keep it still. Options: ``start`` (comma-separated joint positions) and ``name``
+(which simulated arm this is; its e-stop latch and narrowed limits are kept under that name across reconnects,
+default: the robot id)."""
 
 from __future__ import annotations
 
@@ -23,13 +29,13 @@ MJCF = """
     <light pos="0.5 0 2" dir="0 0 -1"/>
     <geom name="floor" type="plane" size="1 1 0.01" rgba="0.8 0.8 0.8 1" contype="0" conaffinity="0"/>
     <camera name="front" pos="1.2 0 0.5" xyaxes="0 1 0 -0.38 0 0.92"/>
-    <body name="base" pos="0 0 0.1">
+    <body name="base" pos="0 0 0.1" gravcomp="1">
       <joint name="yaw" type="hinge" axis="0 0 1" range="-2.6 2.6" damping="0.5"/>
       <geom type="cylinder" size="0.05 0.05" mass="1"/>
-      <body name="upper" pos="0 0 0.05">
+      <body name="upper" pos="0 0 0.05" gravcomp="1">
         <joint name="shoulder" type="hinge" axis="0 1 0" range="-1.6 1.6" damping="0.5"/>
         <geom type="capsule" fromto="0 0 0 0.3 0 0" size="0.03" mass="0.5"/>
-        <body name="fore" pos="0.3 0 0">
+        <body name="fore" pos="0.3 0 0" gravcomp="1">
           <joint name="elbow" type="hinge" axis="0 1 0" range="-2.3 2.3" damping="0.5"/>
           <geom type="capsule" fromto="0 0 0 0.25 0 0" size="0.025" mass="0.3"/>
           <site name="ee" pos="0.25 0 0"/>
@@ -52,9 +58,10 @@ class SimArm(Driver):
     def __init__(self, **options: str):
         import mujoco
 
-        unknown = sorted(set(options) - {"start"})
+        unknown = sorted(set(options) - {"start", "name"})
         if unknown:
-            raise ValueError(f"driver sim takes the option start (comma-separated joint positions), not {unknown}")
+            raise ValueError(f"driver sim takes the options start (comma-separated joint positions) and name, not "
+                             f"{unknown}")
         self.mujoco = mujoco
         self.model = mujoco.MjModel.from_xml_string(MJCF)
         self.data = mujoco.MjData(self.model)
@@ -66,6 +73,10 @@ class SimArm(Driver):
             self.data.qpos[:] = start
             self.data.ctrl[:] = start
         mujoco.mj_forward(self.model, self.data)
+
+    @classmethod
+    def device_key(cls, options: dict[str, str], robot_id: str) -> str:
+        return f"sim:{options.get('name') or robot_id}"
 
     def hard_limits(self) -> Limits:
         lo, hi = self.model.jnt_range[:, 0].copy(), self.model.jnt_range[:, 1].copy()

@@ -9,6 +9,9 @@ Options (strings):
     port             the serial port of the arm's bus board, e.g. /dev/ttyACM0 (required)
     id               the calibration's name: LeRobot reads <calibration_dir>/<id>.json (required)
     calibration_dir  where that file is (default: LeRobot's, ~/.cache/huggingface/lerobot/calibration/robots/...)
+    release_torque   true: Disconnect (and a stopping gateway) turns the servos' torque off, so the arm drops under
+                     gravity; false (default): the servos keep torque and hold the last target until their power
+                     is cut (LeRobot's default would drop the arm, so the gateway asks it not to)
 
 The arm must be calibrated beforehand (``lerobot-calibrate``): calibrating asks a person to move the arm, which a
 gateway cannot do. Hard position limits are each joint's calibrated range intersected with the URDF's.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import time
 from pathlib import Path
 
@@ -108,9 +112,14 @@ class _SOArm(Driver):
     joint_names = JOINTS
 
     def __init__(self, **options: str):
-        unknown = sorted(set(options) - {"port", "id", "calibration_dir"})
+        unknown = sorted(set(options) - {"port", "id", "calibration_dir", "release_torque"})
         if unknown:
-            raise DriverOptionError(f"driver {self.model} has no option {unknown}. Fix: use port, id, calibration_dir")
+            raise DriverOptionError(f"driver {self.model} has no option {unknown}. Fix: use port, id, calibration_dir, "
+                                    f"release_torque")
+        release = options.get("release_torque", "false")
+        if release not in ("true", "false"):
+            raise DriverOptionError(f"options.release_torque={release!r} is not valid. Fix: true (the arm drops on "
+                                    f"Disconnect) or false (default: it keeps holding)")
         for name, example in (("port", "/dev/ttyACM0"), ("id", "my_follower")):
             if not options.get(name):
                 raise DriverOptionError(f"options.{name} is missing. Fix: give it, e.g. {name}={example}")
@@ -121,7 +130,7 @@ class _SOArm(Driver):
                                     f"'lerobot[feetech]' with a torchvision that matches torch") from exc
         config = config_cls(port=options["port"], id=options["id"], use_degrees=True,
                             calibration_dir=Path(options["calibration_dir"]) if options.get("calibration_dir")
-                            else None)
+                            else None, disable_torque_on_disconnect=release == "true")
         self.robot = follower(config)
         if not self.robot.calibration:
             raise DriverOptionError(f"options.id={options['id']}: no calibration at {self.robot.calibration_fpath}. "
@@ -140,6 +149,12 @@ class _SOArm(Driver):
             raise DriverOptionError(f"options.id={options['id']}: the motors' calibration differs from "
                                     f"{self.robot.calibration_fpath}. Fix: run lerobot-calibrate for this arm")
         self._last = (from_lerobot(self.robot.get_observation()), time.monotonic())
+
+    @classmethod
+    def device_key(cls, options: dict[str, str], robot_id: str) -> str:
+        """The bus's serial port, symlinks resolved (/dev/serial/by-id/... and /dev/ttyACM0 are one arm)."""
+        port = options.get("port", "")
+        return f"feetech:{os.path.realpath(port) if port else robot_id}"
 
     def hard_limits(self) -> Limits:
         lo, hi = self.limits
@@ -162,7 +177,7 @@ class _SOArm(Driver):
 
     def close(self) -> None:
         if self.robot.is_connected:
-            self.robot.disconnect()  # disables torque, as LeRobot's config asks by default
+            self.robot.disconnect()  # torque stays on (the arm holds) unless options.release_torque=true
 
 
 class SO100Arm(_SOArm):

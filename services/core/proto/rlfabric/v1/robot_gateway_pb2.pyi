@@ -221,7 +221,7 @@ class RecordingRequest(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ..., dataset: _Optional[str] = ..., task: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., replay_source: _Optional[str] = ..., intervention_source: _Optional[str] = ..., queue_ticks: _Optional[int] = ..., max_episode_ticks: _Optional[int] = ...) -> None: ...
 
 class RecordingStatus(_message.Message):
-    __slots__ = ("robot_id", "recording", "dataset", "session", "episodes_kept", "episodes_discarded", "ticks_recorded", "ticks_dropped", "replay_pushes", "write_errors", "last_episode_uri", "last_error")
+    __slots__ = ("robot_id", "recording", "dataset", "session", "episodes_kept", "episodes_discarded", "ticks_recorded", "ticks_dropped", "replay_pushes", "write_errors", "last_episode_uri", "last_error", "episodes_failed")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     RECORDING_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class RecordingStatus(_message.Message):
     WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     LAST_EPISODE_URI_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FAILED_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     recording: bool
     dataset: str
@@ -246,4 +247,5 @@ class RecordingStatus(_message.Message):
     write_errors: int
     last_episode_uri: str
     last_error: str
-    def __init__(self, robot_id: _Optional[str] = ..., recording: _Optional[bool] = ..., dataset: _Optional[str] = ..., session: _Optional[str] = ..., episodes_kept: _Optional[int] = ..., episodes_discarded: _Optional[int] = ..., ticks_recorded: _Optional[int] = ..., ticks_dropped: _Optional[int] = ..., replay_pushes: _Optional[int] = ..., write_errors: _Optional[int] = ..., last_episode_uri: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+    episodes_failed: int
+    def __init__(self, robot_id: _Optional[str] = ..., recording: _Optional[bool] = ..., dataset: _Optional[str] = ..., session: _Optional[str] = ..., episodes_kept: _Optional[int] = ..., episodes_discarded: _Optional[int] = ..., ticks_recorded: _Optional[int] = ..., ticks_dropped: _Optional[int] = ..., replay_pushes: _Optional[int] = ..., write_errors: _Optional[int] = ..., last_episode_uri: _Optional[str] = ..., last_error: _Optional[str] = ..., episodes_failed: _Optional[int] = ...) -> None: ...

@@ -111,7 +111,8 @@ class RobotGatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Disconnect(self, request, context):
-        """Stop the robot's loop (the driver brakes) and free it; its last state is returned.
+        """Stop the robot's loop (the driver brakes) and free it; its last state is returned. The device keeps its e-stop
+        latch, a latched fault and narrowed limits for its next Connect (under any robot id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
