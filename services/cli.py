@@ -281,6 +281,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     from services.core import certs
 
     out = Path(args.out_dir)
+    if certs.existing(out) and args.if_missing:  # a compose one-shot: made on the first `up`, kept afterwards
+        print(out)
+        return 0
     if certs.existing(out) and not args.force:
         return _fail(f"{out} already holds a deployment CA and certificates; pass --force to replace them (every "
                      f"service and client then needs the new files)", 2)
@@ -590,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-loopback", action="store_true", help="leave localhost, 127.0.0.1 and ::1 out")
     p.add_argument("--days", type=int, default=825, help="validity of the services' and clients' certificates")
     p.add_argument("--force", action="store_true", help="replace the CA and certificates already in OUT_DIR")
+    p.add_argument("--if-missing", action="store_true", help="keep the CA and certificates OUT_DIR holds already "
+                                                             "(exit 0); make them only where there are none")
     p = sub.add_parser("scrape-token", help="print the metrics scrape token of the deployment's secret")
     p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN_FILE / _TOKEN)")
     p = sub.add_parser("serve", help="run one service (its own flags follow)", add_help=False)

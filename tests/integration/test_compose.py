@@ -32,6 +32,7 @@ ENV_EXAMPLE = ROOT / "compose" / ".env.example"
 RUN_SPEC = ROOT / "examples" / "cartpole_ppo_compose.yaml"
 RLFABRIC = ("coordinator", "env", "replay", "learner", "rollout")
 BACKING = ("redis", "minio")
+ONE_SHOT = ("certs",)  # the deployment's CA and certificates, made on the first `up`
 # compose refuses to start without each of these (no default credentials): the secret and the backing services'
 REQUIRED = {"RLFABRIC_TOKEN": "compose-test-secret-0123456789", "RLFABRIC_S3_ACCESS_KEY": "compose-test-user",
             "RLFABRIC_S3_SECRET_KEY": "compose-test-password", "RLFABRIC_REDIS_PASSWORD": "compose-test-redis"}
@@ -73,7 +74,7 @@ def test_compose_file_validates_with_docker_compose(tmp_path):
                             timeout=60)
     assert result.returncode == 0, result.stderr
     normalised = yaml.safe_load(result.stdout)
-    assert set(normalised["services"]) == set(RLFABRIC) | set(BACKING)
+    assert set(normalised["services"]) == set(RLFABRIC) | set(BACKING) | set(ONE_SHOT)
     services = normalised["services"]
     assert services["coordinator"]["environment"]["RLFABRIC_PORT"] == "50051"
     for role in RLFABRIC:  # the secret reaches every rlfabric service, from the env file
@@ -98,8 +99,10 @@ def test_compose_file_validates_with_docker_compose(tmp_path):
 
 def test_every_service_has_a_healthcheck(compose):
     services = compose["services"]
-    assert set(services) == set(RLFABRIC) | set(BACKING)
+    assert set(services) == set(RLFABRIC) | set(BACKING) | set(ONE_SHOT)
     for name, svc in services.items():
+        if name in ONE_SHOT:
+            continue
         test = svc.get("healthcheck", {}).get("test")
         assert test and test[0] in ("CMD", "CMD-SHELL"), f"{name}: no healthcheck"
     assert "redis-cli ping" in " ".join(services["redis"]["healthcheck"]["test"])
@@ -153,6 +156,12 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
         env = svc["environment"]
         assert svc["command"][:2] == ["serve", role]
         assert env["RLFABRIC_HOST"] == "0.0.0.0" and env["RLFABRIC_ADVERTISE_HOST"] == role
+        # off loopback a service wants TLS (it refuses plaintext): mTLS with the certs one-shot's files
+        assert "RLFABRIC_INSECURE_PLAINTEXT" not in env and env["RLFABRIC_METRICS_TLS"] == "true"
+        tls = {env[f"RLFABRIC_TLS_{k}"] for k in ("CERT", "KEY", "CA")}
+        assert all(path.startswith("/srv/rlfabric/certs/") for path in tls) and len(tls) == 3
+        assert "certs:/srv/rlfabric/certs:ro" in svc["volumes"]
+        assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
         port = env["RLFABRIC_PORT"]
         ports.add(port)
         assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.core.healthcheck", f"{role}:{port}"]
@@ -303,3 +312,26 @@ def test_healthcheck_reports_not_serving_with_exit_1():
         assert _health(f"127.0.0.1:{port}").returncode == 0
     finally:
         server.stop(0)
+
+
+def test_certs_one_shot_makes_the_ca_once_and_keeps_it_on_every_later_up(compose, tmp_path):
+    """The compose `certs` service runs on every `up`: the first makes the CA, later ones keep it (a new CA would
+    lock out every client that copied the old one); without --if-missing the same command refuses to replace it."""
+    command = compose["services"]["certs"]["command"]
+    assert command[0] == "certs" and "--if-missing" in command
+    out = tmp_path / "certs"
+    argv = [sys.executable, "-m", "services.cli", *[str(out) if a == "/srv/rlfabric/certs" else a for a in command]]
+    first = subprocess.run(argv, capture_output=True, text=True, env=_clean_env(), timeout=60)
+    assert first.returncode == 0, first.stderr
+    ca = (out / "ca.pem").read_bytes()
+    assert (out / "server.key").stat().st_mode & 0o077 == 0
+    from cryptography import x509
+
+    names = x509.load_pem_x509_certificate((out / "server.pem").read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert set(RLFABRIC) | {"localhost"} <= set(names)  # peers dial service names, host clients localhost
+    again = subprocess.run(argv, capture_output=True, text=True, env=_clean_env(), timeout=60)
+    assert again.returncode == 0 and (out / "ca.pem").read_bytes() == ca
+    refused = subprocess.run([a for a in argv if a != "--if-missing"], capture_output=True, text=True,
+                             env=_clean_env(), timeout=60)
+    assert refused.returncode == 2 and "--force" in refused.stderr and (out / "ca.pem").read_bytes() == ca
