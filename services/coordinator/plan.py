@@ -179,8 +179,9 @@ class PlanExecutor:
             raise RunFailed(f"plan {self.plan_name} cannot run: {exc}", True) from None
 
     async def configure_env(self, stage: Stage) -> dict:
-        reply = await rpc(stage, "Configure", common_pb2.ConfigureRequest(run_id=self.run.run_id,
-                                                                          config_json=self.cfg.to_json()), 120)
+        """An env worker opens no store, so it gets the spec without its secrets (S3 keys, Redis password)."""
+        reply = await rpc(stage, "Configure", common_pb2.ConfigureRequest(
+            run_id=self.run.run_id, config_json=self.cfg.redacted().to_json()), 120)
         self.endpoints[stage.worker.worker_id] = reply.data_endpoint
         return json.loads(reply.detail_json)
 

@@ -163,3 +163,24 @@ def test_checkpoints_hold_the_spec_without_its_secrets(tmp_path):
     assert not any(s.encode() in raw for s in SECRETS)
     state = ckpt.unpack(raw)
     assert RunConfig.from_json(state["config_json"]).env == learner.config.env
+
+
+def test_the_coordinator_sends_an_env_worker_no_secret(monkeypatch):
+    """What crosses the wire to a worker that opens no store holds none of the spec's secrets (the env service drops
+    them too, but it should never have been sent them)."""
+    from services.coordinator import plan as plan_mod
+
+    sent = []
+
+    async def rpc(stage, method, request, timeout=None):
+        sent.append(request)
+        return SimpleNamespace(data_endpoint="tcp://127.0.0.1:1", detail_json="{}")
+
+    executor = plan_mod.PlanExecutor.__new__(plan_mod.PlanExecutor)
+    executor.run = SimpleNamespace(run_id="run-1")
+    executor.cfg, executor.endpoints = _secret_config(), {}
+    stage = SimpleNamespace(worker=SimpleNamespace(worker_id="env-1"))
+    monkeypatch.setattr(plan_mod, "rpc", rpc)
+    asyncio.run(executor.configure_env(stage))
+    assert len(sent) == 1 and not any(s in sent[0].config_json for s in SECRETS)
+    assert RunConfig.from_json(sent[0].config_json).env == executor.cfg.env
