@@ -218,6 +218,11 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:  # the host's: a run directory that is a file, no permission, a full disk
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the learner's host refused {exc.filename or 'a path'!s}: {exc.strerror or exc}. "
+                                f"Fix: point the run directory and storage.root at directories this learner can "
+                                f"write")
         for reason in detail.get("skipped", []):
             log.warning("skipped checkpoint", extra={"reason": reason})
         self.runtime.state = f"busy:{request.run_id}"

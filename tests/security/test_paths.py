@@ -166,3 +166,22 @@ def test_a_saved_model_directory_is_confined_too(layout):
     assert confine_model(config, layout.roots).policy.lm.path == str(layout.root / "models" / "lm")
     with pytest.raises(PathRefused, match="policy.lm.path.*--data-root"):
         confine_model(short_config(policy={"lm": {"path": str(layout.outside.parent)}}), layout.roots)
+
+
+def test_learner_configure_answers_a_run_directory_that_is_a_fifo_with_a_status(layout):
+    """A run directory inside the roots that is not a directory (here a FIFO) is the host's refusal, answered as
+    FAILED_PRECONDITION naming the path, not an unhandled exception (UNKNOWN) the fuzz suite counts as a crash."""
+    from services.learner.server import LearnerService
+
+    runtime = SimpleNamespace(options=SimpleNamespace(role="learner", coordinator=""), worker_id="", owner_run="",
+                              on_shutdown=lambda hook: None, watch=lambda name, probe: None)
+    service = LearnerService(runtime, "127.0.0.1", 1, layout.roots, Endpoints.parse(""))
+    request = SimpleNamespace(run_id="r", config_json=short_config().to_json(),
+                              context_json=json.dumps({"env_spec": {}, "run_dir": str(layout.root / "fifo")}),
+                              peers={"replay": "tcp://127.0.0.1:1"})
+    try:
+        with pytest.raises(_Aborted) as info:
+            asyncio.run(service.Configure(request, _Context()))
+    finally:
+        service.close()
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "fifo" in info.value.details
