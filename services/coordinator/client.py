@@ -21,15 +21,19 @@ STATE_NAMES = {v: k for k, v in coordinator_pb2.RunState.items()}
 
 class CoordinatorClient:
     """``token``/``token_file``: the deployment's secret (default: RLFABRIC_TOKEN_FILE or RLFABRIC_TOKEN, or what
-    this process configured already, e.g. a local stack's); TLS files come from RLFABRIC_TLS_*."""
+    this process configured already, e.g. a local stack's); ``tls``: the CA (and a client certificate for mTLS
+    services), default RLFABRIC_TLS_* or what this process configured."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None, token_file: str = ""):
+    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None, token_file: str = "",
+                 tls: auth.TLSFiles | None = None):
         self.address = address
         self.timeout_s = timeout_s
         if token is not None:
-            security = auth.Security(token, auth.current().tls)
-        elif token_file or not auth.current().enabled:
-            security = auth.from_environment(token_file)
+            environment = auth.tls_from_environment()
+            security = auth.Security(token, tls or (environment if environment.ca or environment.enabled
+                                                    else auth.current().tls))
+        elif token_file or tls is not None or not auth.current().enabled:
+            security = auth.from_environment(token_file, tls)
         else:
             security = auth.current()
         self._channel = auth.sync_channel(address, GRPC_OPTIONS, security)

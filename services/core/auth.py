@@ -222,8 +222,12 @@ def from_environment(token_file: str = "", tls: TLSFiles | None = None) -> Secur
     arguments or RLFABRIC_TLS_*; configured for this process."""
     path = token_file or os.environ.get(TOKEN_FILE_ENV, "")
     token = read_token_file(path) if path else os.environ.get(TOKEN_ENV, "").strip()
-    tls = tls or TLSFiles(*(os.environ.get(TLS_ENV[k], "") for k in ("cert", "key", "ca")))
-    return configure(token, tls)
+    return configure(token, tls or tls_from_environment())
+
+
+def tls_from_environment() -> TLSFiles:
+    """RLFABRIC_TLS_CERT / _KEY / _CA (empty where unset)."""
+    return TLSFiles(*(os.environ.get(TLS_ENV[k], "") for k in ("cert", "key", "ca")))
 
 
 def is_loopback(host: str) -> bool:

@@ -217,6 +217,13 @@ def test_certs_give_services_mtls_and_https_metrics_and_clients_connect_with_the
                                    RLFABRIC_TLS_CERT=str(paths["client.pem"]),
                                    RLFABRIC_TLS_KEY=str(paths["client.key"])))
         assert probe.returncode == 0, probe.stderr
+        from services.coordinator.client import CoordinatorClient  # a notebook's client takes the files too
+
+        notebook = CoordinatorClient(address, token=TOKEN, tls=certs.client_files(paths))
+        try:
+            health_pb2_grpc.HealthStub(notebook._channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        finally:
+            notebook.close()
         context = ssl.create_default_context(cafile=str(paths["ca.pem"]))
         scrape = f"Bearer {auth.Security(TOKEN).scrape_token}"
         status, text = _scrape(metrics_port, scrape, "https", context)
