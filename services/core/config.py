@@ -292,7 +292,11 @@ class WeightSyncConfig(_Strict):
 
 class ReplayConfig(_Strict):
     store: Literal["memory", "redis"] = "memory"
-    capacity_transitions: int = Field(1_000_000, ge=1)
+    capacity_transitions: int = Field(1_000_000, ge=1, description="rows each replay source keeps; the oldest go "
+                                                                   "first")
+    capacity_bytes: int | None = Field(None, ge=1 << 20, description="memory store: bytes each source keeps, the "
+                                                                     "oldest batches going first (default: half of "
+                                                                     "the replay host's memory)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when store is redis")
     key_prefix: str = Field("rlfabric", description="Redis keys live under <key_prefix>:<run_id>:")
     connect_timeout_s: float = Field(5.0, gt=0)

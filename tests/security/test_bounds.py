@@ -12,6 +12,7 @@ import pytest
 
 from services.core.batch import Ragged, TensorBatch
 from services.core.codec import FrameError, decode
+from tests.conftest import short_config
 from tests.support_redis import redis_server  # noqa: F401
 
 WRAPPING = [2**63 - 1, 2**63 - 1, 3, 4]  # adds up to 5 in int64 arithmetic
@@ -279,3 +280,12 @@ def test_row_bytes_follow_the_window_as_it_evicts():
     assert store.row_bytes == 50 * 8 + 8 + 8
     store.clear()
     assert store.row_bytes == 0
+
+
+def test_a_run_spec_sets_the_memory_replays_byte_capacity():
+    from services.replay.stores import open_replay_store
+
+    store = open_replay_store(short_config(replay={"capacity_bytes": 2 << 20}), "run-1")
+    assert store.capacity_bytes == 2 << 20
+    with pytest.raises(Exception, match="capacity_bytes"):  # below 1 MiB is refused at parse time, naming it
+        short_config(replay={"capacity_bytes": 10})

@@ -247,7 +247,7 @@ def open_replay_store(config: RunConfig, run_id: str, object_store: ObjectStore 
     if replay.store == "memory":
         from services.replay.stores.memory import MemoryStore
 
-        return MemoryStore(capacity)
+        return MemoryStore(capacity, replay.capacity_bytes)
     if replay.store == "redis":
         from services.replay.stores.redis import RedisStore
 
