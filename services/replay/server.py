@@ -288,8 +288,16 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                 store = stores[name] = open_replay_store(config, run_id, objects, source=name,
                                                          capacity=max(data.rows, 1))
                 if len(store) == 0:
-                    for part in chunks(data):
-                        store.put(part)
+                    try:
+                        for part in chunks(data):
+                            store.put(part)
+                    except ValueError as exc:  # one chunk over the byte bound
+                        raise DatasetError(f"replay.datasets.{name}: {path}: {exc}. Fix: raise "
+                                           f"replay.capacity_bytes") from None
+                    if store.transitions < data.rows:  # the byte bound evicted rows: a data set is kept whole
+                        raise DatasetError(f"replay.datasets.{name}: {path} does not fit the replay's byte "
+                                           f"capacity (it kept {store.transitions} of {data.rows} rows). Fix: raise "
+                                           f"replay.capacity_bytes, or use replay.store=redis")
                     loaded[name] = data.rows
         except BaseException:
             for store in stores.values():

@@ -289,3 +289,24 @@ def test_a_run_spec_sets_the_memory_replays_byte_capacity():
     assert store.capacity_bytes == 2 << 20
     with pytest.raises(Exception, match="capacity_bytes"):  # below 1 MiB is refused at parse time, naming it
         short_config(replay={"capacity_bytes": 10})
+
+
+def test_a_data_set_larger_than_the_byte_capacity_is_refused_not_cut(tmp_path):
+    """Loading a data set source through a byte-bounded memory store would evict its first rows as it loads: the
+    run would train on part of the user's data without a word. It is refused naming the fix instead."""
+    from types import SimpleNamespace
+
+    from services.core.paths import DataRoots, Endpoints
+    from services.replay.datasets import DatasetError
+    from services.replay.server import ReplayService
+
+    np.savez(tmp_path / "demos.npz", obs=np.zeros((4096, 128), np.float32))  # 2 MiB
+    np.savez(tmp_path / "small_rows.npz", obs=np.zeros((65536, 8), np.float32))  # 2 MiB in chunks under 1 MiB
+    worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse(""))
+    for file in ("demos.npz", "small_rows.npz"):
+        config = short_config(replay={"capacity_bytes": 1 << 20, "datasets": {"demos": file}})
+        with pytest.raises(DatasetError, match="replay.capacity_bytes"):
+            ReplayService._open_stores(worker, config, "r", str(tmp_path))
+    config = short_config(replay={"capacity_bytes": 4 << 20, "datasets": {"demos": "demos.npz"}})
+    stores, loaded = ReplayService._open_stores(worker, config, "r", str(tmp_path))
+    assert loaded == {"demos": 4096} and stores["demos"].transitions == 4096
