@@ -392,3 +392,17 @@ def test_a_dead_recorder_thread_fails_the_gateways_health_check(gateway):
     assert not rec.thread.is_alive()
     why = [w for probe in runtime.probes.values() if (w := probe())]
     assert why and "recorder of arm died" in why[0], why
+
+
+def test_kept_limits_that_no_longer_hold_the_arm_latch_a_fault_and_never_yank_it(gateway):
+    """The arm was moved while disconnected (here: it starts elsewhere): its kept limits leave it out. The loop
+    holds on a latched fault, with the limits widened only as far as the arm is, never yanking it back."""
+    stub, _, _ = gateway
+    connect(stub, "arm", name="moved")
+    stub.SetLimits(pb.SafetyLimits(robot_id="arm", position_max=[0.1, 1.6, 2.3]), timeout=5)
+    stub.Disconnect(pb.RobotRef(robot_id="arm"), timeout=10)
+    connect(stub, "arm", name="moved", start="0.5,-0.3,0.6")
+    state = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)
+    assert state.holding and "do not fit" in state.fault and state.target[0] == pytest.approx(0.5), state
+    limits = stub.SetLimits(pb.SafetyLimits(robot_id="arm"), timeout=5)
+    assert limits.position_max[0] == pytest.approx(0.5) and limits.position_max[1] == pytest.approx(1.6)

@@ -292,3 +292,20 @@ def test_so101_without_an_arm_on_the_port_names_port(tmp_path):
     with pytest.raises(DriverConnectionError, match="options.port=/dev/rgd-no-such-port.*Fix"):
         SO101Arm(port="/dev/rgd-no-such-port", id="arm", calibration_dir=str(tmp_path))
     assert time.monotonic() - t0 < 5
+
+
+def test_device_keys_name_the_physical_device_however_it_is_written(tmp_path):
+    from services.robot_gateway.drivers.franka import FrankaArm
+    from services.robot_gateway.drivers.so_follower import SO100Arm, SO101Arm
+
+    assert FrankaArm.device_key({"ip": "172.16.0.2"}, "a") == FrankaArm.device_key({"ip": " 172.16.0.2 "}, "b")
+    assert FrankaArm.device_key({"ip": "172.16.0.2"}, "a") != FrankaArm.device_key({"ip": "172.16.0.3"}, "a")
+    port = tmp_path / "ttyACM0"
+    port.touch()
+    (tmp_path / "by-id").symlink_to(port)
+    assert SO101Arm.device_key({"port": str(tmp_path / "by-id")}, "a") == SO100Arm.device_key({"port": str(port)}, "b")
+
+
+def test_so_release_torque_is_true_or_false():
+    with pytest.raises(DriverOptionError, match="options.release_torque='yes'.*Fix"):
+        build_driver("so101", {"port": "/dev/ttyACM0", "id": "arm", "release_torque": "yes"})
