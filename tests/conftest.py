@@ -13,6 +13,21 @@ from services.core.runtime import GRPC_OPTIONS
 from services.launcher import LocalStack
 
 
+class Aborted(Exception):
+    """What ``AbortingContext.abort`` raises: a handler's refusal, with its status code and details."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
+
+
+class AbortingContext:
+    """The part of a gRPC servicer context a handler called in-process uses to refuse."""
+
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
 def short_config(**overrides) -> RunConfig:
     """A small CartPole run for API tests (not for learning thresholds)."""
     data = {

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
-from tests.conftest import short_config
+from tests.conftest import Aborted, AbortingContext, short_config
 from tests.integration.test_coordinator import _wait_idle
 
 
@@ -139,17 +139,6 @@ def test_a_recorded_run_whose_config_no_longer_validates_is_failed_with_the_reas
     assert [(r["run_id"], r["state"]) for r in json.loads(index.read_text())["runs"]] == [("old-run", "FAILED")]
 
 
-class _Aborted(Exception):
-    def __init__(self, code, details):
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
-
-
-class _Context:
-    async def abort(self, code, details):
-        raise _Aborted(code, details)
-
-
 @pytest.mark.parametrize(("error", "code"), [
     (RuntimeError("simulator segfaulted in its constructor"), grpc.StatusCode.INTERNAL),
     (MemoryError(), grpc.StatusCode.INTERNAL),
@@ -171,10 +160,10 @@ def test_an_env_that_crashes_in_configure_is_internal_not_bad_input(monkeypatch,
         service = server.EnvService(runtime, "127.0.0.1")
         try:
             await service.Configure(common_pb2.ConfigureRequest(run_id="r", config_json=short_config().to_json()),
-                                    _Context())
+                                    AbortingContext())
         finally:
             service.close()
 
-    with pytest.raises(_Aborted) as info:
+    with pytest.raises(Aborted) as info:
         asyncio.run(main())
     assert info.value.code == code

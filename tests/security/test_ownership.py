@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import short_config
+from tests.conftest import Aborted, AbortingContext, short_config
 
 
 class _Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -23,17 +23,6 @@ class _Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def Heartbeat(self, request, context):
         self.asked += 1
         return coordinator_pb2.HeartbeatReply(known=True, run_id=self.holder)
-
-
-class _Aborted(Exception):
-    def __init__(self, code, details):
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
-
-
-class _Context:
-    async def abort(self, code, details):
-        raise _Aborted(code, details)
 
 
 class _Runtime:
@@ -69,7 +58,7 @@ def _service(role: str, runtime):
     return LearnerService(runtime, "127.0.0.1", 1)
 
 
-def _configure(role: str, cached_owner: str, holder: str, run_id: str) -> tuple[_Aborted | None, int, str]:
+def _configure(role: str, cached_owner: str, holder: str, run_id: str) -> tuple[Aborted | None, int, str]:
     """Configure a ``role`` worker whose last heartbeat named ``cached_owner`` while the coordinator says ``holder``
     holds it, for ``run_id`` with a config_json that is not JSON: (the abort, questions asked, owner after)."""
 
@@ -82,9 +71,9 @@ def _configure(role: str, cached_owner: str, holder: str, run_id: str) -> tuple[
         runtime = _Runtime(role, f"127.0.0.1:{port}", cached_owner)
         service = _service(role, runtime)
         try:
-            await service.Configure(common_pb2.ConfigureRequest(run_id=run_id, config_json="{not json"), _Context())
+            await service.Configure(common_pb2.ConfigureRequest(run_id=run_id, config_json="{not json"), AbortingContext())
             aborted = None
-        except _Aborted as exc:
+        except Aborted as exc:
             aborted = exc
         finally:
             if role == "replay":

@@ -23,7 +23,7 @@ from services.core.paths import (
     confine_storage,
     redis_endpoint,
 )
-from tests.conftest import short_config
+from tests.conftest import Aborted, AbortingContext, short_config
 
 
 @pytest.fixture
@@ -117,17 +117,6 @@ def test_endpoints_come_from_the_allow_list():
     Endpoints.parse("*").check("anything:1", "storage.endpoint")
 
 
-class _Aborted(Exception):
-    def __init__(self, code, details):
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
-
-
-class _Context:
-    async def abort(self, code, details):
-        raise _Aborted(code, details)
-
-
 def test_replay_refuses_a_redis_url_not_allowed_before_connecting(layout):
     """The replay service opens Redis where the spec says only if its operator allowed it (SSRF otherwise)."""
     from services.replay.server import ReplayService
@@ -153,8 +142,8 @@ def test_rollout_configure_refuses_a_storage_root_outside(layout):
     request = SimpleNamespace(run_id="r", config_json=short_config(storage={"root": str(layout.outside.parent)}).to_json(),
                               context_json=json.dumps({"env_spec": {}, "run_dir": str(layout.root)}),
                               peers={"env": "x", "replay": "x", "learner": "x"})
-    with pytest.raises(_Aborted) as info:
-        asyncio.run(service.Configure(request, _Context()))
+    with pytest.raises(Aborted) as info:
+        asyncio.run(service.Configure(request, AbortingContext()))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "storage.root" in info.value.details
     assert service.worker is None  # refused before anything was built
 
@@ -180,8 +169,8 @@ def test_learner_configure_answers_a_run_directory_that_is_a_fifo_with_a_status(
                               context_json=json.dumps({"env_spec": {}, "run_dir": str(layout.root / "fifo")}),
                               peers={"replay": "tcp://127.0.0.1:1"})
     try:
-        with pytest.raises(_Aborted) as info:
-            asyncio.run(service.Configure(request, _Context()))
+        with pytest.raises(Aborted) as info:
+            asyncio.run(service.Configure(request, AbortingContext()))
     finally:
         service.close()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "fifo" in info.value.details
