@@ -2,9 +2,14 @@
 
     algorithms()    services/learner/algorithms/<name>.py, or any package on the ``rlfabric.algorithms`` entry point
     policies()      services/core/models (register_policy)
-    collectors()    services/rollout/collectors (register_collector)
+    collectors()    services/rollout/collectors, entry points ``rlfabric.collectors``
     backends()      services/rollout/backends (register_backend)
-    env_adapters()  services/env/adapters (register_adapter)
+    env_adapters()  services/env/adapters, entry points ``rlfabric.env_adapters``
+
+Collectors and env adapters resolve through services/core/registry.py in whichever process reads the run spec: a
+built-in, an entry point of an installed package, or ``package.module:attr`` written in the spec. The
+``register_*`` calls change only the calling process (tests, a notebook's in-process evaluation); to reach the
+services, ship an entry point or name the code literally.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ def policies() -> dict[str, Any]:
 
 
 def collectors() -> dict[str, str]:
-    """Collector names and where each lives (``module:Class``)."""
+    """Collector names and where each lives (``module:Class``): built-ins and entry points."""
     from services.rollout.collectors import COLLECTORS
 
-    return dict(COLLECTORS)
+    return COLLECTORS.available()
 
 
 def backends() -> dict[str, str]:
@@ -39,9 +44,10 @@ def backends() -> dict[str, str]:
 
 
 def env_adapters() -> dict[str, str]:
-    from services.env.adapters import ADAPTERS
+    """Env adapter names and their modules: built-ins and entry points."""
+    from services.env.adapters import ENV_ADAPTERS
 
-    return dict(ADAPTERS)
+    return ENV_ADAPTERS.available()
 
 
 def register_policy(name: str):
@@ -50,10 +56,11 @@ def register_policy(name: str):
     return register(name)
 
 
-def register_collector(name: str, target: str, adapters: tuple[str, ...] = ()) -> None:
+def register_collector(name: str, target: str) -> None:
+    """In this process only. An adapter names its collector itself (its ``collector`` attribute)."""
     from services.rollout.collectors import register_collector as register
 
-    register(name, target, adapters)
+    register(name, target)
 
 
 def register_backend(name: str, target: str) -> None:

@@ -24,8 +24,10 @@ HEADLESS_RENDER_MODES = ("rgb_array", "rgb_array_list", "depth_array", "ansi")
 
 
 class EnvConfig(_Strict):
-    adapter: str = Field("gymnasium", pattern=r"^[a-z][a-z0-9_]{0,63}$",
-                         description="the env adapter (services/env/adapters): gymnasium, minigrid, ...")
+    adapter: str = Field("gymnasium", max_length=300,
+                         pattern=r"^[A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z_][A-Za-z0-9_.]*)?$",
+                         description="the env adapter (services/env/adapters): gymnasium, minigrid, ..., an "
+                                     "rlfabric.env_adapters entry point, or package.module")
     id: str = Field("CartPole-v1", description="the env id the adapter makes (a registered gymnasium id)")
     num_envs: int = Field(8, ge=1, le=4096)
     vectorization: Literal["sync", "async"] = "sync"
@@ -317,9 +319,11 @@ class ReplayConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    collector: str = Field("auto", pattern=r"^[a-z][a-z0-9_]{0,63}$",
-                           description="how rollout workers act (services/rollout/collectors): auto picks the "
-                                       "env adapter's collector (gym stepping for gymnasium envs)")
+    collector: str = Field("auto", max_length=300,
+                           pattern=r"^[A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z_][A-Za-z0-9_.]*)?$",
+                           description="how rollout workers act (services/rollout/collectors): auto takes the "
+                                       "collector the env adapter declares (gym stepping for gymnasium envs), "
+                                       "an rlfabric.collectors entry point, or package.module:Class")
     backend: str = Field("torch", pattern=r"^[a-z][a-z0-9_]{0,63}$",
                          description="inference backend (services/rollout/backends): torch; hf or vllm for "
                                      "language-model policies")

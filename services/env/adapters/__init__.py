@@ -1,17 +1,31 @@
 """Env adapters: how a run's ``env`` section becomes the vector envs an EnvPool steps, one module per adapter.
 
-An adapter module exposes ``check(env_cfg)`` (raise a ValueError naming the field and the fix, before anything is
-built) and ``make_vector_env(env_cfg, num_envs, vectorization)`` returning a gymnasium VectorEnv with same-step
-auto-reset (a finished env hands back ``final_obs``). Modules are imported when first used, so an adapter whose
-simulator is an optional extra costs nothing until a run names it.
+An adapter (a module, or any object) is an ``EnvAdapter``: ``check(env_cfg)`` raises a ValueError naming the field
+and the fix before anything is built, ``make_vector_env(env_cfg, num_envs, vectorization)`` returns a gymnasium
+VectorEnv with same-step auto-reset (a finished env hands back ``final_obs``), and ``collector`` names the rollout
+collector that acts in its envs (what ``rollout.collector: auto`` picks). Adapters come from ENV_ADAPTERS (services/
+core/registry.py): the built-ins below, entry points of group ``rlfabric.env_adapters``, or ``package.module`` in
+the run spec. Modules are imported when first used, so an adapter whose simulator is an optional extra costs
+nothing until a run names it.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
 
-ADAPTERS: dict[str, str] = {
+from services.core.registry import Registry
+
+
+@runtime_checkable
+class EnvAdapter(Protocol):
+    collector: str  # a name in services.rollout.collectors.COLLECTORS (or an entry point / literal there)
+
+    def check(self, env_cfg: Any) -> None: ...
+
+    def make_vector_env(self, env_cfg: Any, num_envs: int, vectorization: str = "sync") -> Any: ...
+
+
+ENV_ADAPTERS = Registry("env_adapters", "env.adapter", {
     "gymnasium": "services.env.adapters.gymnasium",  # any registered gymnasium id (state observations)
     "mujoco_pixels": "services.env.adapters.mujoco_pixels",  # gymnasium MuJoCo tasks seen as rendered images (+ state)
     "robotics": "services.env.adapters.robotics",  # gymnasium-robotics Fetch/FrankaKitchen: images, goals, is_success
@@ -19,18 +33,12 @@ ADAPTERS: dict[str, str] = {
     "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
     "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
     "robot": "services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
-}
+}, home="services/env/adapters", protocol=EnvAdapter, noun="env adapter")
 
 
 def register_adapter(name: str, module: str) -> None:
-    ADAPTERS[name] = module
+    ENV_ADAPTERS.register(name, module)
 
 
-def adapter(name: str) -> ModuleType:
-    if name not in ADAPTERS:
-        raise ValueError(f"env.adapter {name!r} is not a registered env adapter; available: {sorted(ADAPTERS)}")
-    try:
-        return importlib.import_module(ADAPTERS[name])
-    except ImportError as exc:
-        raise ValueError(f"env.adapter {name!r} needs a package that is not installed ({exc.name}). Fix: pip "
-                         f"install the extra that brings it (see README)") from None
+def adapter(name: str) -> EnvAdapter:
+    return ENV_ADAPTERS.load(name)

@@ -19,6 +19,8 @@ from gymnasium.vector import AutoresetMode
 import services.env.sims  # noqa: F401  (registers rlfabric's own simulated tasks as gymnasium ids)
 from services.env.chunking import ActionChunk
 
+collector = "gym"  # rollout.collector auto: gym stepping
+
 
 class UnknownEnvError(ValueError):
     pass

@@ -29,6 +29,7 @@ from services.env.adapters.gymnasium import vectorize_fns
 from services.env.adapters.mujoco_pixels import SuccessFrom, check_options, headless, image_shape, pixel_env
 from services.env.chunking import ActionChunk
 
+collector = "gym"  # rollout.collector auto: gym stepping
 BENCHMARKS = ("MT10", "MT25", "MT50")
 CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV")
 EXTRA_OPTIONS = ("camera", "instruction", "terminate_on_success", "max_episode_steps")

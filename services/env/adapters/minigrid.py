@@ -15,6 +15,7 @@ import gymnasium as gym
 
 from services.env.adapters.gymnasium import check_env_id, vectorize
 
+collector = "gym"  # rollout.collector auto: gym stepping
 OPTIONS = {"tile_size": int, "view": str}
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from services.env.adapters.gymnasium import check_env_id, vectorize
 
+collector = "gym"  # rollout.collector auto: gym stepping (images and state are ordinary observations)
 OPTIONS = ("image_size", "state")
 SIZE_RANGE = (16, 512)
 RENDER_KWARGS = ("render_mode", "width", "height")  # the adapter sets these; env.kwargs may not

@@ -56,6 +56,7 @@ from services.core.batch import TensorBatch
 from services.core.dataplane import DataClient
 from services.robot_gateway.cameras import FRAME_BYTES
 
+collector = "gym"  # rollout.collector auto: gym stepping (the gateway keeps its own deadlines)
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
            "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float),
            "start_noise": (int, float), "target": str, "realtime_chunks": bool, "camera": int}

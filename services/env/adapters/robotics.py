@@ -30,6 +30,8 @@ from services.env.adapters.mujoco_pixels import (
     pixel_env,
 )
 
+collector = "gym"  # rollout.collector auto: gym stepping
+
 
 def _import() -> Any:
     headless()  # gymnasium_robotics imports mujoco

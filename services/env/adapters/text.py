@@ -24,6 +24,7 @@ from services.env.tasks import task_class
 from services.env.tasks.rewards import reward_fn
 from services.env.tasks.tools import run_turn
 
+collector = "llm"  # rollout.collector auto: LLM turns (generation, tools)
 OPTIONS = {"level": int, "split": str, "held_out_fraction": float, "reward": str, "group_size": int,
            "max_turns": int, "parse_penalty": float, "max_chars": int}
 CHARSET = string.printable

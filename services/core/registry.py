@@ -1,0 +1,131 @@
+"""One registry mechanism for every extension point (env adapters, collectors, backends, ...): a name in a run spec
+becomes the object it names in whichever process reads the spec, so a user's package works in every service, local
+or remote, with no edit to rlfabric and no registration call (a call changes only the process that makes it).
+
+A name resolves, in order, through
+    built-ins      name -> "package.module:attr" (or "package.module"), imported when first asked for
+    entry points   group ``rlfabric.<kind>`` of any installed package (``[project.entry-points."rlfabric.<kind>"]``)
+    a literal      ``package.module:attr`` (or ``package.module``) written in the run spec, imported as named
+
+Nothing is imported until a name is asked for, so an extension whose dependencies are an optional extra costs
+nothing until a run names it. A literal imports a module that is installed where the service runs: the run spec
+comes from an authenticated client, and naming code in it is the point (veRL's ``custom_reward_function.path``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+from importlib.metadata import entry_points
+from typing import Any
+
+GROUP_PREFIX = "rlfabric."
+BUILTIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+LITERAL = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$", re.ASCII)
+
+
+def is_literal(name: str) -> bool:
+    """A name with a dot or a colon names code by its import path; registered names never have either."""
+    return ("." in name or ":" in name) and bool(LITERAL.match(name))
+
+
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """The attributes and methods a Protocol declares (typing.get_protocol_members is Python 3.13+)."""
+    names: set[str] = set()
+    for cls in protocol.__mro__:
+        if cls is object or getattr(cls, "_is_protocol", False) is False or cls.__name__ in ("Protocol", "Generic"):
+            continue
+        names |= {n for n in vars(cls) if not n.startswith("_")}
+        names |= {n for n in getattr(cls, "__annotations__", {}) if not n.startswith("_")}
+    return tuple(sorted(names))
+
+
+def load_target(target: str) -> Any:
+    """Import ``package.module:attr`` (attr may be dotted) or ``package.module``. Errors propagate: the registry
+    turns them into messages that name the field."""
+    module_name, _, attr = target.partition(":")
+    value: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        value = getattr(value, part)
+    return value
+
+
+class Registry:
+    """The entries of one kind of extension. ``field`` is the run-spec field that names one (for errors),
+    ``home`` where a built-in of this kind lives, ``protocol`` what a loaded entry must provide (checked on load)."""
+
+    def __init__(self, kind: str, field: str, builtins: dict[str, str], home: str, protocol: type | None = None,
+                 noun: str | None = None):
+        self.kind, self.field, self.home, self.protocol = kind, field, home, protocol
+        self.group = GROUP_PREFIX + kind
+        self.noun = noun or kind.rstrip("s").replace("_", " ")
+        self._builtins = dict(builtins)
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, target: str) -> None:
+        """In-process only (tests, notebooks): services in other processes see entry points and literals."""
+        if not BUILTIN_NAME.match(name):
+            raise ValueError(f"{self.noun} name {name!r}: use lowercase letters, digits and '_' (at most 64)")
+        with self._lock:
+            self._builtins[name] = target
+            self._loaded.pop(name, None)
+
+    def entry_points(self) -> dict[str, str]:
+        return {ep.name: ep.value for ep in entry_points(group=self.group)}
+
+    def available(self) -> dict[str, str]:
+        """Every name this process can resolve, with its target. A built-in wins over an entry point of its name."""
+        return {**self.entry_points(), **self._builtins}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._builtins or is_literal(name) or name in self.entry_points()
+
+    def target(self, name: str) -> str:
+        if name in self._builtins:
+            return self._builtins[name]
+        if is_literal(name):
+            return name
+        found = self.entry_points()
+        if name in found:
+            return found[name]
+        raise ValueError(self.unknown(name))
+
+    def unknown(self, name: str) -> str:
+        return (f"{self.field} {name!r} is not a registered {self.noun}; available: {sorted(self.available())}. "
+                f"To add one: a built-in in {self.home}; an entry point in group {self.group!r} of an installed "
+                f"package ([project.entry-points.\"{self.group}\"] NAME = \"package.module:attr\"); or name it as "
+                f"package.module:attr in the run spec (installed wherever the service runs)")
+
+    def load(self, name: str) -> Any:
+        """The object ``name`` names, imported once per process; checked against the kind's Protocol."""
+        with self._lock:
+            if name in self._loaded:
+                return self._loaded[name]
+        target = self.target(name)
+        try:
+            value = load_target(target)
+        except ImportError as exc:
+            module = target.partition(":")[0]
+            if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+                raise ValueError(f"{self.field} {name!r}: module {module!r} cannot be imported ({exc}). Fix: "
+                                 f"install the package that provides it in every service's environment, or "
+                                 f"correct the name") from None
+            raise ValueError(f"{self.field} {name!r} needs a package that is not installed ({exc.name}). Fix: pip "
+                             f"install the extra that brings it (see README)") from None
+        except AttributeError as exc:
+            raise ValueError(f"{self.field} {name!r}: {target!r} does not resolve ({exc}). Fix: name an attribute "
+                             f"the module defines") from None
+        self._check(name, target, value)
+        with self._lock:
+            self._loaded[name] = value
+        return value
+
+    def _check(self, name: str, target: str, value: Any) -> None:
+        if self.protocol is None:
+            return
+        missing = [m for m in protocol_members(self.protocol) if not hasattr(value, m)]
+        if missing:
+            raise ValueError(f"{self.field} {name!r}: {target!r} lacks {missing}, which every {self.noun} "
+                             f"provides (see {self.protocol.__module__}.{self.protocol.__qualname__})")

@@ -1,0 +1,148 @@
+"""One registry for extension points (services/core/registry.py): built-ins, entry points of installed packages and
+literal ``package.module:attr`` names resolve the same way in every process; an unknown name gets one error that
+lists what exists and how to add one; ``rollout.collector: auto`` takes the collector the env adapter declares."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pydantic
+import pytest
+
+from services.core.registry import Registry, is_literal
+from services.env.adapters import ENV_ADAPTERS, EnvAdapter
+from services.rollout.collectors import COLLECTORS, collector_class, collector_name
+from tests.conftest import short_config
+
+
+def _plugin(root, name: str, group: str, entries: dict[str, str], source: str) -> None:
+    """An installed package as importlib.metadata sees one: a module and a dist-info with its entry points."""
+    (root / f"{name}.py").write_text(textwrap.dedent(source))
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    lines = "\n".join(f"{k} = {v}" for k, v in entries.items())
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}\n")
+
+
+PLUGIN_ADAPTER = """
+    import gymnasium as gym
+
+    from services.env.adapters.gymnasium import make_vector_env as _gym_vector_env
+
+    collector = "{collector}"
+
+    def check(env_cfg):
+        pass
+
+    def make_vector_env(env_cfg, num_envs, vectorization="sync"):
+        return _gym_vector_env(env_cfg, num_envs, vectorization)
+"""
+
+
+@pytest.fixture
+def unload(monkeypatch):
+    """Forget what the module-level registries loaded in a test (they cache per name)."""
+    for reg in (ENV_ADAPTERS, COLLECTORS):
+        monkeypatch.setattr(reg, "_loaded", {})
+        monkeypatch.setattr(reg, "_builtins", dict(reg._builtins))
+    yield
+    for name in [m for m in sys.modules if m.startswith("rlf_test_")]:
+        del sys.modules[name]
+
+
+def test_an_unknown_name_lists_builtins_and_entry_points_and_the_three_ways_to_add_one(tmp_path, monkeypatch,
+                                                                                        unload):
+    _plugin(tmp_path, "rlf_test_listed", "rlfabric.env_adapters", {"listed_env": "rlf_test_listed"},
+            PLUGIN_ADAPTER.format(collector="gym"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as err:
+        ENV_ADAPTERS.load("mujoco_pixel")
+    message = str(err.value)
+    assert message.startswith("env.adapter 'mujoco_pixel' is not a registered env adapter")
+    for name in ("gymnasium", "mujoco_pixels", "robotics", "metaworld", "minigrid", "text", "robot", "listed_env"):
+        assert repr(name) in message, name
+    assert "services/env/adapters" in message and "'rlfabric.env_adapters'" in message
+    assert "package.module:attr in the run spec" in message
+
+
+def test_an_entry_point_of_an_installed_package_resolves_and_brings_its_collector(tmp_path, monkeypatch, unload):
+    """A user's package registers an env adapter and the collector it declares, no edit to rlfabric: auto finds
+    the collector through the adapter, in this process (as every rollout worker does)."""
+    _plugin(tmp_path, "rlf_test_adapter", "rlfabric.env_adapters", {"my_env": "rlf_test_adapter"},
+            PLUGIN_ADAPTER.format(collector="my_gym"))
+    _plugin(tmp_path, "rlf_test_collector", "rlfabric.collectors",
+            {"my_gym": "rlf_test_collector:MyCollector"}, """
+        from services.rollout.collectors.gym import GymCollector
+
+        class MyCollector(GymCollector):
+            pass
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ENV_ADAPTERS.entry_points() == {"my_env": "rlf_test_adapter"}
+    assert "my_env" in ENV_ADAPTERS and "my_gym" in COLLECTORS
+    module = ENV_ADAPTERS.load("my_env")
+    assert module.__name__ == "rlf_test_adapter" and isinstance(module, EnvAdapter)
+    config = short_config(env__adapter="my_env")
+    assert collector_name(config) == "my_gym"
+    assert collector_class(config).__module__ == "rlf_test_collector"
+
+
+def test_literal_names_resolve_by_import_and_are_checked_against_the_protocol(unload):
+    assert is_literal("pkg.module:Attr") and is_literal("pkg.module") and not is_literal("gym")
+    assert not is_literal("pkg..module") and not is_literal("pkg.module:") and not is_literal("../x")
+    cls = COLLECTORS.load("services.rollout.collectors.gym:GymCollector")
+    assert cls.__name__ == "GymCollector"
+    assert ENV_ADAPTERS.load("services.env.adapters.minigrid").collector == "gym"
+    with pytest.raises(ValueError, match=r"lacks \['collect', 'evaluate', 'probe', 'reset'\], which every collector"):
+        COLLECTORS.load("services.rollout.collectors.gym:Evaluation")
+    with pytest.raises(ValueError, match="does not resolve .*has no attribute 'Nope'"):
+        COLLECTORS.load("services.rollout.collectors.gym:Nope")
+    with pytest.raises(ValueError, match="module 'rlf_test_absent.mod' cannot be imported"):
+        ENV_ADAPTERS.load("rlf_test_absent.mod")
+
+
+def test_a_missing_dependency_of_an_existing_module_names_the_package(tmp_path, monkeypatch, unload):
+    (tmp_path / "rlf_test_needs").mkdir()
+    (tmp_path / "rlf_test_needs" / "__init__.py").write_text("")
+    (tmp_path / "rlf_test_needs" / "env.py").write_text("import rlf_test_not_installed  # noqa\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"needs a package that is not installed \(rlf_test_not_installed\)"):
+        ENV_ADAPTERS.load("rlf_test_needs.env")
+
+
+@pytest.mark.parametrize("adapter,collector", [("gymnasium", "gym"), ("mujoco_pixels", "gym"), ("robotics", "gym"),
+                                               ("metaworld", "gym"), ("minigrid", "gym"), ("robot", "gym"),
+                                               ("text", "llm")])
+def test_auto_takes_the_collector_every_builtin_adapter_declares(adapter, collector):
+    """mujoco_pixels, robotics and metaworld had no row in the old BY_ADAPTER table: auto failed at Configure."""
+    assert collector_name(short_config(env__adapter=adapter)) == collector
+    assert collector_name(short_config(env__adapter=adapter, rollout__collector="llm")) == "llm"
+
+
+def test_an_adapter_that_declares_no_collector_is_refused_by_name(tmp_path, monkeypatch, unload):
+    (tmp_path / "rlf_test_bare").mkdir()
+    (tmp_path / "rlf_test_bare" / "__init__.py").write_text("")
+    (tmp_path / "rlf_test_bare" / "env.py").write_text("def check(c):\n    pass\n\n\ndef make_vector_env(c, n, v):\n"
+                                               "    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"env.adapter 'rlf_test_bare.env': 'rlf_test_bare.env' lacks \['collector'\], "
+                                         r"which every env adapter provides"):
+        collector_name(short_config(env__adapter="rlf_test_bare.env"))
+
+
+def test_register_changes_this_process_and_keeps_names_plain():
+    reg = Registry("widgets", "x.widget", {"a": "services.core.registry:Registry"}, home="services/x")
+    reg.register("b", "services.core.registry:is_literal")
+    assert reg.load("b") is is_literal and set(reg.available()) == {"a", "b"}
+    with pytest.raises(ValueError, match="use lowercase letters"):
+        reg.register("Not.Plain", "x:y")
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a b", "pkg.mod:attr:more", "-x", "x" * 301])
+def test_the_run_spec_refuses_names_that_are_no_name_or_import_path(name):
+    with pytest.raises(pydantic.ValidationError):
+        short_config(env__adapter=name)
+    with pytest.raises(pydantic.ValidationError):
+        short_config(rollout__collector=name)
