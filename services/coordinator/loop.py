@@ -239,8 +239,11 @@ class TrainingLoop:
         return i + 1 == n_iters or (every > 0 and (i + 1) % every == 0)
 
     async def evaluate(self) -> rollout_pb2.EvaluateReply:
+        """Periodic and final evaluation (and so stop_at_eval_return) act as train.eval_deterministic says."""
+        train = self.cfg.train
         return await rpc(self.plan.rollouts[0], "Evaluate",
-                         rollout_pb2.EvaluateRequest(episodes=self.cfg.train.eval_episodes))
+                         rollout_pb2.EvaluateRequest(episodes=train.eval_episodes,
+                                                     stochastic=not train.eval_deterministic))
 
     def reached(self, ev: rollout_pb2.EvaluateReply | None) -> bool:
         target = self.cfg.train.stop_at_eval_return
@@ -250,7 +253,8 @@ class TrainingLoop:
         """An evaluation's columns of a metrics row (and the best evaluation so far follows it)."""
         self.best_eval = max(self.best_eval, ev.episodes.return_mean)
         values = {"eval_return_mean": ev.episodes.return_mean, "eval_return_std": ev.episodes.return_std,
-                  "eval_weight_version": ev.weight_version - self.base_version, "eval_seconds": ev.seconds}
+                  "eval_weight_version": ev.weight_version - self.base_version, "eval_seconds": ev.seconds,
+                  "eval_deterministic": float(self.cfg.train.eval_deterministic)}  # which actions scored it
         if ev.successes:
             values["eval_success_rate"] = sum(ev.successes) / len(ev.successes)
         return values
@@ -297,7 +301,8 @@ class TrainingLoop:
         return record
 
     def summary(self, stopped_early: bool) -> str:
-        best = f"best eval mean return {self.best_eval:.1f}" if self.best_eval > -math.inf else "no eval"
+        sampled = "" if self.cfg.train.eval_deterministic else " of sampled actions"
+        best = f"best eval mean return{sampled} {self.best_eval:.1f}" if self.best_eval > -math.inf else "no eval"
         target = self.cfg.train.stop_at_eval_return
         if stopped_early:
             return f"reached eval return >= {target:g} at {self.run.env_steps} env steps ({best})"

@@ -175,6 +175,10 @@ class TrainConfig(_Strict):
     eval_every_iterations: int = Field(10, ge=0, description="0 disables periodic evaluation")
     eval_episodes: int = Field(10, ge=1, le=10_000)
     stop_at_eval_return: float | None = Field(None, description="stop early once eval mean return reaches it")
+    eval_deterministic: bool = Field(True, description="evaluate with the policy's mode (argmax or mean); false "
+                                     "samples its actions, as training does: argmax policies can loop where "
+                                     "their samples succeed (grid worlds such as MiniGrid). Periodic and final "
+                                     "evaluation, stop_at_eval_return and rlfabric eval's default follow it")
     checkpoint_key: str = "checkpoints/final.pt"
 
 
