@@ -447,14 +447,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from services.rollout.evaluate import evaluate_checkpoint
 
     try:
-        evaluation = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, not args.stochastic)
+        evaluation = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, args.deterministic)
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc), 2)
     returns, successes = evaluation.returns, evaluation.successes
     mean = sum(returns) / len(returns)
     std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
     success = f", success rate {sum(successes) / len(successes):.2f}" if successes else ""
-    console.print(f"{len(returns)} episodes: mean return {mean:.2f} +/- {std:.2f} "
+    mode = "deterministic" if evaluation.deterministic else "stochastic"
+    console.print(f"{len(returns)} {mode} episodes: mean return {mean:.2f} +/- {std:.2f} "
                   f"(min {min(returns):.1f}, max {max(returns):.1f}){success}")
     print(f"{mean:.4f}")
     return 0
@@ -625,7 +626,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: the run's own evaluation seed")
-    p.add_argument("--stochastic", action="store_true")
+    mode = p.add_mutually_exclusive_group()  # neither: the run's own train.eval_deterministic decides
+    mode.add_argument("--stochastic", dest="deterministic", action="store_false", default=None,
+                      help="sample the policy's actions (default: as the run's train.eval_deterministic says)")
+    mode.add_argument("--deterministic", dest="deterministic", action="store_true", default=None,
+                      help="the policy's mode: argmax or mean")
     p = sub.add_parser("collect", help="write an offline data set from a checkpoint's policy or random actions")
     p.add_argument("source", help="a checkpoint (its policy acts), or with --random a run spec or checkpoint")
     p.add_argument("--out", required=True, help="the .npz data set to write (replay.datasets reads it)")

@@ -5,6 +5,7 @@ the same code a rollout worker evaluates with."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,14 +43,17 @@ def _env_spec(config: RunConfig) -> dict:
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None,
-                        deterministic: bool = True) -> Evaluation:
+                        deterministic: bool | None = None) -> Evaluation:
     """Returns (and successes, where the env says) of ``episodes`` episodes; by default on the run's own eval
-    seeds, so it reproduces the run's eval."""
+    seeds and with its own ``train.eval_deterministic``, so it reproduces the run's eval."""
     config, backend = _from_checkpoint(path)
+    if deterministic is None:
+        deterministic = config.train.eval_deterministic
     env = LocalEnvChannel(config)
     try:  # the run's own collector plays them: gym stepping, LLM turns, ...
         collector = collector_class(config)(config, backend, env, config.env.eval_envs, 1, "eval")
-        return collector.evaluate(episodes, deterministic, config.eval_seed() if seed is None else seed)
+        evaluation = collector.evaluate(episodes, deterministic, config.eval_seed() if seed is None else seed)
+        return dataclasses.replace(evaluation, deterministic=deterministic)
     finally:
         env.close()
 

@@ -1,17 +1,57 @@
 """Evaluation reports success where the env says it: every episode of rlfabric/ArmReach-v0 comes back with its
 return and whether it succeeded (its return is above 1 exactly when it does), and an env without ``is_success``
-(CartPole) reports none rather than zeros."""
+(CartPole) reports none rather than zeros. It acts as ``train.eval_deterministic`` says: a policy whose argmax
+loops but whose samples succeed scores 0 one way and about 1 the other, in ``rlfabric eval`` (the run's setting
+unless a flag says otherwise) and in a run's own evaluation (metrics.csv says which mode scored)."""
 
 from __future__ import annotations
 
+import csv
+import json
+import math
+import time
+
+import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
+from services.cli import build_parser, cmd_eval
 from services.core.config import RunConfig
 from services.env.local import LocalEnvChannel
+from services.learner.checkpoint import pack
 from services.rollout.backends import build_backend
 from services.rollout.collectors.gym import play
-from services.rollout.evaluate import _env_spec
+from services.rollout.evaluate import _env_spec, evaluate_checkpoint
+from tests.conftest import short_config
+
+CORRIDOR = "rlfabric-test/Corridor-v0"
+
+
+class Corridor(gym.Env):
+    """Three steps forward reach the goal (return 1, success); waiting goes nowhere until the 20-step limit.
+    The cheapest grid world where argmax loops: a policy that prefers waiting never arrives under argmax, and its
+    samples (3 forward moves in 20 at p=0.4) almost always do."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)  # 0 waits, 1 steps forward
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0
+        return self._obs(), {"is_success": False}
+
+    def step(self, action):
+        self.pos += int(action)
+        arrived = self.pos >= 3
+        return self._obs(), float(arrived), arrived, False, {"is_success": arrived}
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.pos / 3], np.float32)
+
+
+if CORRIDOR not in gym.registry:
+    gym.register(CORRIDOR, entry_point=Corridor, max_episode_steps=20)
 
 
 def evaluation(run: dict, episodes: int):
@@ -36,3 +76,61 @@ def test_eval_episodes_say_whether_they_succeeded_where_the_env_reports_it():
 def test_an_env_without_is_success_reports_no_successes():
     ev = evaluation({"env": {"id": "CartPole-v1", "num_envs": 2, "eval_envs": 2}}, 4)
     assert len(ev.returns) == 4 and ev.successes == []
+
+
+def waiting_checkpoint(path, eval_deterministic: bool):
+    """A checkpoint of a run whose policy waits with p=0.6 and steps forward with p=0.4, whatever it sees."""
+    config = RunConfig.model_validate({"env": {"id": CORRIDOR, "num_envs": 2, "eval_envs": 4},
+                                       "train": {"eval_deterministic": eval_deterministic}})
+    spec = _env_spec(config)
+    policy = build_backend(config.rollout.backend, config, spec, "cpu").policy
+    with torch.no_grad():
+        policy.pi_head.weight.zero_()
+        policy.pi_head.bias.copy_(torch.tensor([math.log(0.6), math.log(0.4)]))
+    path.write_bytes(pack({"config_json": config.to_json(), "env_spec_json": json.dumps(spec),
+                           "policy": policy.state_dict(), "weight_version": 0}))
+    return path
+
+
+def test_an_argmax_that_loops_scores_nothing_where_its_samples_succeed(tmp_path):
+    ckpt = waiting_checkpoint(tmp_path / "final.pt", eval_deterministic=False)
+    greedy = evaluate_checkpoint(ckpt, 16, deterministic=True)
+    sampled = evaluate_checkpoint(ckpt, 16)  # the run's own setting: sampled
+    assert greedy.deterministic is True and sampled.deterministic is False
+    assert greedy.returns == [0.0] * 16 and greedy.successes == [0.0] * 16  # waits until the time limit
+    assert sum(sampled.successes) >= 14 and sampled.returns == sampled.successes
+    assert evaluate_checkpoint(ckpt, 16).returns == sampled.returns  # the run's eval seed: it reproduces
+
+
+@pytest.mark.parametrize("eval_deterministic,flags,mode", [
+    (True, [], "deterministic"), (False, [], "stochastic"),
+    (True, ["--stochastic"], "stochastic"), (False, ["--deterministic"], "deterministic")])
+def test_rlfabric_eval_follows_the_runs_setting_unless_a_flag_says(tmp_path, capsys, eval_deterministic, flags,
+                                                                   mode):
+    ckpt = waiting_checkpoint(tmp_path / "final.pt", eval_deterministic)
+    assert cmd_eval(build_parser().parse_args(["eval", str(ckpt), "--episodes", "8", *flags])) == 0
+    out = capsys.readouterr()
+    assert f"8 {mode} episodes" in out.err  # the summary line; stdout carries the mean alone
+    mean = float(out.out.splitlines()[-1])
+    assert mean == 0.0 if mode == "deterministic" else mean >= 0.75
+
+
+def test_eval_mode_flags_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "final.pt", "--stochastic", "--deterministic"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_runs_evaluation_samples_when_the_spec_says_and_its_metrics_say_so(stack, tmp_path):
+    deadline = time.monotonic() + 30
+    while any(w.run_id for w in stack.client.workers()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    run_dir = tmp_path / "run"
+    cfg = short_config(train={"total_env_steps": 640, "eval_every_iterations": 5, "eval_episodes": 2,
+                              "eval_deterministic": False, "stop_at_eval_return": 1e9})
+    status = stack.client.submit(cfg, run_dir=run_dir)
+    final = [e.status for e in stack.client.watch(status.run_id) if e.HasField("status")][-1]
+    assert "best eval mean return of sampled actions" in final.reason, final
+    table = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    assert [r["eval_deterministic"] for r in table if r["eval_return_mean"]] == ["0.0", "0.0"]

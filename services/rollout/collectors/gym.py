@@ -51,6 +51,7 @@ class Evaluation:
 
     returns: list[float]
     successes: list[float] = field(default_factory=list)
+    deterministic: bool | None = None  # the policy's mode (True) or sampled actions (False); None: not said
 
 
 class EpisodeTally:
