@@ -34,7 +34,9 @@ class Flat(nn.Module):
 
 
 class CNN(nn.Module):
-    """A conv stack over one image (Nature-CNN shaped by default); configurable channels, kernels and strides."""
+    """A conv stack over one image (Nature-CNN shaped by default); configurable channels, kernels and strides. A
+    kernel larger than what is left of the image covers all of it instead, so the default stack, made for 84x84,
+    also serves small renders (a 32x32 camera leaves 2x2 for its 3x3 layer); stacks that fit are unchanged."""
 
     def __init__(self, space: dict[str, Any], cfg: Any, activation: str = "relu"):
         super().__init__()
@@ -42,8 +44,11 @@ class CNN(nn.Module):
         self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
         c, h, w = (shape[2], shape[0], shape[1]) if self.channels_last else shape
         layers: list[nn.Module] = []
+        left = (h, w)
         for out, k, s in zip(cfg.channels, cfg.kernels, cfg.strides, strict=True):
-            layers += [nn.Conv2d(c, out, k, s), ACTIVATIONS[activation]()]
+            kernel = (min(k, left[0]), min(k, left[1]))
+            layers += [nn.Conv2d(c, out, kernel, s), ACTIVATIONS[activation]()]
+            left = ((left[0] - kernel[0]) // s + 1, (left[1] - kernel[1]) // s + 1)
             c = out
         self.convs = nn.Sequential(*layers, nn.Flatten())
         with torch.no_grad():
