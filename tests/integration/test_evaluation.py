@@ -6,9 +6,11 @@ unless a flag says otherwise) and in a run's own evaluation (metrics.csv says wh
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import math
+import os
 import time
 
 import gymnasium as gym
@@ -17,12 +19,19 @@ import pytest
 import torch
 
 from services.cli import build_parser, cmd_eval
+from services.coordinator.loop import TrainingLoop
+from services.coordinator.registry import Worker
+from services.coordinator.run import Run
 from services.core.config import RunConfig
+from services.core.proto.rlfabric.v1 import rollout_pb2_grpc
+from services.core.runtime import ServiceOptions, ServiceRuntime
 from services.env.local import LocalEnvChannel
 from services.learner.checkpoint import pack
 from services.rollout.backends import build_backend
 from services.rollout.collectors.gym import play
 from services.rollout.evaluate import _env_spec, evaluate_checkpoint
+from services.rollout.server import RolloutService
+from services.rollout.worker import RolloutWorker
 from tests.conftest import short_config
 
 CORRIDOR = "rlfabric-test/Corridor-v0"
@@ -78,17 +87,24 @@ def test_an_env_without_is_success_reports_no_successes():
     assert len(ev.returns) == 4 and ev.successes == []
 
 
-def waiting_checkpoint(path, eval_deterministic: bool):
-    """A checkpoint of a run whose policy waits with p=0.6 and steps forward with p=0.4, whatever it sees."""
+def waiting_run(eval_deterministic: bool, **sections) -> tuple[RunConfig, dict, dict]:
+    """A corridor run's spec, env spec and a policy that waits with p=0.6 and steps forward with p=0.4, whatever
+    it sees."""
     config = RunConfig.model_validate({"env": {"id": CORRIDOR, "num_envs": 2, "eval_envs": 4},
-                                       "train": {"eval_deterministic": eval_deterministic}})
+                                       "train": {"eval_deterministic": eval_deterministic, "eval_episodes": 16},
+                                       **sections})
     spec = _env_spec(config)
     policy = build_backend(config.rollout.backend, config, spec, "cpu").policy
     with torch.no_grad():
         policy.pi_head.weight.zero_()
         policy.pi_head.bias.copy_(torch.tensor([math.log(0.6), math.log(0.4)]))
+    return config, spec, policy.state_dict()
+
+
+def waiting_checkpoint(path, eval_deterministic: bool):
+    config, spec, policy = waiting_run(eval_deterministic)
     path.write_bytes(pack({"config_json": config.to_json(), "env_spec_json": json.dumps(spec),
-                           "policy": policy.state_dict(), "weight_version": 0}))
+                           "policy": policy, "weight_version": 0}))
     return path
 
 
@@ -121,6 +137,43 @@ def test_eval_mode_flags_exclude_each_other(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("eval_deterministic", [True, False])
+def test_a_runs_evaluation_reaches_the_rollout_worker_in_the_specs_mode(tmp_path, eval_deterministic):
+    """The coordinator's evaluation (periodic and final) through a real rollout service and worker, over gRPC:
+    the corridor policy scores 0 under argmax and about 1 sampled, and only the sampled one stops the run early."""
+    config, spec, policy = waiting_run(eval_deterministic, scheduling={"mode": "collocated"},
+                                       data_plane={"timeout_s": 0.2})  # no learner: it evaluates what it holds
+    config.train.stop_at_eval_return = 0.5
+
+    async def scenario() -> tuple[dict[str, float], bool]:
+        runtime = ServiceRuntime(ServiceOptions("rollout"))
+        service = RolloutService(runtime)
+        rollout_pb2_grpc.add_RolloutServicer_to_server(service, runtime.server)
+        address = f"127.0.0.1:{runtime.server.add_insecure_port('127.0.0.1:0')}"
+        await runtime.server.start()
+        nobody = "tcp://127.0.0.1:9"  # the env runs in the worker; replay and learner never answer
+        service.worker = await asyncio.to_thread(RolloutWorker, config, spec,
+                                                 {"env": nobody, "replay": nobody, "learner": nobody})
+        service.worker.backend.load(0, policy)
+        service.worker.version = 0
+        loop = TrainingLoop(Run("eval-mode", config, tmp_path),
+                            {"rollout": [Worker("rollout-0", "rollout", address, "", "", os.getpid(), "localhost")]})
+        try:
+            ev = await loop.evaluate()
+            return loop.eval_values(ev), loop.reached(ev)
+        finally:
+            await loop.plan.close()
+            service.close()
+            await runtime.server.stop(None)
+
+    values, reached = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert values["eval_deterministic"] == float(eval_deterministic) and reached is not eval_deterministic
+    if eval_deterministic:
+        assert values["eval_return_mean"] == 0.0 and values["eval_success_rate"] == 0.0
+    else:
+        assert values["eval_success_rate"] >= 14 / 16 and values["eval_return_mean"] == values["eval_success_rate"]
+
+
 def test_a_runs_evaluation_samples_when_the_spec_says_and_its_metrics_say_so(stack, tmp_path):
     deadline = time.monotonic() + 30
     while any(w.run_id for w in stack.client.workers()):
@@ -128,9 +181,9 @@ def test_a_runs_evaluation_samples_when_the_spec_says_and_its_metrics_say_so(sta
         time.sleep(0.05)
     run_dir = tmp_path / "run"
     cfg = short_config(train={"total_env_steps": 640, "eval_every_iterations": 5, "eval_episodes": 2,
-                              "eval_deterministic": False, "stop_at_eval_return": 1e9})
+                              "eval_deterministic": False})
     status = stack.client.submit(cfg, run_dir=run_dir)
     final = [e.status for e in stack.client.watch(status.run_id) if e.HasField("status")][-1]
     assert "best eval mean return of sampled actions" in final.reason, final
-    table = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    table = list(csv.DictReader((run_dir / "metrics.csv").read_text().splitlines()))
     assert [r["eval_deterministic"] for r in table if r["eval_return_mean"]] == ["0.0", "0.0"]
