@@ -15,6 +15,9 @@ read by every service; an instance is the learner's update:
 
 The coordinator reads ``roles``, ``data()`` and ``iterations()``; a rollout worker reads ``trajectory()``; the
 learner builds the instance and feeds it the batches ``data()`` describes. Nothing else knows which algorithm runs.
+
+Every process imports every spec (the config schema is their union), and most processes never train: a spec file
+binds torch, and modules that import it, with ``services.core.lazy.lazy_import``, so only the update imports it.
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
 from services.core.batch import tree_map
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
 
 
 class BCConfig(OfflineConfig):

@@ -16,12 +16,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from services.core.algorithm import register
 from services.core.batch import Ragged, cat_ragged
+from services.core.lazy import lazy_import
 from services.learner.algorithms.grpo import GRPO, GRPOConfig, take
+
+torch = lazy_import("torch")
 
 
 class DAPOConfig(GRPOConfig):

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Roles, Trajectory, register
 from services.core.batch import Ragged
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
 
 
 class GRPOConfig(AlgorithmConfig):
@@ -59,12 +61,13 @@ def padded(batch: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return out
 
 
-@torch.no_grad()
 def chunked_logprobs(model: nn.Module, tokens: torch.Tensor, attn: torch.Tensor, chunk: int,
                      temperature: float) -> torch.Tensor:
-    """``model.token_logprobs`` over the batch, ``chunk`` sequences at a time (bounded activation memory)."""
-    return torch.cat([model.token_logprobs(tokens[i:i + chunk], attn[i:i + chunk], temperature)
-                      for i in range(0, tokens.shape[0], chunk)])
+    """``model.token_logprobs`` over the batch, ``chunk`` sequences at a time (bounded activation memory), without
+    gradients (a ``with`` block, not the decorator: that would import torch with the spec)."""
+    with torch.no_grad():
+        return torch.cat([model.token_logprobs(tokens[i:i + chunk], attn[i:i + chunk], temperature)
+                          for i in range(0, tokens.shape[0], chunk)])
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:

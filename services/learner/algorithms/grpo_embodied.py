@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
 from services.core.batch import tree_map
-from services.learner.optim import Adam
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
+optim = lazy_import("services.learner.optim")
 
 
 class EmbodiedGRPOConfig(AlgorithmConfig):
@@ -79,7 +81,7 @@ class EmbodiedGRPO(Algorithm):
     def __init__(self, policy: nn.Module, run: Any, generator: torch.Generator | None = None, **kw: Any):
         super().__init__(policy, run, generator, **kw)
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer = Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
+        self.optimizer = optim.Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
 
     def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg

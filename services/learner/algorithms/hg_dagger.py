@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import (
     INTERVENTIONS,
@@ -27,6 +25,10 @@ from services.core.algorithm import (
     register,
 )
 from services.core.batch import tree_map
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
 
 
 class HGDAggerConfig(AlgorithmConfig):

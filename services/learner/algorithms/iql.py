@@ -16,13 +16,15 @@ from __future__ import annotations
 import copy
 from typing import Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
 from services.core.batch import tree_map
-from services.core.models.critics import QNetwork, ValueNetwork, soft_update
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
+critics = lazy_import("services.core.models.critics")
 
 
 class IQLConfig(OfflineConfig):
@@ -51,10 +53,10 @@ class IQL(OfflineAlgorithm):
         cfg: IQLConfig = self.cfg
         device = next(actor.parameters()).device
         obs_space = self.env_spec["observation_space"]
-        self.q1 = QNetwork(obs_space, actor.act_dim, run.policy).to(device)
-        self.q2 = QNetwork(obs_space, actor.act_dim, run.policy).to(device)
+        self.q1 = critics.QNetwork(obs_space, actor.act_dim, run.policy).to(device)
+        self.q2 = critics.QNetwork(obs_space, actor.act_dim, run.policy).to(device)
         self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
-        self.value = ValueNetwork(obs_space, run.policy).to(device)
+        self.value = critics.ValueNetwork(obs_space, run.policy).to(device)
         self.q_optimizer = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=cfg.learning_rate)
         self.v_optimizer = torch.optim.Adam(self.value.parameters(), lr=cfg.learning_rate)
         self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate)
@@ -94,8 +96,8 @@ class IQL(OfflineAlgorithm):
         actor_loss.backward()
         self.actor_optimizer.step()
 
-        soft_update(self.q1_target, self.q1, cfg.polyak)
-        soft_update(self.q2_target, self.q2, cfg.polyak)
+        critics.soft_update(self.q1_target, self.q1, cfg.polyak)
+        critics.soft_update(self.q2_target, self.q2, cfg.polyak)
         self.optimizer_steps += 1
         return {"v_loss": v_loss.item(), "q_loss": q_loss.item(), "actor_loss": actor_loss.item(),
                 "advantage_mean": advantage.mean().item(), "weight_mean": weights.mean().item(),

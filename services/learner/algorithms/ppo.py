@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
 from services.core.batch import tree_map
-from services.learner.optim import Adam
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
+optim = lazy_import("services.learner.optim")
 
 
 class PPOConfig(AlgorithmConfig):
@@ -129,7 +131,7 @@ class PPO(Algorithm):
         # fused Adam: one kernel per step instead of a Python loop over tensors (~25% faster updates here);
         # torch.optim.Adam's, without the torch._dynamo import torch.optim costs a fresh process (see optim.py)
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer = Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
+        self.optimizer = optim.Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
 
     def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg

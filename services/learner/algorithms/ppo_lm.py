@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
 
 from services.core.algorithm import register
+from services.core.lazy import lazy_import
 from services.learner.algorithms.grpo import GRPO, GRPOConfig, aggregate
 from services.learner.algorithms.reinforce_pp import last_token
+
+torch = lazy_import("torch")
 
 
 class PPOLMConfig(GRPOConfig):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from services.core.algorithm import register
+from services.core.lazy import lazy_import
 from services.learner.algorithms.grpo import GRPO, GRPOConfig
+
+torch = lazy_import("torch")
 
 
 class ReinforcePPConfig(GRPOConfig):

@@ -17,13 +17,15 @@ from __future__ import annotations
 import copy
 from typing import Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
 from services.core.batch import tree_map
-from services.core.models.critics import QNetwork, soft_update
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
+critics = lazy_import("services.core.models.critics")
 
 
 class SACConfig(AlgorithmConfig):
@@ -65,8 +67,8 @@ class SAC(Algorithm):
         self.actor = actor
         device = next(actor.parameters()).device
         obs_space = self.env_spec.get("observation_space", {"kind": "box", "shape": [actor.obs_dim]})
-        self.q1 = QNetwork(obs_space, actor.act_dim, run.policy).to(device)
-        self.q2 = QNetwork(obs_space, actor.act_dim, run.policy).to(device)
+        self.q1 = critics.QNetwork(obs_space, actor.act_dim, run.policy).to(device)
+        self.q2 = critics.QNetwork(obs_space, actor.act_dim, run.policy).to(device)
         self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
         self.q_optimizer = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=cfg.learning_rate)
         self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate)
@@ -117,8 +119,8 @@ class SAC(Algorithm):
             self.alpha_optimizer.zero_grad(set_to_none=True)
             alpha_loss.backward()
             self.alpha_optimizer.step()
-        soft_update(self.q1_target, self.q1, self.cfg.tau)
-        soft_update(self.q2_target, self.q2, self.cfg.tau)
+        critics.soft_update(self.q1_target, self.q1, self.cfg.tau)
+        critics.soft_update(self.q2_target, self.q2, self.cfg.tau)
         self.optimizer_steps += 1
         return {"q_loss": q_loss.item(), "actor_loss": actor_loss.item(), "alpha": alpha,
                 "q_mean": q1.mean().item(), "entropy": -logp.mean().item()}

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
 from services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
+from services.core.lazy import lazy_import
+
+torch = lazy_import("torch")
+nn = lazy_import("torch.nn")
 
 
 class SFTConfig(OfflineConfig):

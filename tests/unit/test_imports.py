@@ -1,0 +1,107 @@
+"""Processes that do not train do not import torch: the coordinator, the robot gateway (a small computer beside an
+arm), replay, and env with an adapter that needs no torch. Each check runs in a fresh interpreter, since this test
+process has torch loaded already; a failure names the chain of imports that brought torch in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from services.core.lazy import LazyModule, lazy_import
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs first in the child: remembers which repository frames imported torch first (the failure message).
+_WATCH = textwrap.dedent("""
+    import json, sys, traceback
+
+    first = []
+
+    class Watch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" and not first:
+                first.extend(f"{f.filename.removeprefix(ROOT + '/')}:{f.lineno}" for f in traceback.extract_stack()
+                             if f.filename.startswith(ROOT + "/services"))
+            return None
+
+    sys.meta_path.insert(0, Watch())
+""").replace("ROOT", repr(str(ROOT)))
+
+
+def _torch_after(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter; whether torch got imported, and from where."""
+    script = _WATCH + textwrap.dedent(code) + textwrap.dedent("""
+        print(json.dumps({"torch": "torch" in sys.modules, "via": " <- ".join(reversed(first))}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", ["services.coordinator.server", "services.robot_gateway.server",
+                                    "services.replay.server", "services.env.server"])
+def test_a_service_that_does_not_train_imports_no_torch(module):
+    result = _torch_after(f"import {module}")
+    assert not result["torch"], f"importing {module} imports torch, via {result['via']}"
+
+
+def test_the_config_schema_and_every_algorithms_declarations_need_no_torch():
+    """The coordinator validates run specs and reads every algorithm's declarations (data access, roles,
+    iterations): all of that without torch."""
+    result = _torch_after("""
+        from services.core.algorithm import load_algorithms
+        from services.core.config import RunConfig
+
+        assert {"ppo", "sac", "iql", "bc", "grpo", "sft"} <= set(load_algorithms())
+        for name, spec in load_algorithms().items():
+            spec.needs(spec.Config())
+            spec.data(spec.Config())
+        run = RunConfig.model_validate({"algorithm": {"name": "ppo"}, "env": {"id": "CartPole-v1"}})
+        assert run.iterations() > 0 and run.spec.data(run.algorithm).on_policy_fifo
+    """)
+    assert not result["torch"], f"the config schema imports torch, via {result['via']}"
+
+
+@pytest.mark.parametrize("adapter,env_id", [("gymnasium", "CartPole-v1"), ("text", "arith")])
+def test_an_env_service_whose_adapter_needs_no_torch_steps_without_it(adapter, env_id):
+    result = _torch_after(f"""
+        import services.env.server
+        from services.core.config import EnvConfig
+        from services.env.pool import EnvPool
+
+        EnvPool(EnvConfig(adapter={adapter!r}, id={env_id!r}), 2).reset(0)
+    """)
+    assert not result["torch"], f"an env service with env.adapter={adapter} imports torch, via {result['via']}"
+
+
+def test_the_learner_gets_torch_when_an_update_runs():
+    """The other side: an algorithm file's lazily bound torch is the real one once its update code uses it."""
+    result = _torch_after("""
+        from services.learner.algorithms import ppo
+
+        assert "torch" not in sys.modules
+        gamma = ppo.torch.ones(3)
+        advantages, returns = ppo.compute_gae(gamma * 0, gamma * 0, gamma * 0, gamma[:1] * 0, 0.9, 0.9)
+        assert type(advantages) is sys.modules["torch"].Tensor
+    """)
+    assert result["torch"]
+
+
+def test_a_lazy_module_is_imported_on_first_use(tmp_path, monkeypatch):
+    (tmp_path / "lazy_probe.py").write_text("VALUE = 42\nimported = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazy_probe", raising=False)
+    probe = lazy_import("lazy_probe")
+    assert isinstance(probe, LazyModule) and "lazy_probe" not in sys.modules
+    assert "not imported yet" in repr(probe)
+    assert probe.VALUE == 42
+    assert sys.modules["lazy_probe"].imported and "loaded" in repr(probe)
+    sys.modules["lazy_probe"].LATER = "read through"  # an attribute the module gains after the first read
+    assert probe.LATER == "read through"
+    with pytest.raises(AttributeError):
+        probe.missing  # noqa: B018
