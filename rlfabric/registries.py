@@ -3,11 +3,11 @@
     algorithms()    services/learner/algorithms/<name>.py, or any package on the ``rlfabric.algorithms`` entry point
     policies()      services/core/models (register_policy)
     collectors()    services/rollout/collectors, entry points ``rlfabric.collectors``
-    backends()      services/rollout/backends (register_backend)
+    backends()      services/rollout/backends, entry points ``rlfabric.backends``
     env_adapters()  services/env/adapters, entry points ``rlfabric.env_adapters``
 
-Collectors and env adapters resolve through services/core/registry.py in whichever process reads the run spec: a
-built-in, an entry point of an installed package, or ``package.module:attr`` written in the spec. The
+Collectors, backends and env adapters resolve through services/core/registry.py in whichever process reads the run
+spec: a built-in, an entry point of an installed package, or ``package.module:attr`` written in the spec. The
 ``register_*`` calls change only the calling process (tests, a notebook's in-process evaluation); to reach the
 services, ship an entry point or name the code literally.
 """
@@ -38,9 +38,10 @@ def collectors() -> dict[str, str]:
 
 
 def backends() -> dict[str, str]:
+    """Backend names and where each lives (``module:Class``): built-ins and entry points."""
     from services.rollout.backends import BACKENDS
 
-    return dict(BACKENDS)
+    return BACKENDS.available()
 
 
 def env_adapters() -> dict[str, str]:

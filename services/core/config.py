@@ -328,9 +328,10 @@ class RolloutConfig(_Strict):
                            description="how rollout workers act (services/rollout/collectors): auto takes the "
                                        "collector the env adapter declares (gym stepping for gymnasium envs), "
                                        "an rlfabric.collectors entry point, or package.module:Class")
-    backend: str = Field("torch", pattern=r"^[a-z][a-z0-9_]{0,63}$",
+    backend: str = Field("torch", max_length=300, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z_][A-Za-z0-9_.]*)?$",
                          description="inference backend (services/rollout/backends): torch; hf or vllm for "
-                                     "language-model policies")
+                                     "language-model policies; an rlfabric.backends entry point, or "
+                                     "package.module:Class")
     temperature: float = Field(1.0, gt=0, le=10, allow_inf_nan=False,
                                description="LM sampling temperature (log-probs are of the tempered distribution)")
     max_new_tokens: int = Field(16, ge=1, le=1 << 16, description="LM tokens generated per turn at most")

@@ -30,15 +30,22 @@ def is_literal(name: str) -> bool:
     return ("." in name or ":" in name) and bool(LITERAL.match(name))
 
 
-def protocol_members(protocol: type) -> tuple[str, ...]:
-    """The attributes and methods a Protocol declares (typing.get_protocol_members is Python 3.13+)."""
+def protocol_members(protocol: type, methods_only: bool = False) -> tuple[str, ...]:
+    """The attributes and methods a Protocol declares (typing.get_protocol_members is Python 3.13+); a class
+    offers only the methods before it is built (its instances set the attributes)."""
     names: set[str] = set()
     for cls in protocol.__mro__:
         if cls is object or getattr(cls, "_is_protocol", False) is False or cls.__name__ in ("Protocol", "Generic"):
             continue
-        names |= {n for n in vars(cls) if not n.startswith("_")}
-        names |= {n for n in getattr(cls, "__annotations__", {}) if not n.startswith("_")}
+        names |= {n for n, v in vars(cls).items() if not n.startswith("_") and callable(v)}
+        if not methods_only:
+            names |= {n for n in getattr(cls, "__annotations__", {}) if not n.startswith("_")}
     return tuple(sorted(names))
+
+
+def missing_members(value: Any, protocol: type) -> list[str]:
+    """What ``value`` lacks of ``protocol``: every member for an object or module, the methods for a class."""
+    return [m for m in protocol_members(protocol, isinstance(value, type)) if not hasattr(value, m)]
 
 
 def load_target(target: str) -> Any:
@@ -125,7 +132,7 @@ class Registry:
     def _check(self, name: str, target: str, value: Any) -> None:
         if self.protocol is None:
             return
-        missing = [m for m in protocol_members(self.protocol) if not hasattr(value, m)]
+        missing = missing_members(value, self.protocol)
         if missing:
             raise ValueError(f"{self.field} {name!r}: {target!r} lacks {missing}, which every {self.noun} "
                              f"provides (see {self.protocol.__module__}.{self.protocol.__qualname__})")

@@ -146,3 +146,35 @@ def test_the_run_spec_refuses_names_that_are_no_name_or_import_path(name):
         short_config(env__adapter=name)
     with pytest.raises(pydantic.ValidationError):
         short_config(rollout__collector=name)
+
+
+def test_a_backend_from_an_entry_point_is_built_and_checked_against_the_protocol(tmp_path, monkeypatch):
+    from services.rollout.backends import BACKENDS, build_backend
+    from services.rollout.evaluate import _env_spec
+
+    monkeypatch.setattr(BACKENDS, "_loaded", {})
+    _plugin(tmp_path, "rlf_test_backend", "rlfabric.backends",
+            {"my_torch": "rlf_test_backend:MyBackend", "half_made": "rlf_test_backend:HalfMade"}, """
+        from services.rollout.backends.torch import TorchBackend
+
+        class MyBackend(TorchBackend):
+            pass
+
+        class HalfMade:
+            def __init__(self, config, env_spec, device):
+                self.version = -1
+
+            def load(self, version, tensors):
+                self.version = version
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = short_config(rollout__backend="my_torch")
+    backend = build_backend("my_torch", config, _env_spec(config), "cpu")
+    assert type(backend).__name__ == "MyBackend" and backend.version == -1 and backend.receiver is not None
+    with pytest.raises(ValueError, match=r"rollout.backend 'half_made': HalfMade built without \['generator', "
+                                         r"'has_value', 'policy', 'receiver'\]"):
+        build_backend("half_made", config, _env_spec(config), "cpu")
+    with pytest.raises(ValueError, match=r"rollout.backend 'tourch' is not a registered backend; available: "
+                                         r"\['half_made', 'hf', 'my_torch', 'sglang', 'torch', 'vllm'\]"):
+        build_backend("tourch", config, _env_spec(config), "cpu")
+    del sys.modules["rlf_test_backend"]
