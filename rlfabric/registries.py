@@ -5,11 +5,13 @@
     collectors()    services/rollout/collectors, entry points ``rlfabric.collectors``
     backends()      services/rollout/backends, entry points ``rlfabric.backends``
     env_adapters()  services/env/adapters, entry points ``rlfabric.env_adapters``
+    tasks()         services/env/tasks (text tasks), entry points ``rlfabric.tasks``
+    rewards()       services/env/tasks/rewards.py, entry points ``rlfabric.rewards``
 
-Collectors, backends and env adapters resolve through services/core/registry.py in whichever process reads the run
-spec: a built-in, an entry point of an installed package, or ``package.module:attr`` written in the spec. The
-``register_*`` calls change only the calling process (tests, a notebook's in-process evaluation); to reach the
-services, ship an entry point or name the code literally.
+Collectors, backends, env adapters, text tasks and rewards resolve through services/core/registry.py in whichever
+process reads the run spec: a built-in, an entry point of an installed package, or ``package.module:attr`` written
+in the spec. The ``register_*`` calls change only the calling process (tests, a notebook's in-process evaluation);
+to reach the services, ship an entry point or name the code literally.
 """
 
 from __future__ import annotations
@@ -49,6 +51,20 @@ def env_adapters() -> dict[str, str]:
     from services.env.adapters import ENV_ADAPTERS
 
     return ENV_ADAPTERS.available()
+
+
+def tasks() -> dict[str, str]:
+    """Text task names (``env.id`` of the text adapter) and their classes: built-ins and entry points."""
+    from services.env.tasks import TASKS
+
+    return TASKS.available()
+
+
+def rewards() -> dict[str, str]:
+    """Reward names (``env.options.reward``) and their functions: built-ins and entry points."""
+    from services.env.tasks.rewards import REWARDS
+
+    return REWARDS.available()
 
 
 def register_policy(name: str):

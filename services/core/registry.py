@@ -71,13 +71,20 @@ class Registry:
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, target: str) -> None:
-        """In-process only (tests, notebooks): services in other processes see entry points and literals."""
+    def register(self, name: str, target: Any) -> None:
+        """In-process only (tests, notebooks): services in other processes see entry points and literals.
+        ``target`` is ``package.module:attr``, or the object itself."""
         if not BUILTIN_NAME.match(name):
             raise ValueError(f"{self.noun} name {name!r}: use lowercase letters, digits and '_' (at most 64)")
+        if not isinstance(target, str):
+            self._check(name, repr(target), target)
         with self._lock:
-            self._builtins[name] = target
-            self._loaded.pop(name, None)
+            self._builtins[name] = target if isinstance(target, str) else \
+                f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
+            if isinstance(target, str):
+                self._loaded.pop(name, None)
+            else:
+                self._loaded[name] = target
 
     def entry_points(self) -> dict[str, str]:
         return {ep.name: ep.value for ep in entry_points(group=self.group)}
@@ -131,6 +138,8 @@ class Registry:
 
     def _check(self, name: str, target: str, value: Any) -> None:
         if self.protocol is None:
+            if not callable(value):
+                raise ValueError(f"{self.field} {name!r}: {target!r} is not callable; a {self.noun} is")
             return
         missing = missing_members(value, self.protocol)
         if missing:

@@ -178,3 +178,44 @@ def test_a_backend_from_an_entry_point_is_built_and_checked_against_the_protocol
                                          r"\['half_made', 'hf', 'my_torch', 'sglang', 'torch', 'vllm'\]"):
         build_backend("tourch", config, _env_spec(config), "cpu")
     del sys.modules["rlf_test_backend"]
+
+
+def test_a_text_task_and_rewards_from_a_users_package_score_through_the_text_adapter(tmp_path, monkeypatch):
+    """A task and a reward by entry point, a second reward by ``module:function``: the env pool (as the env service
+    builds it) resolves each in its own process."""
+    from types import SimpleNamespace
+
+    from services.core.batch import Ragged
+    from services.env.pool import EnvPool
+    from services.env.tasks import TASKS
+    from services.env.tasks.rewards import REWARDS
+
+    for reg in (TASKS, REWARDS):
+        monkeypatch.setattr(reg, "_loaded", {})
+    _plugin(tmp_path, "rlf_test_text", "rlfabric.tasks", {"doubled": "rlf_test_text:Doubled"}, """
+        from services.env.tasks.arith import ArithTask
+
+        class Doubled(ArithTask):
+            def correct(self, problem, answer):
+                return answer.strip() == "42"
+
+        def always_half(task, problem, answer):
+            return 0.5
+    """)
+    info = tmp_path / "rlf_test_text-0.1.dist-info" / "entry_points.txt"
+    info.write_text(info.read_text() + "[rlfabric.rewards]\nlenient = rlf_test_text:always_half\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for reward, expected in (("lenient", [0.5, 0.5]), ("rlf_test_text:always_half", [0.5, 0.5]),
+                             ("exact_match", [1.0, 0.0])):
+        env = SimpleNamespace(id="doubled", adapter="text", num_envs=2, action_chunk=1, eval_envs=2, kwargs={},
+                              options={"reward": reward}, eval_options={})
+        pool = EnvPool(env, 2)
+        pool.reset(0)
+        out = pool.step(0, Ragged.from_texts(["42", "41"]))
+        assert out["reward"].tolist() == expected, reward
+    with pytest.raises(ValueError, match=r"env.options.reward 'rlf_test_text:nope': .* does not resolve"):
+        REWARDS.load("rlf_test_text:nope")
+    with pytest.raises(ValueError, match=r"env.id 'doubld' is not a registered text task; available: \['arith', "
+                                         r"'arith_tool', 'doubled'\]"):
+        TASKS.load("doubld")
+    del sys.modules["rlf_test_text"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.core.registry import Registry
 from services.env.tasks.arith import parse_int
 
 Reward = Callable[[Any, Any, str], float]  # (task, problem, answer text) -> reward
@@ -29,15 +30,16 @@ def signed_match(task: Any, problem: Any, answer: str) -> float:
     return 1.0 if task.correct(problem, answer) else -1.0
 
 
-REWARDS: dict[str, Reward] = {"exact_match": exact_match, "format_match": format_match,
-                              "signed_match": signed_match}
+REWARDS = Registry("rewards", "env.options.reward", {
+    "exact_match": "services.env.tasks.rewards:exact_match",
+    "format_match": "services.env.tasks.rewards:format_match",
+    "signed_match": "services.env.tasks.rewards:signed_match",
+}, home="services/env/tasks/rewards.py")  # entry points rlfabric.rewards, or package.module:function in the spec
 
 
-def register_reward(name: str, fn: Reward) -> None:
-    REWARDS[name] = fn
+def register_reward(name: str, fn: Reward | str) -> None:
+    REWARDS.register(name, fn)
 
 
 def reward_fn(name: str) -> Reward:
-    if name not in REWARDS:
-        raise ValueError(f"env.options.reward {name!r} is not a registered reward; available: {sorted(REWARDS)}")
-    return REWARDS[name]
+    return REWARDS.load(name)
