@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import yaml
@@ -53,3 +55,137 @@ def test_each_pixel_adapter_trains_with_every_service_in_its_own_process(tmp_pat
     """The env service steps the adapter, the rollout worker acts with the collector the adapter declares."""
     rows = _train(tmp_path, adapter, "scheduling.mode=disaggregated")
     assert int(rows[-1]["env_steps"]) == TOTAL_STEPS and len(rows) >= 2
+
+
+PLUGIN = {  # a user's package, outside the repo: one of each extension point, registered by entry points only
+    "pyproject.toml": """
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "rlf-smoke-plugin"
+        version = "0.1"
+
+        [tool.setuptools]
+        packages = ["rlf_smoke_plugin"]
+
+        [project.entry-points."rlfabric.env_adapters"]
+        plug_env = "rlf_smoke_plugin.env"
+
+        [project.entry-points."rlfabric.collectors"]
+        plug_gym = "rlf_smoke_plugin.parts:PlugCollector"
+
+        [project.entry-points."rlfabric.backends"]
+        plug_torch = "rlf_smoke_plugin.parts:PlugBackend"
+
+        [project.entry-points."rlfabric.tasks"]
+        plug_task = "rlf_smoke_plugin.parts:PlugTask"
+
+        [project.entry-points."rlfabric.rewards"]
+        plug_half = "rlf_smoke_plugin.parts:half"
+    """,
+    "rlf_smoke_plugin/__init__.py": """
+        import os
+
+        def mark(what):
+            with open(os.environ["RLF_SMOKE_MARKS"], "a") as f:
+                f.write(f"{what} {os.getpid()}\\n")
+    """,
+    "rlf_smoke_plugin/env.py": """
+        from services.env.adapters import gymnasium as _gym
+        from rlf_smoke_plugin import mark
+
+        collector = "plug_gym"
+
+        def check(env_cfg):
+            _gym.check(env_cfg)
+
+        def make_vector_env(env_cfg, num_envs, vectorization="sync"):
+            mark("adapter")
+            return _gym.make_vector_env(env_cfg, num_envs, vectorization)
+    """,
+    "rlf_smoke_plugin/parts.py": """
+        from services.env.tasks.arith import ArithTask
+        from services.rollout.backends.torch import TorchBackend
+        from services.rollout.collectors.gym import GymCollector
+        from rlf_smoke_plugin import mark
+
+        class PlugCollector(GymCollector):
+            def __init__(self, *args, **kwargs):
+                mark("collector")
+                super().__init__(*args, **kwargs)
+
+        class PlugBackend(TorchBackend):
+            def __init__(self, *args, **kwargs):
+                mark("backend")
+                super().__init__(*args, **kwargs)
+
+        class PlugTask(ArithTask):
+            def __init__(self, *args, **kwargs):
+                mark("task")
+                super().__init__(*args, **kwargs)
+
+        def half(task, problem, answer):
+            return 0.5
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    """The package installed with ``pip install -e`` into a folder of its own (not the shared environment), which
+    the services see through PYTHONPATH as they would see site-packages."""
+    root = tmp_path_factory.mktemp("plugin")
+    for name, text in PLUGIN.items():
+        (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "src" / name).write_text(textwrap.dedent(text).lstrip())
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                           "--no-index", "--target", str(root / "site"), "-e", str(root / "src")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((root / "site").glob("rlf_smoke_plugin-0.1.dist-info/entry_points.txt"))
+    return root
+
+
+def _train_with(plugin, tmp_path, spec: dict, *sets: str) -> tuple[list[dict[str, str]], list[str]]:
+    marks = tmp_path / "marks"
+    env = dict(os.environ, RLF_SMOKE_MARKS=str(marks),
+               PYTHONPATH=os.pathsep.join([str(plugin / "site"), str(plugin / "src"), os.environ.get("PYTHONPATH", "")]))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    args = [item for s in sets for item in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(config), "--run-dir",
+                           str(tmp_path / "run"), "--quiet", *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return list(csv.DictReader(open(tmp_path / "run" / "metrics.csv"))), marks.read_text().split("\n")
+
+
+@pytest.mark.slow
+def test_a_plugin_packages_adapter_collector_and_backend_run_through_every_service(plugin, tmp_path):
+    spec = {"name": "plugin-gym", "env": {"adapter": "plug_env", "id": "CartPole-v1", "num_envs": 4, "eval_envs": 2},
+            "rollout": {"backend": "plug_torch"},
+            "algorithm": {"name": "ppo", "n_steps": 16, "batch_size": 64, "n_epochs": 1},
+            "train": {"total_env_steps": 128, "eval_every_iterations": 0, "eval_episodes": 2}}
+    rows, marks = _train_with(plugin, tmp_path, spec, "scheduling.mode=disaggregated")
+    assert int(rows[-1]["env_steps"]) == 128
+    by_part = {line.split()[0]: line.split()[1] for line in marks if line}
+    assert {"adapter", "collector", "backend"} <= set(by_part)
+    assert by_part["adapter"] != by_part["collector"] == by_part["backend"]  # env service vs rollout worker
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reward", ["plug_half", "rlf_smoke_plugin.parts:half"])
+def test_a_plugin_packages_text_task_and_reward_score_every_sample(plugin, tmp_path, reward):
+    spec = {"name": "plugin-text", "seed": 0,
+            "env": {"adapter": "text", "id": "plug_task", "num_envs": 16, "eval_envs": 8,
+                    "options": {"group_size": 4, "reward": reward}, "eval_options": {"group_size": 1}},
+            "policy": {"lm": {"arch": "llama", "hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2,
+                              "max_positions": 64}},
+            "rollout": {"backend": "hf", "max_new_tokens": 4},
+            "algorithm": {"name": "grpo", "minibatch_size": 16, "epochs": 1},
+            "train": {"total_env_steps": 32, "eval_every_iterations": 0, "eval_episodes": 8}}
+    rows, marks = _train_with(plugin, tmp_path, spec)
+    assert [float(r["train_return_mean"]) for r in rows if r["train_return_mean"]] == [0.5, 0.5]
+    assert float(rows[-1]["eval_return_mean"]) == 0.5 and any(m.startswith("task ") for m in marks)

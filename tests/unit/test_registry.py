@@ -80,7 +80,7 @@ def test_an_entry_point_of_an_installed_package_resolves_and_brings_its_collecto
             pass
     """)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert ENV_ADAPTERS.entry_points() == {"my_env": "rlf_test_adapter"}
+    assert ENV_ADAPTERS.entry_points()["my_env"] == "rlf_test_adapter"
     assert "my_env" in ENV_ADAPTERS and "my_gym" in COLLECTORS
     module = ENV_ADAPTERS.load("my_env")
     assert module.__name__ == "rlf_test_adapter" and isinstance(module, EnvAdapter)
@@ -174,9 +174,9 @@ def test_a_backend_from_an_entry_point_is_built_and_checked_against_the_protocol
     with pytest.raises(ValueError, match=r"rollout.backend 'half_made': HalfMade built without \['generator', "
                                          r"'has_value', 'policy', 'receiver'\]"):
         build_backend("half_made", config, _env_spec(config), "cpu")
-    with pytest.raises(ValueError, match=r"rollout.backend 'tourch' is not a registered backend; available: "
-                                         r"\['half_made', 'hf', 'my_torch', 'sglang', 'torch', 'vllm'\]"):
+    with pytest.raises(ValueError, match=r"rollout.backend 'tourch' is not a registered backend") as err:
         build_backend("tourch", config, _env_spec(config), "cpu")
+    assert all(repr(n) in str(err.value) for n in ("half_made", "hf", "my_torch", "sglang", "torch", "vllm"))
     del sys.modules["rlf_test_backend"]
 
 
@@ -215,7 +215,7 @@ def test_a_text_task_and_rewards_from_a_users_package_score_through_the_text_ada
         assert out["reward"].tolist() == expected, reward
     with pytest.raises(ValueError, match=r"env.options.reward 'rlf_test_text:nope': .* does not resolve"):
         REWARDS.load("rlf_test_text:nope")
-    with pytest.raises(ValueError, match=r"env.id 'doubld' is not a registered text task; available: \['arith', "
-                                         r"'arith_tool', 'doubled'\]"):
+    with pytest.raises(ValueError, match=r"env.id 'doubld' is not a registered text task") as err:
         TASKS.load("doubld")
+    assert all(repr(n) in str(err.value) for n in ("arith", "arith_tool", "doubled"))
     del sys.modules["rlf_test_text"]
