@@ -60,11 +60,13 @@ def load_target(target: str) -> Any:
 
 class Registry:
     """The entries of one kind of extension. ``field`` is the run-spec field that names one (for errors),
-    ``home`` where a built-in of this kind lives, ``protocol`` what a loaded entry must provide (checked on load)."""
+    ``home`` where a built-in of this kind lives, ``protocol`` what a loaded entry must provide (checked on load).
+    ``literals=False`` resolves installed names only: for a name that arrives from the network rather than a run
+    spec (a robot driver on the gateway beside an arm), so a caller cannot make the process import any module."""
 
     def __init__(self, kind: str, field: str, builtins: dict[str, str], home: str, protocol: type | None = None,
-                 noun: str | None = None):
-        self.kind, self.field, self.home, self.protocol = kind, field, home, protocol
+                 noun: str | None = None, literals: bool = True):
+        self.kind, self.field, self.home, self.protocol, self.literals = kind, field, home, protocol, literals
         self.group = GROUP_PREFIX + kind
         self.noun = noun or kind.rstrip("s").replace("_", " ")
         self._builtins = dict(builtins)
@@ -94,12 +96,12 @@ class Registry:
         return {**self.entry_points(), **self._builtins}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._builtins or is_literal(name) or name in self.entry_points()
+        return name in self._builtins or (self.literals and is_literal(name)) or name in self.entry_points()
 
     def target(self, name: str) -> str:
         if name in self._builtins:
             return self._builtins[name]
-        if is_literal(name):
+        if self.literals and is_literal(name):
             return name
         found = self.entry_points()
         if name in found:
@@ -107,10 +109,11 @@ class Registry:
         raise ValueError(self.unknown(name))
 
     def unknown(self, name: str) -> str:
+        literal = ("; or name it as package.module:attr in the run spec (installed wherever the service runs)"
+                   if self.literals else "")
         return (f"{self.field} {name!r} is not a registered {self.noun}; available: {sorted(self.available())}. "
                 f"To add one: a built-in in {self.home}; an entry point in group {self.group!r} of an installed "
-                f"package ([project.entry-points.\"{self.group}\"] NAME = \"package.module:attr\"); or name it as "
-                f"package.module:attr in the run spec (installed wherever the service runs)")
+                f"package ([project.entry-points.\"{self.group}\"] NAME = \"package.module:attr\"){literal}")
 
     def load(self, name: str) -> Any:
         """The object ``name`` names, imported once per process; checked against the kind's Protocol."""

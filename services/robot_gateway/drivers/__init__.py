@@ -1,4 +1,6 @@
-"""Robot drivers behind one interface; a driver is one file here, registered by name (ConnectRequest.driver).
+"""Robot drivers behind one interface; a driver is one file here, registered by name (ConnectRequest.driver), or a
+``Driver`` subclass that an installed package names under the ``rlfabric.drivers`` entry point. A Connect names an
+installed driver only, never a module to import: the name comes from the network, to the process beside the arm.
 
 A driver knows its joints, its hard limits and its forward kinematics, reads the measured state and takes a
 joint-position target each tick. It never decides what is safe: the gateway's loop does, for every driver alike.
@@ -6,19 +8,19 @@ joint-position target each tick. It never decides what is safe: the gateway's lo
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import numpy as np
 
+from services.core.registry import Registry
 from services.robot_gateway.safety import Limits
 
-DRIVERS: dict[str, str] = {
+DRIVERS = Registry("drivers", "driver", {
     "sim": "services.robot_gateway.drivers.sim:SimArm",
     "franka": "services.robot_gateway.drivers.franka:FrankaArm",  # optional: franky-control or pylibfranka
     "so100": "services.robot_gateway.drivers.so_follower:SO100Arm",  # optional: lerobot[feetech]
     "so101": "services.robot_gateway.drivers.so_follower:SO101Arm",
-}
+}, home="services/robot_gateway/drivers", literals=False)
 
 
 class DriverOptionError(ValueError):
@@ -73,10 +75,11 @@ class Driver:
 
 
 def driver_class(name: str) -> type[Driver]:
-    if name not in DRIVERS:
-        raise ValueError(f"driver {name!r} is not registered; available: {sorted(DRIVERS)}")
-    module, cls = DRIVERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    cls = DRIVERS.load(name)
+    if not (isinstance(cls, type) and issubclass(cls, Driver)):
+        raise ValueError(f"driver {name!r}: {DRIVERS.target(name)!r} is not a Driver subclass "
+                         f"(services.robot_gateway.drivers.Driver)")
+    return cls
 
 
 def build_driver(name: str, options: dict[str, str]) -> Driver:
@@ -86,7 +89,7 @@ def build_driver(name: str, options: dict[str, str]) -> Driver:
 
 
 def register_driver(name: str, target: str) -> None:
-    DRIVERS[name] = target
+    DRIVERS.register(name, target)
 
 
 __all__ = ["DRIVERS", "Driver", "DriverConnectionError", "DriverOptionError", "DriverUnavailable", "build_driver",
