@@ -13,6 +13,7 @@ them trains. Medians over ``--repeats`` starts; the first start of each tree is 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -128,7 +129,22 @@ def main(argv: list[str] | None = None) -> dict:
             if service in NO_TRAINING:
                 targets[f"startup_vs_before[{service}]"] = "<=1.0"
                 targets[f"rss_vs_before[{service}]"] = "<=1.0"
-    return report("startup", metrics, ratios, targets, args.out or None)
+    doc = report("startup", metrics, ratios, targets, None)
+    doc["trees"] = {label: {"path": str(tree), "commit": _commit(tree)} for label, tree in trees.items()}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.out}")
+    return doc
+
+
+def _commit(tree: Path) -> str:
+    """The checkout's commit, with ``+changes`` when its work tree differs from it."""
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
 
 
 if __name__ == "__main__":
