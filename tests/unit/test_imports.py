@@ -54,10 +54,12 @@ def test_the_config_schema_and_every_algorithms_declarations_need_no_torch():
     """The coordinator validates run specs and reads every algorithm's declarations (data access, roles,
     iterations): all of that without torch."""
     result = _torch_after("""
+        import rlfabric.registries
         from services.core.algorithm import load_algorithms
         from services.core.config import RunConfig
 
         assert {"ppo", "sac", "iql", "bc", "grpo", "sft"} <= set(load_algorithms())
+        assert rlfabric.registries.algorithms() == load_algorithms()
         for name, spec in load_algorithms().items():
             spec.needs(spec.Config())
             spec.data(spec.Config())
