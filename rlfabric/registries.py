@@ -1,17 +1,17 @@
 """Where rlfabric finds its extensions, by name. Each extension point is one new file behind one of these:
 
     algorithms()    services/learner/algorithms/<name>.py, or any package on the ``rlfabric.algorithms`` entry point
-    policies()      services/core/models (register_policy)
+    policies()      services/core/models, entry points ``rlfabric.policies``
     collectors()    services/rollout/collectors, entry points ``rlfabric.collectors``
     backends()      services/rollout/backends, entry points ``rlfabric.backends``
     env_adapters()  services/env/adapters, entry points ``rlfabric.env_adapters``
     tasks()         services/env/tasks (text tasks), entry points ``rlfabric.tasks``
     rewards()       services/env/tasks/rewards.py, entry points ``rlfabric.rewards``
 
-Collectors, backends, env adapters, text tasks and rewards resolve through services/core/registry.py in whichever
-process reads the run spec: a built-in, an entry point of an installed package, or ``package.module:attr`` written
-in the spec. The ``register_*`` calls change only the calling process (tests, a notebook's in-process evaluation);
-to reach the services, ship an entry point or name the code literally.
+Policies, collectors, backends, env adapters, text tasks and rewards resolve through services/core/registry.py in
+whichever process reads the run spec: a built-in, an entry point of an installed package, or ``package.module:attr``
+written in the spec. The ``register_*`` calls change only the calling process (tests, a notebook's in-process
+evaluation); to reach the services, ship an entry point or name the code literally.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def algorithms() -> dict[str, Any]:
 
 
 def policies() -> dict[str, Any]:
+    """Policy names (``policy.name``) and their classes: built-ins and entry points."""
     from services.core.models import POLICIES
 
-    return dict(POLICIES)
+    return POLICIES.available()
 
 
 def collectors() -> dict[str, str]:

@@ -68,7 +68,7 @@ class Registry:
                  noun: str | None = None, literals: bool = True):
         self.kind, self.field, self.home, self.protocol, self.literals = kind, field, home, protocol, literals
         self.group = GROUP_PREFIX + kind
-        self.noun = noun or kind.rstrip("s").replace("_", " ")
+        self.noun = noun or kind.removesuffix("s").replace("_", " ")
         self._builtins = dict(builtins)
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()

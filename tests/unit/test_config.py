@@ -102,7 +102,7 @@ def test_a_policy_chosen_by_name_must_serve_the_algorithm():
     with pytest.raises(ConfigError, match="policy.name='vla' serves as 'actor_critic', but algorithm 'sac' trains a "
                                           "'squashed_gaussian' policy"):
         parse_config("policy: {name: vla}\nalgorithm: {name: sac}")
-    with pytest.raises(ConfigError, match="policy 'vlaa' is not registered; available"):
+    with pytest.raises(ConfigError, match="policy.name 'vlaa' is not a registered policy; available"):
         parse_config("policy: {name: vlaa}")
     with pytest.raises(ConfigError, match="policy.vla: .*width=60 is not divisible by heads=8"):
         parse_config("policy: {name: vla, vla: {width: 60, heads: 8}}")

@@ -219,3 +219,24 @@ def test_a_text_task_and_rewards_from_a_users_package_score_through_the_text_ada
         TASKS.load("doubld")
     assert all(repr(n) in str(err.value) for n in ("arith", "arith_tool", "doubled"))
     del sys.modules["rlf_test_text"]
+
+
+def test_a_policy_from_an_entry_point_serves_the_algorithm_it_declares(tmp_path, monkeypatch):
+    from services.core.config import ConfigError, parse_config
+    from services.core.models import POLICIES, build_policy
+    from services.rollout.evaluate import _env_spec
+
+    monkeypatch.setattr(POLICIES, "_loaded", {})
+    _plugin(tmp_path, "rlf_test_policy", "rlfabric.policies", {"wide": "rlf_test_policy:Wide"}, """
+        from services.core.models.actor_critic import ActorCritic
+
+        class Wide(ActorCritic):
+            serves = "actor_critic"
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = parse_config("policy: {name: wide, hidden_sizes: [8]}")
+    assert config.policy_name == "wide"
+    assert type(build_policy(config.policy_name, _env_spec(config), config.policy)).__name__ == "Wide"
+    with pytest.raises(ConfigError, match=r"policy.name 'rlf_test_policy:Nope': .* does not resolve"):
+        parse_config("policy: {name: 'rlf_test_policy:Nope'}")
+    del sys.modules["rlf_test_policy"]

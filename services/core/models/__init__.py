@@ -1,52 +1,45 @@
 """Models shared by the learner (which trains them) and the rollout (which acts with them), by registered name.
 
 An algorithm spec names the policy it needs (``policy = "actor_critic"``); ``build_policy`` makes it for an env's
-observation and action spaces and the run's ``policy`` config section.
+observation and action spaces and the run's ``policy`` config section. ``policy.name`` resolves through POLICIES
+(services/core/registry.py): the built-ins below, ``rlfabric.policies`` entry points, or ``package.module:Class``.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from services.core.models.actor_critic import ActorCritic
 from services.core.models.encoders import build_encoder
 from services.core.models.mlp import mlp
 from services.core.models.squashed_gaussian import SquashedGaussianActor
+from services.core.registry import Registry
 
-POLICIES: dict[str, Any] = {
-    "actor_critic": ActorCritic, "squashed_gaussian": SquashedGaussianActor,
+POLICIES = Registry("policies", "policy.name", {
+    "actor_critic": "services.core.models.actor_critic:ActorCritic",
+    "squashed_gaussian": "services.core.models.squashed_gaussian:SquashedGaussianActor",
     "causal_lm": "services.core.models.lm:CausalLMPolicy",  # imported when used: it needs transformers
     "causal_lm_value": "services.core.models.lm:CausalLMValuePolicy",
     "vla": "services.core.models.vla:VLAPolicy",
-}
+}, home="services/core/models", noun="policy")
 
 
 def register_policy(name: str):
     def wrap(cls):
-        POLICIES[name] = cls
+        POLICIES.register(name, cls)
         return cls
 
     return wrap
 
 
 def policy_class(name: str) -> type:
-    if name not in POLICIES:
-        raise ValueError(f"policy {name!r} is not registered; available: {sorted(POLICIES)}")
-    cls = POLICIES[name]
-    if isinstance(cls, str):
-        module, _, attr = cls.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
-    return cls
+    return POLICIES.load(name)
 
 
 def check_policy(name: str, needed: str, who: str) -> None:
     """A policy chosen by name (``policy.name``) must serve the interface ``who`` trains (``serves``: e.g. the
     VLA policy serves as an actor_critic: act, evaluate, value)."""
-    try:
-        cls = policy_class(name)
-    except ValueError as exc:
-        raise ValueError(f"policy.name: {exc}") from None
+    cls = policy_class(name)  # its errors name policy.name
     serves = getattr(cls, "serves", name)
     if serves != needed:
         raise ValueError(f"policy.name={name!r} serves as {serves!r}, but {who} trains a {needed!r} policy. Fix: "
