@@ -107,3 +107,27 @@ def test_a_lazy_module_is_imported_on_first_use(tmp_path, monkeypatch):
     assert probe.LATER == "read through"
     with pytest.raises(AttributeError):
         probe.missing  # noqa: B018
+
+
+def test_a_plugin_spec_that_imports_torch_eagerly_is_named_in_a_warning(tmp_path):
+    """A plug-in algorithm still loads when its file imports torch at the top, but every service then pays for it:
+    the log names the module and the fix."""
+    (tmp_path / "eager_specs").mkdir()
+    (tmp_path / "eager_specs" / "__init__.py").write_text("")
+    (tmp_path / "eager_specs" / "heavy.py").write_text("import torch  # noqa: F401\n")
+    result = _torch_after(f"""
+        import io, logging
+        from importlib.metadata import EntryPoint
+
+        sys.path.insert(0, {str(tmp_path)!r})
+        import services.core.algorithm as algorithm
+
+        builtin = algorithm.entry_points
+        algorithm.entry_points = lambda group: [*builtin(group=group), EntryPoint("eager", "eager_specs", group)]
+        log = io.StringIO()
+        logging.basicConfig(stream=log, level=logging.WARNING)
+        assert "ppo" in algorithm.load_algorithms()
+        warned = [line for line in log.getvalue().splitlines() if "imports torch" in line]
+        assert len(warned) == 1 and "eager_specs.heavy" in warned[0] and "lazy_import" in warned[0], warned
+    """)
+    assert result["torch"]
