@@ -48,8 +48,9 @@ def test_a_run_leaves_the_services_that_do_not_train_without_torch(tmp_path, mon
 
 def test_a_served_robot_gateway_maps_no_torch(tmp_path):
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.robot_gateway.server", "--port-file", str(port_file),
-                             "--storage-root", str(tmp_path / "recordings")], stdin=subprocess.DEVNULL,
+    # as a gateway host starts it: through the command line, which must not bring torch in either
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+                             str(port_file), "--storage-root", str(tmp_path / "recordings")], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "RLFABRIC_TOKEN": "torch-free-test-token"})
     try:
