@@ -15,7 +15,6 @@ and threads, started from its own ``main`` with the flags and environment a plai
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import logging
@@ -48,13 +47,6 @@ PRELOAD = ["services.launcher", "numpy", "torch", "services.coordinator.server",
 # A forked child re-runs the launching main module (e.g. services.cli), which the forkserver preloaded: runpy's
 # "found in sys.modules" warning about that is expected here, not a sign of a double import going wrong.
 warnings.filterwarnings("ignore", message=r"'services\.[a-z_.]+' found in sys\.modules", category=RuntimeWarning)
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _service_env(torch_threads: int, token: str = "") -> dict[str, str]:
@@ -109,6 +101,17 @@ def open_private_log(path: str | Path, truncate: bool = True) -> int:
                  0o600)
     os.fchmod(fd, 0o600)
     return fd
+
+
+def _exec_service() -> None:
+    """Entry of a service started as an interpreter of its own (RLFABRIC_LAUNCH=exec), ``-c`` argv: MODULE
+    LAUNCHER_PID FLAGS...; it dies with the launcher like a forked one. (Not a preexec_fn: Python run between fork
+    and exec meets gRPC's fork handlers when the launcher holds channels, and the child aborted before exec with
+    'epoll_wait error: Bad file descriptor'.)"""
+    module, launcher, *argv = sys.argv[1:]
+    _die_with(int(launcher))
+    sys.argv = [module, *argv]
+    importlib.import_module(module).main(argv)
 
 
 def _forked_service(module: str, argv: list[str], log_path: str, env: dict[str, str], launcher: int) -> None:
@@ -334,8 +337,9 @@ class LocalStack:
             self.procs[name] = ForkedProcess(proc)
             return self.procs[name]
         stderr = os.fdopen(open_private_log(self.log_dir / f"{name}.stderr"), "w")
-        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.DEVNULL, stdout=stderr,
-                                stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen([sys.executable, "-c", "from services.launcher import _exec_service; _exec_service()",
+                                 module, str(os.getpid()), *argv], stdin=subprocess.DEVNULL, stdout=stderr,
+                                stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
         return proc
 

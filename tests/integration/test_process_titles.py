@@ -3,6 +3,7 @@ process showed the same ``python -c from multiprocessing.forkserver ...`` line).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -35,14 +36,17 @@ def test_a_served_process_is_titled_with_its_role_and_port(tmp_path):
 
 
 def test_the_title_names_the_run_a_service_works_for():
-    before = setproctitle.getproctitle()
-    try:
-        runtime = ServiceRuntime(ServiceOptions(role="learner"))
+    async def titles() -> None:  # a runtime is built inside its event loop, as run_service builds it (grpc.aio needs
+        runtime = ServiceRuntime(ServiceOptions(role="learner"))  # one; an earlier asyncio.run leaves none set)
         assert setproctitle.getproctitle() == "rlfabric-learner"
         runtime.port = 50123
         runtime.state = "busy:run-7f3a"
         assert setproctitle.getproctitle() == "rlfabric-learner run=run-7f3a grpc=:50123"
         runtime.state = "idle"
         assert setproctitle.getproctitle() == "rlfabric-learner grpc=:50123"
+
+    before = setproctitle.getproctitle()
+    try:
+        asyncio.run(titles())
     finally:
         setproctitle.setproctitle(before)
