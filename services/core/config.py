@@ -81,7 +81,8 @@ class LMConfig(_Strict):
     """A causal language model (policies ``causal_lm``): a transformers architecture built from these sizes and
     randomly initialised, or a saved local directory (``path``). Never fetched from a hub."""
 
-    arch: Literal["llama", "qwen2"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="the transformers architecture of a "
+                                                                          "built model (ignored with a path)")
     hidden_size: int = Field(128, ge=8, le=65536)
     intermediate_size: int = Field(256, ge=8, le=262144)
     layers: int = Field(2, ge=1, le=256)
@@ -89,8 +90,21 @@ class LMConfig(_Strict):
                                                     "CPU needs 64 or another size its kernels support)")
     max_positions: int = Field(256, ge=16, le=1 << 20)
     tie_embeddings: bool = False
-    path: str = Field("", max_length=4096, description="a local directory written by save_pretrained (model and "
-                                                       "tokenizer); empty builds the model from the sizes above")
+    path: str = Field("", max_length=4096, description="a local Hugging Face checkpoint directory (config.json, "
+                                                       "weights, its tokenizer with any chat template, "
+                                                       "generation_config.json), e.g. a small Qwen2/Qwen3 or Llama; "
+                                                       "empty builds the model from the sizes above")
+    tokenizer: Literal["auto", "chars", "bpe"] = Field(
+        "auto", description="the tokenizer of a built model: chars (one token per ASCII character), bpe (a "
+                            "byte-level BPE trained on tokenizer_corpus at start-up), auto (bpe when "
+                            "tokenizer_corpus is set, else chars); ignored with a path (the checkpoint's own)")
+    vocab_size: int = Field(1024, ge=259, le=1 << 20, description="tokenizer bpe: its target vocabulary size in "
+                                                                  "tokens (256 bytes + 3 specials at least; "
+                                                                  "default 1024)")
+    tokenizer_corpus: str = Field("", max_length=4096, description="tokenizer bpe: a local JSONL or Parquet file "
+                                                                   "whose strings the tokenizer is trained on; "
+                                                                   "empty: set from env.options.path for the text "
+                                                                   "adapter's dataset task")
     gradient_checkpointing: bool = False
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
@@ -428,6 +442,15 @@ class RunConfig(_Strict):
     def progress(self) -> tuple[str, int]:
         """What progress counts: env steps, or iterations for an algorithm that collects nothing."""
         return ("env steps", self.train.total_env_steps) if self.collects else ("iterations", self.iterations())
+
+    @model_validator(mode="after")
+    def _tokenizer_corpus(self) -> RunConfig:
+        """A built LM on a data-set task gets a tokenizer trained on that data set (config.yaml shows the file)."""
+        lm, env = self.policy.lm, self.env
+        if (env.adapter == "text" and env.id == "dataset" and not lm.path and not lm.tokenizer_corpus
+                and lm.tokenizer != "chars" and isinstance(env.options.get("path"), str) and env.options["path"]):
+            lm.tokenizer_corpus = env.options["path"]
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

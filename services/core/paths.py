@@ -207,11 +207,13 @@ def confine_storage(storage, run_dir: str, roots: DataRoots, endpoints: Endpoint
 
 
 def confine_model(config, roots: DataRoots):
-    """``config`` with ``policy.lm.path`` (a saved model directory its libraries open themselves) resolved under the
-    data roots, else PathRefused naming the field."""
+    """``config`` with ``policy.lm.path`` (a saved model directory its libraries open themselves) and
+    ``policy.lm.tokenizer_corpus`` (the data file a built model's tokenizer is trained on) resolved under the data
+    roots, else PathRefused naming the field."""
     lm = config.policy.lm
-    if not lm.path:
+    update = {name: str(roots.confine(getattr(lm, name), f"policy.lm.{name}"))
+              for name in ("path", "tokenizer_corpus") if getattr(lm, name)}
+    if not update:
         return config
-    policy = config.policy.model_copy(update={"lm": lm.model_copy(
-        update={"path": str(roots.confine(lm.path, "policy.lm.path"))})})
+    policy = config.policy.model_copy(update={"lm": lm.model_copy(update=update)})
     return config.model_copy(update={"policy": policy})

@@ -1,9 +1,11 @@
 """Causal language-model policies through ``transformers``: built from a config and randomly initialised, or
-loaded from a local directory (never from a hub), with the character-level tokenizer of the shipped text tasks.
+loaded from a local Hugging Face checkpoint directory (never from a hub) with its own tokenizer, chat template and
+generation config.
 
-The tokenizer is a ``tokenizers`` WordLevel model over single characters (every printable ASCII character, plus
-``<pad>``, ``<bos>``, ``<eos>``), wrapped as a ``PreTrainedTokenizerFast`` and saved with the model: tiny models
-learn arithmetic digit by digit, and the vocabulary is the same on every machine.
+Tokenizers and special tokens live in services/core/models/tokenizer.py: ``load_tokenizer`` picks the checkpoint's
+tokenizer, a byte-level BPE trained on a data file, or the character tokenizer of the shipped text tasks (ids
+``PAD``/``BOS``/``EOS``, re-exported here); ``TextCodec`` is what backends, collector and SFT loader ask for eos,
+pad and bos ids and how to render a prompt.
 
 ``CausalLMPolicy`` is what the learner trains and the ``hf`` backend generates with. ``token_logprobs`` gives the
 log-probability of every token given its prefix, the quantity every LM algorithm's loss is built from.
@@ -11,53 +13,41 @@ log-probability of every token given its prefix, the quantity every LM algorithm
 
 from __future__ import annotations
 
-import string
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-SPECIALS = ("<pad>", "<bos>", "<eos>")
-PAD, BOS, EOS = 0, 1, 2
-CHARS = string.printable
+from services.core.models.tokenizer import (
+    BOS,
+    CHARS,
+    EOS,
+    PAD,
+    SPECIALS,
+    TextCodec,
+    build_tokenizer,
+    load_tokenizer,
+)
 
 
-def build_tokenizer() -> Any:
-    """The character-level tokenizer of the text tasks (deterministic: the same ids on every machine)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in CHARS:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   clean_up_tokenization_spaces=False)
-
-
-def load_tokenizer(path: str | Path | None) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    if path and (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return build_tokenizer()
-
-
-def model_config(cfg: Any, vocab_size: int) -> Any:
+def model_config(cfg: Any, codec: TextCodec, vocab_size: int) -> Any:
+    """The transformers config of a built model: ``cfg``'s sizes and the tokenizer's special ids."""
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
         cfg.arch, vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
-        max_position_embeddings=cfg.max_positions, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+        head_dim=cfg.hidden_size // cfg.heads, max_position_embeddings=cfg.max_positions,
+        pad_token_id=codec.pad_id, bos_token_id=codec.bos_id,
+        eos_token_id=codec.eos_ids[0] if len(codec.eos_ids) == 1 else list(codec.eos_ids),
         tie_word_embeddings=cfg.tie_embeddings, dtype="float32")
 
 
 def build_lm(cfg: Any, tokenizer: Any) -> nn.Module:
-    """A causal LM: from ``cfg.path`` (a saved local directory) or built from the config, randomly initialised."""
+    """A causal LM: from ``cfg.path`` (a local checkpoint directory, loaded in float32) or built from the config,
+    randomly initialised."""
     from transformers import AutoModelForCausalLM
 
     if cfg.path:
@@ -66,7 +56,8 @@ def build_lm(cfg: Any, tokenizer: Any) -> nn.Module:
             raise ValueError(f"policy.lm.path={cfg.path!r} is not a saved model directory (no config.json). Fix: "
                              f"point it at a directory written by save_pretrained, or leave it empty to build one")
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(model_config(cfg, len(tokenizer)), dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(model_config(cfg, TextCodec(tokenizer), len(tokenizer)),
+                                            dtype=torch.float32)
 
 
 def token_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
@@ -97,14 +88,12 @@ def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict with LoRA adapters folded in (W + B A * alpha / r), leaving ``model`` as it
     was: what an engine that serves no adapters loads."""
-    import copy
-
     if not hasattr(model, "merge_and_unload"):
         return model.state_dict()
     return copy.deepcopy(model).merge_and_unload().state_dict()
 
 
-def bias_end_token(state: dict[str, torch.Tensor], logit: float) -> dict[str, torch.Tensor]:
+def bias_end_token(state: dict[str, torch.Tensor], logit: float, eos: int = EOS) -> dict[str, torch.Tensor]:
     """A copy of a (random) Llama-style model's weights that end responses early: the end token's logit gets a
     fixed bias of about ``logit`` x a constant. One residual coordinate is held at 1 (its embedding column set,
     every layer's writes to it zeroed) and only the end token's output row reads it. Benchmarks and tests use it
@@ -117,7 +106,7 @@ def bias_end_token(state: dict[str, torch.Tensor], logit: float) -> dict[str, to
             v[k, :] = 0.0
     head = next(v for name, v in state.items() if name.endswith("lm_head.weight"))
     head[:, k] = 0.0
-    head[EOS, k] = logit
+    head[eos, k] = logit
     return state
 
 
@@ -140,8 +129,9 @@ class CausalLMPolicy(nn.Module):
             raise ValueError(f"policy causal_lm acts in text spaces (env.adapter: text), not observation "
                              f"{obs_space.get('kind')!r} / action {action_space.get('kind')!r}")
         self.cfg = cfg.lm
-        self.tokenizer = load_tokenizer(self.cfg.path)
+        self.tokenizer = load_tokenizer(self.cfg)
         self.model = build_lm(self.cfg, self.tokenizer)
+        self.codec = TextCodec(self.tokenizer, getattr(self.model, "generation_config", None))
         if self.cfg.lora.rank:
             self.model = with_lora(self.model, self.cfg.lora)
         if self.cfg.gradient_checkpointing:
@@ -158,8 +148,14 @@ class CausalLMPolicy(nn.Module):
         return list(base.model.layers)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """A directory any transformers-based engine loads (vLLM's reload reads exactly this)."""
-        self.model.save_pretrained(str(path), safe_serialization=True)
+        """A Hugging Face checkpoint directory that plain transformers and vLLM open with no conversion: the model
+        (LoRA adapters merged in, on a copy), its generation config, and the tokenizer with its chat template."""
+        model = self.model
+        if hasattr(model, "merge_and_unload"):
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(str(path), safe_serialization=True)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(path))
         self.tokenizer.save_pretrained(str(path))
 
 
@@ -189,5 +185,6 @@ class CausalLMValuePolicy(CausalLMPolicy):
         return gathered_logprobs(logits, tokens), values
 
 
-__all__ = ["BOS", "EOS", "PAD", "CausalLMPolicy", "CausalLMValuePolicy", "bias_end_token", "build_lm",
-           "build_tokenizer", "gathered_logprobs", "load_tokenizer", "merged_state_dict", "token_logprobs", "with_lora"]
+__all__ = ["BOS", "CHARS", "EOS", "PAD", "SPECIALS", "CausalLMPolicy", "CausalLMValuePolicy", "TextCodec",
+           "bias_end_token", "build_lm", "build_tokenizer", "gathered_logprobs", "load_tokenizer", "merged_state_dict",
+           "model_config", "token_logprobs", "with_lora"]

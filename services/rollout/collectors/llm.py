@@ -6,6 +6,10 @@ env scores it or answers with a tool's output, until the episode ends. A sample 
 a loss mask (1 on tokens the model generated, 0 on prompt and tool-output tokens), the log-probs the engine
 sampled them with (0 where masked), its reward, and its group (envs i // group_size answer the same prompt).
 
+A context starts as the backend renders the prompt (``prompt_ids``: the checkpoint's bos, or its chat template
+for a chat prompt). The env's step reply may carry ``reward_failed`` (1 where a sample's reward function raised,
+hung or died); their count reaches metrics.csv as ``reward_failures``.
+
 The shard is an ("env",) batch (one sample per env): tokens, loss_mask, logp (Ragged, one cell per sample), rewards, group, turns,
 response_tokens (tokens the model generated), truncated (cut by the length limit or the turn limit) and kept.
 
@@ -24,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from services.core.batch import Ragged, TensorBatch
-from services.core.models.lm import BOS
 from services.rollout.collectors.gym import Collected, Evaluation, Stopped, probe_echo
 
 OFFERS = ("tokens", "loss_mask", "logp", "rewards", "group", "turns", "response_tokens", "truncated", "kept")
@@ -37,7 +40,7 @@ class Episodes:
     def __init__(self, prompts: list[str], backend: Any):
         self.backend = backend
         n = len(prompts)
-        self.tokens = [[BOS, *backend.encode(p)] for p in prompts]
+        self.tokens = [list(backend.prompt_ids(p)) for p in prompts]  # the checkpoint's bos / chat template
         self.mask = [[0] * len(t) for t in self.tokens]
         self.logp = [[0.0] * len(t) for t in self.tokens]
         self.rewards = np.zeros(n, dtype=np.float32)
@@ -46,6 +49,7 @@ class Episodes:
         self.done = np.zeros(n, dtype=bool)
         self.kept = np.ones(n, dtype=np.float32)  # 0: its group was cut from an over-sampled round
         self.groups = np.arange(n)  # which prompt each sample answers (set by the collector)
+        self.reward_failures = 0.0  # samples whose reward function raised, hung or died (the env's reward_failed)
 
     def add_context(self, i: int, text: str) -> None:
         ids = self.backend.encode(text)
@@ -133,11 +137,14 @@ class LLMCollector:
                                                                meta={"pool": pool, "chunk": c}))
                 obs = step["obs"].texts("obs")
                 ended = np.logical_or(step["terminated"], step["truncated"])
+                failed = step["reward_failed"] if "reward_failed" in step else None
                 for j in range(size):
                     i = c * size + j
                     if ep.done[i] or i not in acting:
                         continue
                     ep.rewards[i] += float(step["reward"][j])
+                    if failed is not None:
+                        ep.reward_failures += float(failed[j])
                     if ended[j]:
                         ep.done[i] = True
                         ep.truncated[i] = max(ep.truncated[i], float(step["truncated"][j]))
@@ -164,6 +171,7 @@ class LLMCollector:
         kept = ep.kept > 0
         out.returns, out.lengths = ep.rewards[kept].tolist(), ep.turns[kept].tolist()
         out.env_seconds, out.policy_seconds = env_s, policy_s
+        out.stats["reward_failures"] = ep.reward_failures  # summed over shards into metrics.csv
         return out
 
     def evaluate(self, episodes: int, deterministic: bool, seed: int,
