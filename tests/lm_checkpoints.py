@@ -29,18 +29,22 @@ def make_checkpoint(directory: str | Path, arch: str = "qwen2", texts: list[str]
 
     directory = Path(directory)
     texts = list(texts or TEXTS)
-    if arch in ("qwen2", "qwen3"):
-        tok = train_bpe(texts, vocab, specials=QWEN_SPECIALS, pad="<|endoftext|>", bos=None, eos="<|im_end|>")
+    if arch not in ("qwen2", "qwen3", "llama"):
+        raise ValueError(f"arch={arch!r}: make_checkpoint builds qwen2, qwen3 or llama")
+    qwen = arch != "llama"
+    # special tokens after the learned vocabulary, as in the real checkpoints (ids nothing else hard-codes)
+    tok = train_bpe(texts, vocab, specials=(), pad=None, bos=None, eos=None)
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIALS if qwen else LLAMA_SPECIALS)})
+    if qwen:
+        tok.pad_token, tok.eos_token = "<|endoftext|>", "<|im_end|>"
         tok.chat_template = QWEN_TEMPLATE
         eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
         pad, bos = tok.convert_tokens_to_ids("<|endoftext|>"), None
-    elif arch == "llama":
-        tok = train_bpe(texts, vocab, specials=LLAMA_SPECIALS, pad=None, bos="<|begin_of_text|>", eos="<|eot_id|>")
+    else:
+        tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
         tok.chat_template = LLAMA_TEMPLATE
         eos = [tok.convert_tokens_to_ids("<|end_of_text|>"), tok.convert_tokens_to_ids("<|eot_id|>")]
         pad, bos = None, tok.convert_tokens_to_ids("<|begin_of_text|>")
-    else:
-        raise ValueError(f"arch={arch!r}: make_checkpoint builds qwen2, qwen3 or llama")
     config = AutoConfig.for_model(
         arch, vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,

@@ -40,7 +40,7 @@ def build_tokenizer() -> Any:
 
 
 def train_bpe(texts: list[str], vocab_size: int, specials: tuple[str, ...] = SPECIALS,
-              pad: str | None = "<pad>", bos: str | None = "<bos>", eos: str = "<eos>") -> Any:
+              pad: str | None = "<pad>", bos: str | None = "<bos>", eos: str | None = "<eos>") -> Any:
     """A byte-level BPE over ``texts`` (every byte is a token, so no text is unknown), wrapped as a
     PreTrainedTokenizerFast. Deterministic: equal texts give an equal vocabulary and merges in every process."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
