@@ -134,6 +134,10 @@ class EnvPool:
         if have.any():
             out["intervened"] = intervened
             out["executed_actions"] = info_rows(info, done, "executed_action", self.single_action_space.shape)[0]
+        # a text env whose reward raised, timed out or killed its worker this step (only sent when one did)
+        failed, _ = info_rows(info, done, "reward_failed")
+        if failed.any():
+            out["reward_failed"] = failed
         if done.any():  # most steps end no episode: keep those messages small
             if not self.text_obs:  # a text episode's last observation is what the model already read
                 out["final_obs"] = final_observations(obs, info, done)

@@ -1,10 +1,16 @@
-"""Text adapter: a text task (services/env/tasks) as gymnasium envs with Text observation and action spaces.
+"""Text adapter: a text task (services/env/tasks) as a vector env with Text observation and action spaces.
 
     env: {adapter: text, id: arith, num_envs: 64, options: {level: 2, group_size: 8, reward: exact_match}}
+    env: {adapter: text, id: dataset, options: {path: gsm8k.jsonl, prompt_field: question, reward: gsm8k}}
 
 An observation is the text to append to the model's context (the prompt at reset; a tool's reply later); an
 action is the model's turn. Single-turn tasks end after one turn. Tool tasks go on until an answer or
 ``max_turns`` turns (truncated, reward 0); a malformed turn costs ``parse_penalty`` and the episode continues.
+
+Rewards run in the env process's reward pool (services/env/reward_pool.py): a step submits all the answers that
+finished in it at once and waits for them, so N envs score N samples concurrently, and a reward that raises,
+hangs or kills its worker costs only its sample (``failure_reward``; the step's info says ``reward_failed``).
+The envs themselves step in this process whatever ``env.vectorization`` says: their work is string handling.
 
 Groups: with ``group_size`` G, envs i and j with i // G == j // G draw the same problems from a seeded reset (the
 G samples of one group answer the same prompt). Text crosses the data plane as UTF-8 bytes (a Ragged uint8
@@ -13,34 +19,107 @@ field), bounded by ``max_chars``.
 
 from __future__ import annotations
 
+import inspect
 import string
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space
 
-from services.env.adapters.gymnasium import vectorize_fns
+from services.core.textdata import chat_messages, plain_chat
+from services.env import reward_pool
 from services.env.tasks import task_class
-from services.env.tasks.rewards import reward_fn
+from services.env.tasks.rewards import REWARDS
 from services.env.tasks.tools import run_turn
 
 collector = "llm"  # rollout.collector auto: LLM turns (generation, tools)
-OPTIONS = {"level": int, "split": str, "held_out_fraction": float, "reward": str, "group_size": int,
-           "max_turns": int, "parse_penalty": float, "max_chars": int}
 CHARSET = string.printable
 
+# name -> (type, default, what it is). The adapter's own options, for every task:
+ADAPTER_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "reward": (str, "exact_match", "the reward: a built-in (exact_match, format_match, signed_match, gsm8k, math), "
+                                   "an entry point of group rlfabric.rewards, or package.module:function"),
+    "group_size": (int, 1, "samples per prompt: envs i // group_size answer the same prompt (default 1)"),
+    "max_turns": (int, 4, "model turns per episode of a tool task before it is truncated (default 4)"),
+    "parse_penalty": (float, 0.1, "reward subtracted for a malformed tool turn (default 0.1)"),
+    "max_chars": (int, 512, "the longest model turn, in UTF-8 bytes (default 512)"),
+    "reward_timeout_s": (float, 10.0, "seconds one reward call may run before its sample scores failure_reward "
+                                      "(default 10)"),
+    "reward_memory_mb": (int, 2048, "address-space limit of each reward worker process, in MiB; 0 for none "
+                                    "(default 2048)"),
+    "reward_workers": (int, 2, "reward worker processes per env process (default 2)"),
+    "failure_reward": (float, 0.0, "the reward of a sample whose reward raised, timed out or killed its worker "
+                                   "(default 0.0)"),
+}
+# ... and the options tasks take (passed to the task's constructor; a task that does not take one refuses it):
+TASK_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "level": (int, None, "arith, arith_tool: difficulty level 1-5 (default 2; arith_tool 1)"),
+    "split": (str, None, "train or held_out: which problems the task draws (default train)"),
+    "held_out_fraction": (float, None, "share of problems held out by a hash of the problem (default 0.2)"),
+    "path": (str, None, "dataset: the JSONL or Parquet file of rows (required)"),
+    "prompt_field": (str, None, "dataset: the field that holds the prompt, a string or chat messages "
+                                "(default prompt)"),
+    "answer_field": (str, None, "dataset: the field that holds the reference answer (default answer)"),
+    "system_prompt": (str, None, "dataset: a system message put before each chat prompt (default none)"),
+    "template": (str, None, "dataset: a plain-text prompt, e.g. 'Question: {prompt}\\nAnswer:' (default: chat)"),
+    "eval_path": (str, None, "dataset: a held-out file, read by split held_out (default: a hash split of path)"),
+    "tools": (list, None, "dataset: the tools the model may call: [search] (default none)"),
+    "corpus": (str, None, "dataset: a JSONL file of passages ('text', optional 'title') that search looks in"),
+}
+OPTIONS = {**ADAPTER_OPTIONS, **TASK_OPTIONS}
 
-def _options(env_cfg: Any) -> dict[str, Any]:
-    unknown = sorted(set(env_cfg.options) - set(OPTIONS))
+
+def _kind_ok(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, int | float) and bool(np.isfinite(value))
+    if kind is list:
+        return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    return isinstance(value, kind)
+
+
+def _task_params(cls: Any) -> tuple[set[str], bool]:
+    """The option names a task's constructor takes, and whether it takes **kwargs (passed on to a base task)."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return set(), True
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _required(cls: Any) -> set[str]:
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _options(env_cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the adapter's options with defaults, the options for the task's constructor), checked."""
+    cls = task_class(env_cfg.id)
+    named, var_kw = _task_params(cls)
+    given = dict(env_cfg.options)
+    unknown = sorted(k for k in given if k not in OPTIONS and k not in named)
     if unknown:
         raise ValueError(f"env.options {unknown} are not text-task options; use {sorted(OPTIONS)}")
-    opts = {"level": 2, "split": "train", "held_out_fraction": 0.2, "reward": "exact_match", "group_size": 1,
-            "max_turns": 4, "parse_penalty": 0.1, "max_chars": 512} | dict(env_cfg.options)
-    for key, kind in OPTIONS.items():
-        value = opts[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not np.isfinite(value)):
-            if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
-                raise ValueError(f"env.options.{key}={value!r}: expected a finite {kind.__name__}")
+    task_opts = {}
+    for key in sorted(k for k in given if k not in ADAPTER_OPTIONS):
+        if key not in named and not (var_kw and key in TASK_OPTIONS):
+            raise ValueError(f"env.options.{key} does not apply to env.id {env_cfg.id!r} (it takes "
+                             f"{sorted(named & set(TASK_OPTIONS)) or 'no task options'}). Fix: remove it")
+        task_opts[key] = given[key]
+    opts = {k: default for k, (_, default, _) in ADAPTER_OPTIONS.items()} | {
+        k: v for k, v in given.items() if k in ADAPTER_OPTIONS}
+    for key, value in (opts | task_opts).items():
+        if key in OPTIONS and not _kind_ok(value, OPTIONS[key][0]):
+            kind, _, what = OPTIONS[key]
+            shown = "list of names" if kind is list else f"finite {kind.__name__}" if kind is float else kind.__name__
+            raise ValueError(f"env.options.{key}={value!r}: expected a {shown} ({what})")
     if not 1 <= opts["group_size"] <= 1024:
         raise ValueError(f"env.options.group_size={opts['group_size']}: samples per prompt, in [1, 1024]")
     if env_cfg.num_envs % opts["group_size"]:
@@ -50,52 +129,149 @@ def _options(env_cfg: Any) -> dict[str, Any]:
         raise ValueError(f"env.options.max_turns={opts['max_turns']}: in [1, 64]")
     if not 16 <= opts["max_chars"] <= 1 << 16:
         raise ValueError(f"env.options.max_chars={opts['max_chars']}: in [16, 65536]")
-    return opts
+    if not 0 < opts["reward_timeout_s"] <= 3600:
+        raise ValueError(f"env.options.reward_timeout_s={opts['reward_timeout_s']}: seconds in (0, 3600]")
+    if not (opts["reward_memory_mb"] == 0 or 256 <= opts["reward_memory_mb"] <= 1 << 20):
+        raise ValueError(f"env.options.reward_memory_mb={opts['reward_memory_mb']}: MiB in [256, 1048576], or 0 "
+                         f"for no limit")
+    if not 1 <= opts["reward_workers"] <= 64:
+        raise ValueError(f"env.options.reward_workers={opts['reward_workers']}: processes in [1, 64]")
+    for key in _required(cls) - set(task_opts):
+        what = f" ({TASK_OPTIONS[key][2]})" if key in TASK_OPTIONS else ""
+        raise ValueError(f"env.options.{key} is required for env.id {env_cfg.id!r}{what}")
+    if "tools" in task_opts:
+        task_opts["tools"] = list(task_opts["tools"])
+    return opts, task_opts
 
 
 def check(env_cfg: Any) -> None:
-    opts = _options(env_cfg)
-    make_task(env_cfg.id, opts)
-    reward_fn(opts["reward"])
+    """The options, the task (a data-set task reads its file) and the reward's name, checked in this process."""
+    _, task_opts = _options(env_cfg)
+    make_task(env_cfg.id, task_opts)
+    REWARDS.load(dict(env_cfg.options).get("reward", ADAPTER_OPTIONS["reward"][1]))
 
 
-def make_task(name: str, opts: dict[str, Any]) -> Any:
-    return task_class(name)(level=opts["level"], split=opts["split"], held_out_fraction=opts["held_out_fraction"])
+def make_task(name: str, task_opts: dict[str, Any]) -> Any:
+    try:
+        return task_class(name)(**task_opts)
+    except TypeError as exc:
+        raise ValueError(f"env.id {name!r} could not be built from env.options {sorted(task_opts)}: {exc}") from None
 
 
-class TextTaskEnv(gym.Env):
-    metadata = {"render_modes": []}
+def reward_prompt(text: str) -> str:
+    """The prompt as a reward reads it: a chat's message contents, a blank line apart; plain text as it is."""
+    messages = chat_messages(text)
+    return plain_chat(messages) if messages is not None else text
+
+
+class TextTaskEnv:
+    """One env's episode: its problem, its turns, its place in its group."""
 
     def __init__(self, task: Any, opts: dict[str, Any], index: int):
-        self.task, self.opts = task, opts
-        self.reward = reward_fn(opts["reward"])
+        self.task, self.opts, self.index = task, opts, index
         self.multi_turn = bool(getattr(task, "multi_turn", False))
+        self.tools = getattr(task, "tools", None)
         self.member = index % opts["group_size"]  # position in its group: seeds shift back to the group's first
-        self.observation_space = gym.spaces.Text(opts["max_chars"], charset=CHARSET)
-        self.action_space = gym.spaces.Text(opts["max_chars"], charset=CHARSET)
         self.rng = np.random.default_rng(index)
         self.problem = None
         self.turns = 0
 
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, seed: int | None = None) -> str:
         if seed is not None:
             self.rng = np.random.default_rng(seed - self.member)
         self.problem = self.task.problem(self.rng)
         self.turns = 0
-        return self.task.prompt(self.problem), {"answer": self.problem.answer}
+        return self.task.prompt(self.problem)
 
-    def step(self, action: str):
+    def act(self, action: str) -> tuple[str, float, bool, bool, str | None, bool]:
+        """(reply, reward so far, terminated, truncated, the answer to score or None, malformed)."""
         self.turns += 1
         if not self.multi_turn:
-            return "", self.reward(self.task, self.problem, action), True, False, {}
-        turn = run_turn(action)
+            return "", 0.0, True, False, action, False
+        turn = run_turn(action, self.tools)
         if turn.done:
-            return "", self.reward(self.task, self.problem, turn.answer), True, False, {}
+            return "", 0.0, True, False, turn.answer, False
         penalty = -self.opts["parse_penalty"] if turn.malformed else 0.0
-        return turn.reply, penalty, False, self.turns >= self.opts["max_turns"], {"malformed": turn.malformed}
+        return turn.reply, penalty, False, self.turns >= self.opts["max_turns"], None, turn.malformed
+
+    def call(self, target: str, completion: str) -> reward_pool.RewardCall:
+        p = self.problem
+        return reward_pool.RewardCall(
+            sample=f"env {self.index}, {getattr(p, 'id', p)}", reward=target,
+            prompt=reward_prompt(self.task.prompt(p)), completion=completion, answer=str(p.answer),
+            fields=reward_pool.fields_json(dict(getattr(p, "fields", {}))))
+
+
+class TextVectorEnv(gym.vector.VectorEnv):
+    """Text envs stepped together with same-step auto-reset; the answers that finish in a step are scored at once
+    in the reward pool. A finished env's info (``final_info``) says ``reward_failed`` (1.0 where its reward
+    failed) and ``malformed``."""
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, task: Any, opts: dict[str, Any], num_envs: int):
+        self.opts = opts
+        self.num_envs = num_envs
+        self.single_observation_space = gym.spaces.Text(opts["max_chars"], charset=CHARSET)
+        self.single_action_space = gym.spaces.Text(opts["max_chars"], charset=CHARSET)
+        self.observation_space = batch_space(self.single_observation_space, num_envs)
+        self.action_space = batch_space(self.single_action_space, num_envs)
+        self.envs = [TextTaskEnv(task, opts, i) for i in range(num_envs)]
+        self.target = REWARDS.target(opts["reward"])
+        self.pool: reward_pool.RewardPool | None = reward_pool.acquire(opts["reward_workers"],
+                                                                       opts["reward_memory_mb"])
+        try:
+            self.pool.resolve(self.target, opts["reward"])
+        except BaseException:
+            self.close()
+            raise
+
+    def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
+        n = self.num_envs
+        seeds = [None] * n if seed is None else [seed + i for i in range(n)] if isinstance(seed, int) else list(seed)
+        if len(seeds) != n:
+            raise ValueError(f"reset got {len(seeds)} seeds for {n} envs")
+        obs = tuple(env.reset(s) for env, s in zip(self.envs, seeds, strict=True))
+        return obs, {}
+
+    def step(self, actions):
+        n = self.num_envs
+        obs = [""] * n
+        rewards = np.zeros(n)
+        terminated, truncated = np.zeros(n, bool), np.zeros(n, bool)
+        malformed, failed = np.zeros(n, bool), np.zeros(n, np.float32)
+        calls, owners = [], []
+        for i, (env, action) in enumerate(zip(self.envs, actions, strict=True)):
+            obs[i], rewards[i], terminated[i], truncated[i], answer, malformed[i] = env.act(action)
+            if answer is not None:
+                calls.append(env.call(self.target, answer))
+                owners.append(i)
+        if calls:
+            if self.pool is None:
+                raise RuntimeError("the text env is closed")
+            scores = self.pool.score(calls, self.opts["reward_timeout_s"], self.opts["failure_reward"])
+            for i, scored in zip(owners, scores, strict=True):
+                rewards[i] += scored.value
+                failed[i] = scored.failure is not None
+        done = terminated | truncated
+        info: dict[str, Any] = {}
+        if any(env.multi_turn for env in self.envs):
+            info |= {"malformed": malformed, "_malformed": ~done}
+        if done.any():
+            final_obs = np.array(obs, dtype=object)
+            for i in np.flatnonzero(done):
+                obs[i] = self.envs[i].reset()
+            info |= {"final_obs": final_obs, "_final_obs": done.copy(), "_final_info": done.copy(),
+                     "final_info": {"reward_failed": failed, "_reward_failed": done.copy(),
+                                    "malformed": malformed, "_malformed": done.copy()}}
+        return tuple(obs), rewards, terminated, truncated, info
+
+    def close_extras(self, **kwargs: Any) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            reward_pool.release(pool)
 
 
 def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
-    opts = _options(env_cfg)
-    task = make_task(env_cfg.id, opts)
-    return vectorize_fns([lambda i=i: TextTaskEnv(task, opts, i) for i in range(num_envs)], vectorization)
+    opts, task_opts = _options(env_cfg)
+    return TextVectorEnv(make_task(env_cfg.id, task_opts), opts, num_envs)

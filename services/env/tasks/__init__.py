@@ -2,7 +2,9 @@
 
 A task makes problems from a seed (``problem(rng)``), splits them into train and held-out sets by a hash of the
 problem (so the two never overlap, whatever the seeds), and scores a finished answer with a reward chosen by name
-(``rewards.py``). Tasks and rewards come from the registry (services/core/registry.py): the built-ins, entry points
+(``rewards.py``, run in the env's reward pool: services/env/reward_pool.py). A problem has ``answer`` (the
+reference), ``id`` (what a log line names it by) and ``fields`` (what the reward gets as ``**fields``). The
+``dataset`` task reads its problems from a user's JSONL or Parquet file (``dataset.py``). Tasks and rewards come from the registry (services/core/registry.py): the built-ins, entry points
 of groups ``rlfabric.tasks`` and ``rlfabric.rewards``, or ``package.module:attr`` in the run spec. The ``text`` env
 adapter (services/env/adapters/text.py) turns a task into gymnasium envs with Text spaces, single-turn or
 multi-turn with tools.
@@ -17,6 +19,7 @@ from services.core.registry import Registry
 TASKS = Registry("tasks", "env.id", {
     "arith": "services.env.tasks.arith:ArithTask",  # "Q: 12+7= A:" -> "19"
     "arith_tool": "services.env.tasks.tools:ToolArithTask",  # the same problems, with a calculator and a search tool
+    "dataset": "services.env.tasks.dataset:DatasetTask",  # rows of a user's JSONL/Parquet file (GSM8K, MATH, ...)
 }, home="services/env/tasks", noun="text task")
 
 

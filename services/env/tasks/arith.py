@@ -33,6 +33,16 @@ class Problem:
     def prompt(self) -> str:
         return PROMPT.format(question=self.question)
 
+    @property
+    def id(self) -> str:
+        """What a log line names the problem by."""
+        return self.question
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """What a reward gets as ``**fields``."""
+        return {"question": self.question}
+
 
 def held_out(question: str, fraction: float) -> bool:
     digest = hashlib.blake2b(question.encode(), digest_size=8).digest()

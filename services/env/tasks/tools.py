@@ -9,13 +9,18 @@ Turn protocol (every tag on one model turn; the first complete tag counts):
 A turn without a complete tag, or with a tool call the env cannot run (an unknown fact, a malformed expression),
 ends that turn with ``<error>...</error>`` and a parse penalty; the episode goes on until ``max_turns``. Tool
 output is context, not the model's action: the collector masks it out of the loss.
+
+``run_turn`` takes the tools a task offers (a name -> function of the call's body); data-set tasks offer a BM25
+search over a user's corpus through the same protocol (services/env/tasks/dataset.py).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +29,6 @@ import numpy as np
 from services.env.tasks.arith import ArithTask, Problem, held_out
 
 FACTS: dict[str, int] = json.loads((Path(__file__).parent / "data" / "facts.json").read_text())
-TAG = re.compile(r"<(search|calc|answer)>(.*?)</\1>", re.DOTALL)
 MAX_EXPR = 64
 
 
@@ -80,15 +84,30 @@ class Turn:
     malformed: bool = False
 
 
-def run_turn(text: str) -> Turn:
-    match = TAG.search(text)
+Tool = Callable[[str], object]  # the body of a call -> its result (the model reads str(result)); ToolError if it cannot
+ARITH_TOOLS: dict[str, Tool] = {"search": search, "calc": calc}
+
+
+@functools.lru_cache(maxsize=16)
+def _tags(names: tuple[str, ...]) -> tuple[re.Pattern, str]:
+    """The pattern of one complete tag of these tools or <answer>, and how an error names them."""
+    shown = [f"<{n}>" for n in (*names, "answer")]
+    listed = f"{', '.join(shown[:-1])} or {shown[-1]}"
+    return re.compile(rf"<({'|'.join(map(re.escape, (*names, 'answer')))})>(.*?)</\1>", re.DOTALL), listed
+
+
+def run_turn(text: str, tools: Mapping[str, Tool] | None = None) -> Turn:
+    """One model turn under the tool protocol, with ``tools`` (default: arithmetic's search and calculator)."""
+    tools = ARITH_TOOLS if tools is None else tools
+    tag, listed = _tags(tuple(tools))
+    match = tag.search(text)
     if match is None:
-        return Turn("<error>no complete <search>, <calc> or <answer> tag</error>", False, malformed=True)
+        return Turn(f"<error>no complete {listed} tag</error>", False, malformed=True)
     kind, body = match.group(1), match.group(2)
     if kind == "answer":
         return Turn("", True, answer=body)
     try:
-        value = search(body) if kind == "search" else calc(body)
+        value = tools[kind](body)
     except ToolError as exc:
         return Turn(f"<error>{exc}</error>", False, malformed=True)
     return Turn(f"<result>{value}</result>", False)
@@ -99,6 +118,7 @@ class ToolArithTask(ArithTask):
     the verifier and ``problems`` are arithmetic's."""
 
     multi_turn = True
+    tools = ARITH_TOOLS
     prompt_suffix = " Use <search>, <calc>, then <answer>."
 
     def __init__(self, level: int = 1, split: str = "train", held_out_fraction: float = 0.2):
