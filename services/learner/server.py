@@ -37,6 +37,7 @@ from services.learner.ranks import RankGroup, initial_policy, rank_device
 log = logging.getLogger(__name__)
 MAX_TRAIN_WAIT_S = 86_400.0  # the longest a Train call may wait for its data (a day)
 UPDATES = Counter("rlfabric_learner_updates_total", "learner updates")
+HF_EXPORT_PREFIX = "checkpoints/hf/"  # where the final LM policy lands as a Hugging Face checkpoint directory
 VERSION = Gauge("rlfabric_weight_version", "newest published weight version")
 
 
@@ -295,7 +296,28 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         with self.offload.onloaded() if self.offload is not None else nullcontext():
             return self._write_checkpoint(key, extra_json, periodic)
 
+    def _export_hf(self, weights: dict[str, torch.Tensor]) -> None:
+        """The final policy as a Hugging Face checkpoint directory under ``checkpoints/hf/`` of the run's object
+        store (model with LoRA merged, tokenizer with its chat template, generation config): it opens in plain
+        transformers and vLLM, and as ``policy.lm.path`` of a next run. Written to a temporary directory, then
+        each file put into the store (which may be S3)."""
+        import tempfile
+        from pathlib import Path
+
+        policy = self.policy
+        if self.ranks is not None:  # sharded: a plain host copy of the gathered weights
+            policy = build_policy(self.config.policy_name, self.env_spec, self.config.policy)
+            policy.load_state_dict(weights)
+        with tempfile.TemporaryDirectory(prefix="rlfabric-hf-") as tmp:
+            policy.save_pretrained(tmp)
+            for file in sorted(Path(tmp).rglob("*")):
+                if file.is_file():
+                    self.store.put_bytes(f"{HF_EXPORT_PREFIX}{file.relative_to(tmp).as_posix()}", file.read_bytes())
+
     def _write_checkpoint(self, key: str, extra_json: str, periodic: bool) -> learner_pb2.CheckpointReply:
+        """The run's state under ``key`` (periodic checkpoints pruned to checkpoint.keep). The final checkpoint
+        (train.checkpoint_key) of an LM policy also exports the policy as a Hugging Face directory under
+        ``checkpoints/hf/`` (see _export_hf)."""
         # the coordinator's state rides in the checkpoint and is read back on resume: refuse what could not be
         try:
             extra = json.loads(extra_json or "{}")
@@ -321,6 +343,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         data = ckpt.pack(state)
         uri = self.store.put_bytes(key, data)
         save_weights(self.store, self.version, weights)
+        if key == self.config.train.checkpoint_key and hasattr(self.policy, "save_pretrained"):
+            self._export_hf(weights)
         if periodic:
             for old in ckpt.prune(self.store, self.config.checkpoint.keep):
                 log.info("pruned checkpoint", extra={"key": old})

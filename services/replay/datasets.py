@@ -4,12 +4,22 @@ A data set is an ``.npz`` file of equally long arrays, one row per transition: `
 observations), ``actions``, ``rewards``, ``next_obs``, ``terminated``, and whatever else an algorithm reads. It is
 read with ``allow_pickle=False`` (numpy refuses object arrays), checked, and stored into its source in chunks, so
 both replay stores hold it like collected data. ``rlfabric collect`` writes such files from a checkpoint.
+
+A language-model run (SFT) may name a JSONL or Parquet file instead: its rows are tokenized here into the arrays
+the .npz form gives (``tokens`` right-padded with the codec's pad id, ``lengths``, ``loss_mask``) with the run's
+tokenizer (``load_tokenizer(policy.lm)``: the checkpoint's, a BPE trained on its corpus, or chars). A row is
+``prompt`` + ``completion`` (field names from env.options ``prompt_field``/``completion_field``), or ``messages``, a
+chat whose assistant turns carry the loss. The prompt is rendered exactly as an RL rollout renders it (the codec's
+``prompt_ids``: chat template where the tokenizer has one); a string prompt becomes the [system?, user] chat the
+env's dataset task sends (``env.options.system_prompt``), or ``env.options.template.format(prompt=...)`` as plain
+text. Only this path imports transformers (lazily: the replay service stays torch-free at import).
 """
 
 from __future__ import annotations
 
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +27,7 @@ from services.core.batch import SEP, TensorBatch
 from services.core.paths import DataRoots, PathRefused
 
 CHUNK_ROWS = 1 << 15
+TEXT_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 class DatasetError(ValueError):
@@ -24,12 +35,18 @@ class DatasetError(ValueError):
 
 
 def load_dataset(path: str | Path, max_rows: int, max_bytes: int = 8 << 30, roots: DataRoots | None = None,
-                 field: str = "replay.datasets") -> TensorBatch:
+                 field: str = "replay.datasets", config: Any = None) -> TensorBatch:
     """The file's arrays as one ("sample",) batch of version 0. Sizes are checked from the archive's directory
     before any array is read. ``roots``: the directories a run spec's data set must lie in (any, without them);
-    either way only a regular file is opened (a FIFO or a device is refused, not read)."""
+    either way only a regular file is opened (a FIFO or a device is refused, not read). A JSONL/Parquet file is
+    tokenized for the LM run ``config`` (see text_dataset)."""
     path = Path(path)
     roots = roots if roots is not None else DataRoots.anywhere()
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        if config is None:
+            raise DatasetError(f"{field}={str(path)!r}: a text data set is tokenized with the run's tokenizer, and "
+                               f"no run config came with it. Fix: pass config= (the replay service does)")
+        return text_dataset(path, config, max_rows, roots, field)
     try:
         if not roots.confine(path, field).exists():
             raise DatasetError(f"{path}: no such data set file. Fix: write one with `rlfabric collect` (an .npz of "
@@ -67,6 +84,101 @@ def load_dataset(path: str | Path, max_rows: int, max_bytes: int = 8 << 30, root
         if a.dtype.kind not in "biuf":
             raise DatasetError(f"{path}: array {name!r} has dtype {a.dtype}; only numbers and booleans")
     return TensorBatch(tensors, version=0, dims=("sample",))
+
+
+def _prompt_text(prompt: Any, options: dict[str, Any]) -> str:
+    """A row's prompt as the text the env's dataset task sends: a chat (a message list, or a string with the
+    system prompt) or, with ``template``, plain text."""
+    from services.core import textdata
+
+    if textdata.is_messages(prompt):
+        return textdata.chat_text(prompt)
+    template = options.get("template")
+    if template:
+        return str(template).format(prompt=prompt)
+    system = options.get("system_prompt")
+    return textdata.chat_text(([{"role": "system", "content": str(system)}] if system else [])
+                              + [{"role": "user", "content": prompt}])
+
+
+def _messages_row(codec: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
+    """A chat row: each assistant turn in the loss (its tokens + eos), every other turn context as the chat
+    template renders the conversation up to that turn."""
+    from services.core import textdata
+
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context = codec.prompt_ids(textdata.chat_text(messages[:k])) if k else list(
+            [codec.bos_id] if codec.bos_id is not None else [])
+        if context[:len(ids)] != ids:
+            raise DatasetError(f"{where}: the chat template renders earlier turns differently once later ones "
+                               f"follow (turn {k}), so the loss cannot be placed. Fix: give such rows as "
+                               f"prompt/completion, one assistant turn each")
+        extra = context[len(ids):]
+        response = codec.response_ids(message["content"])
+        ids += extra + response
+        mask += [0] * len(extra) + [1] * len(response)
+    if not any(mask):
+        raise DatasetError(f"{where}: its messages hold no assistant turn to train on")
+    return ids, mask
+
+
+def text_dataset(path: str | Path, config: Any, max_rows: int, roots: DataRoots | None = None,
+                 field: str = "replay.datasets") -> TensorBatch:
+    """A JSONL/Parquet file of prompts and responses as SFT arrays (tokens, lengths, loss_mask), tokenized with
+    the run's tokenizer; the loss covers only response tokens (codec.response_ids: text + eos)."""
+    from services.core import textdata
+    from services.core.models.tokenizer import TextCodec, load_tokenizer
+    from services.core.paths import confine_model
+
+    try:
+        rows = textdata.read_rows(path, field, roots, max_rows=max_rows)
+    except textdata.DataFileError as exc:
+        raise DatasetError(str(exc)) from None
+    roots = roots if roots is not None else DataRoots.anywhere()
+    try:
+        lm = confine_model(config, roots).policy.lm
+    except PathRefused as exc:
+        raise DatasetError(str(exc)) from None
+    tokenizer = load_tokenizer(lm, roots)
+    generation = None
+    if lm.path and (Path(lm.path) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(lm.path, local_files_only=True)
+    codec = TextCodec(tokenizer, generation)
+    options = config.env.options
+    prompt_field = str(options.get("prompt_field", "prompt"))
+    completion_field = str(options.get("completion_field", "completion"))
+    seqs, masks = [], []
+    for i, row in enumerate(rows):
+        where = f"{field}={str(path)!r} row {i}"
+        if textdata.is_messages(row.get("messages")):
+            ids, mask = _messages_row(codec, row["messages"], where)
+        elif isinstance(row.get(prompt_field), (str, list)) and isinstance(row.get(completion_field), str):
+            context = codec.prompt_ids(_prompt_text(row[prompt_field], options))
+            response = codec.response_ids(row[completion_field])
+            ids, mask = context + response, [0] * len(context) + [1] * len(response)
+        else:
+            raise DatasetError(f"{where}: needs {prompt_field!r} and {completion_field!r} strings, or 'messages' "
+                               f"(a chat list with assistant turns); it has {sorted(row)[:10]}. Fix: rename the "
+                               f"fields, or set env.options.prompt_field / completion_field")
+        if len(ids) > lm.max_positions:
+            raise DatasetError(f"{where}: {len(ids)} tokens exceeds policy.lm.max_positions={lm.max_positions}. "
+                               f"Fix: raise policy.lm.max_positions (up to the model's context) or shorten the row")
+        seqs.append(ids)
+        masks.append(mask)
+    longest = max(len(s) for s in seqs)
+    tokens = np.full((len(seqs), longest), codec.pad_id, dtype=np.int64)
+    loss_mask = np.zeros((len(seqs), longest), dtype=np.uint8)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        tokens[i, :len(s)] = s
+        loss_mask[i, :len(m)] = m
+    return TensorBatch({"tokens": tokens, "lengths": np.array([len(s) for s in seqs], dtype=np.int64),
+                        "loss_mask": loss_mask}, version=0, dims=("sample",))
 
 
 def chunks(batch: TensorBatch, rows: int = CHUNK_ROWS) -> list[TensorBatch]:
