@@ -1,0 +1,121 @@
+"""The reward pool isolates a user's reward: one that sleeps forever, raises, exits its process or allocates past
+the memory limit costs only its own sample (the failure reward, a count by kind, a log line naming the sample),
+the others score right, and the pool goes on working, through the pool itself and through the text env."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.core.batch import Ragged
+from services.env.reward_pool import RewardCall, RewardPool
+
+REWARD = "rlf_hostile_reward:judge"
+HOSTILE = """
+    import os
+    import time
+
+    def judge(prompt, completion, answer, **fields):
+        if completion == "sleep":
+            time.sleep(10_000)
+        if completion == "raise":
+            raise RuntimeError("the judge is confused")
+        if completion == "exit":
+            os._exit(1)
+        if completion == "hog":
+            hoard = bytearray(3 << 30)  # over the workers' 1 GiB address-space limit
+            return float(len(hoard))
+        return 1.0 if completion.strip() == answer else 0.0
+"""
+
+
+@pytest.fixture
+def hostile(tmp_path, monkeypatch):
+    """The user's reward module, importable by the workers (they start with this process's sys.path)."""
+    (tmp_path / "rlf_hostile_reward.py").write_text(textwrap.dedent(HOSTILE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("rlf_hostile_reward", None)
+
+
+def _failures(kind: str) -> float:
+    return REGISTRY.get_sample_value("rlfabric_env_reward_failures_total", {"kind": kind}) or 0.0
+
+
+def _calls(completions: list[str]) -> list[RewardCall]:
+    return [RewardCall(f"env {i}, row {10 + i}", REWARD, "What is 6 times 7?", c, "42", json.dumps({"i": i}))
+            for i, c in enumerate(completions)]
+
+
+def test_each_hostile_reward_costs_only_its_sample_and_the_pool_keeps_working(hostile, caplog):
+    pool = RewardPool(workers=2, memory_mb=1024)
+    before = {k: _failures(k) for k in ("raised", "timeout", "died")}
+    try:
+        pool.resolve(REWARD, REWARD)  # starts the workers
+        completions = ["42", "sleep", "raise", "41", "exit", "hog", "42"]
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
+            scored = pool.score(_calls(completions), timeout_s=1.5, failure_reward=-1.0)
+        took = time.monotonic() - t0
+        assert [s.value for s in scored] == [1.0, -1.0, -1.0, 0.0, -1.0, -1.0, 1.0]
+        assert [s.failure for s in scored] == [None, "timeout", "raised", None, "died", "raised", None]
+        assert dict(pool.failures) == {"timeout": 1, "raised": 2, "died": 1}
+        assert {k: _failures(k) - before[k] for k in before} == {"raised": 2.0, "timeout": 1.0, "died": 1.0}
+        lines = [r.getMessage() for r in caplog.records]
+        for sample, kind, why in (("env 1, row 11", "timeout", "reward_timeout_s=1.5"),
+                                  ("env 2, row 12", "raised", "RuntimeError: the judge is confused"),
+                                  ("env 4, row 14", "died", "exit code 1"),
+                                  ("env 5, row 15", "raised", "MemoryError")):
+            assert sum(sample in line and f"({kind})" in line and why in line for line in lines) == 1, lines
+        assert len(lines) == 4
+        assert took < 15, f"one step took {took:.1f} s"
+        # the dead and the timed-out workers were replaced: the next step scores normally, concurrently
+        again = pool.score(_calls(["42", "0"] * 4), timeout_s=1.5, failure_reward=-1.0)
+        assert [s.value for s in again] == [1.0, 0.0] * 4 and not any(s.failure for s in again)
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score(_calls(["42"]), 1.0, 0.0)
+
+
+def test_an_unimportable_reward_is_a_spec_error_when_the_env_is_built(hostile):
+    pool = RewardPool(workers=1, memory_mb=0)
+    try:
+        with pytest.raises(ValueError, match=r"env.options.reward 'rlf_hostile_reward:nope'.*does not resolve"):
+            pool.resolve("rlf_hostile_reward:nope", "rlf_hostile_reward:nope")
+    finally:
+        pool.close()
+
+
+def test_the_text_env_reports_failed_rewards_in_its_step_reply_and_goes_on(hostile, tmp_path):
+    from services.env.pool import EnvPool
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} times 7?", "answer": str(7 * i)}) + "\n"
+                            for i in range(50)))
+    env = SimpleNamespace(id="dataset", adapter="text", num_envs=4, action_chunk=1, eval_envs=4, kwargs={},
+                          options={"path": str(data), "reward": REWARD, "reward_timeout_s": 1.0,
+                                   "failure_reward": -0.5, "reward_memory_mb": 1024},
+                          eval_options={})
+    pool = EnvPool(env, 4, chunks=2)
+    try:
+        prompts = [t for chunk in pool.reset(0) for t in chunk.texts()]
+        right = [str(7 * int(p.split("What is ")[1].split()[0])) for p in prompts]
+        out = pool.step(0, Ragged.from_texts(["exit", right[1]]))
+        assert out["reward"].tolist() == [-0.5, 1.0] and out["terminated"].all()
+        assert out["reward_failed"].dtype.name == "float32" and out["reward_failed"].tolist() == [1.0, 0.0]
+        out = pool.step(1, Ragged.from_texts(["sleep", "raise"]))
+        assert out["reward"].tolist() == [-0.5, -0.5] and out["reward_failed"].tolist() == [1.0, 1.0]
+        prompts = [t for t in out["obs"].texts()]  # the next episodes' prompts (same-step reset)
+        right = [str(7 * int(p.split("What is ")[1].split()[0])) for p in prompts]
+        out = pool.step(1, Ragged.from_texts(right))
+        assert out["reward"].tolist() == [1.0, 1.0] and "reward_failed" not in out
+    finally:
+        pool.close()
