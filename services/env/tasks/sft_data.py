@@ -1,5 +1,7 @@
 """Writes a supervised data set for a text task: prompts with their correct answers, tokenized with the LM
-policies' tokenizer, as the .npz a supervised LM algorithm reads (tokens, lengths, loss_mask).
+policies' char tokenizer (built models without a corpus), as the .npz a supervised LM algorithm reads (tokens,
+lengths, loss_mask). For a checkpoint's own tokenizer, give replay.datasets a JSONL/Parquet file of prompt and
+completion rows instead (services/replay/datasets.py tokenizes it at start-up).
 
     python -m services.env.tasks.sft_data OUT.npz --task arith --level 2 --rows 4000 --seed 0
 
@@ -19,21 +21,22 @@ from services.env.tasks import task_class
 def build(task_name: str, rows: int, seed: int, level: int = 2, held_out_fraction: float = 0.2) -> dict:
     """Correct episodes of the task's train split: every model turn ends with <eos> (as generation does) and is
     in the loss; prompts and tool replies are context only."""
-    from services.core.models.lm import BOS, EOS, PAD, build_tokenizer
+    from services.core.models.tokenizer import TextCodec, build_tokenizer
 
-    tok = build_tokenizer()
+    codec = TextCodec(build_tokenizer())
     task = task_class(task_name)(level=level, split="train", held_out_fraction=held_out_fraction)
     seqs, masks = [], []
     for p in task.problems(rows, seed):
-        ids, mask = [BOS], [0]
+        ids = codec.prompt_ids("")  # the bos an episode starts with
+        mask = [0] * len(ids)
         for text, said in task.transcript(p):
-            part = tok.encode(text, add_special_tokens=False) + ([EOS] if said else [])
+            part = codec.response_ids(text) if said else codec.encode(text)
             ids += part
             mask += [int(said)] * len(part)
         seqs.append(ids)
         masks.append(mask)
     longest = max(len(s) for s in seqs)
-    tokens = np.full((rows, longest), PAD, dtype=np.int64)
+    tokens = np.full((rows, longest), codec.pad_id, dtype=np.int64)
     loss_mask = np.zeros((rows, longest), dtype=np.uint8)
     for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
         tokens[i, :len(s)] = s
