@@ -200,3 +200,23 @@ def test_episodes_start_from_the_backends_prompt_ids_and_count_reward_failures()
     for row, mask in zip(out.batch["tokens"].rows(), out.batch["loss_mask"].rows(), strict=True):
         assert list(row[:len(prompt)]) == prompt and not mask[:len(prompt)].any() and mask[len(prompt):].all()
     assert out.stats["reward_failures"] == 2.0
+
+
+def test_a_generation_config_stop_string_ends_hf_generation(checkpoints, tmp_path):
+    import shutil
+
+    from services.rollout.backends.hf import HFBackend
+
+    path = tmp_path / "qwen2"
+    shutil.copytree(checkpoints["qwen2"], path)
+    plain = HFBackend(_run(path), SPEC, "cpu")
+    prompt = [plain.prompt_ids("What is 4 plus 4?")]
+    free = plain.generate(prompt, 10, sample=False)[0].tokens.tolist()
+    stop = plain.decode(free[:3])
+    assert stop and plain.decode(free[:2]) != stop
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "stop_strings": [stop]}))
+    backend = HFBackend(_run(path), SPEC, "cpu")
+    assert backend.codec.stop_strings == [stop]
+    g = backend.generate(prompt, 10, sample=False)[0]
+    assert g.finished and g.tokens.tolist() == free[:3] and backend.decode(g.tokens).endswith(stop)
