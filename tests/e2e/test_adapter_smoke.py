@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -126,8 +127,10 @@ PLUGIN = {  # a user's package, outside the repo: one of each extension point, r
                 mark("task")
                 super().__init__(*args, **kwargs)
 
-        def half(task, problem, answer):
-            return 0.5
+        def half(prompt, completion, answer, **fields):
+            # 0.5, or a data-set row's own "weight"; marks the process it scores in (a reward pool worker)
+            mark("reward")
+            return float(fields.get("weight", 0.5))
     """,
 }
 
@@ -189,3 +192,31 @@ def test_a_plugin_packages_text_task_and_reward_score_every_sample(plugin, tmp_p
     rows, marks = _train_with(plugin, tmp_path, spec)
     assert [float(r["train_return_mean"]) for r in rows if r["train_return_mean"]] == [0.5, 0.5]
     assert float(rows[-1]["eval_return_mean"]) == 0.5 and any(m.startswith("task ") for m in marks)
+    by_part = {}
+    for line in filter(None, marks):
+        by_part.setdefault(line.split()[0], set()).add(line.split()[1])
+    assert by_part["reward"] and not by_part["reward"] & by_part["task"]  # rewards score in the pool's workers
+
+
+@pytest.mark.slow
+def test_a_plugin_packages_reward_scores_a_jsonl_data_set_through_every_service(plugin, tmp_path):
+    """Config only: the data-set task reads a JSONL file, the plug-in's entry-point reward gets each row's other
+    fields (its "weight") in the env service's reward pool."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} plus 2?", "answer": f"#### {i + 2}",
+                                        "weight": 0.25}) + "\n" for i in range(40)))
+    spec = {"name": "plugin-dataset", "seed": 0,
+            "env": {"adapter": "text", "id": "dataset", "num_envs": 8, "eval_envs": 4,
+                    "options": {"path": str(data), "prompt_field": "question", "reward": "plug_half",
+                                "group_size": 4, "template": "Q: {prompt} A:"},
+                    "eval_options": {"split": "held_out", "group_size": 1}},
+            "policy": {"lm": {"arch": "llama", "hidden_size": 32, "intermediate_size": 64, "layers": 1, "heads": 2,
+                              "max_positions": 64}},
+            "rollout": {"backend": "hf", "max_new_tokens": 4},
+            "algorithm": {"name": "grpo", "minibatch_size": 8, "epochs": 1},
+            "train": {"total_env_steps": 16, "eval_every_iterations": 0, "eval_episodes": 4}}
+    rows, marks = _train_with(plugin, tmp_path, spec, "scheduling.mode=disaggregated")
+    assert int(rows[-1]["env_steps"]) == 16
+    assert [float(r["train_return_mean"]) for r in rows if r["train_return_mean"]] == [0.25, 0.25]
+    assert float(rows[-1]["eval_return_mean"]) == 0.25
+    assert any(m.startswith("reward ") for m in marks)
