@@ -62,7 +62,8 @@ def tasks() -> dict[str, str]:
 
 
 def rewards() -> dict[str, str]:
-    """Reward names (``env.options.reward``) and their functions: built-ins and entry points."""
+    """Reward names (``env.options.reward``) and their functions: built-ins and entry points. A reward is
+    ``reward(prompt, completion, answer, **fields) -> float``, run in the env's reward pool (a worker process)."""
     from services.env.tasks.rewards import REWARDS
 
     return REWARDS.available()
