@@ -198,6 +198,13 @@ def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_pat
         assert prompts == [hf.prompt_ids(chat_text([{"role": "user", "content": p}])) for p in PROMPTS]
         got = [g.tokens.tolist() for g in v.generate(prompts, 8, sample=False)]
         assert got == [g.tokens.tolist() for g in hf.generate(prompts, 8, sample=False)]
+        stop = v.decode(got[0][:3])  # a stop string (generation_config.stop_strings): vLLM cuts after decoding
+        v.codec.stop_strings, hf.codec.stop_strings = [stop], [stop]
+        n = v.codec.stop_at(got[0])  # (3 or fewer: a byte-level token may decode to nothing on its own)
+        cut = v.generate(prompts[:1], 8, sample=False)[0]
+        assert n <= 3 and cut.finished and cut.tokens.tolist() == got[0][:n] == hf.generate(
+            prompts[:1], 8, sample=False)[0].tokens.tolist()
+        v.codec.stop_strings, hf.codec.stop_strings = [], []
         eos = v.codec.eos_ids[0]
         state = bias_end_token(hf.policy.state_dict(), 3.0, eos=eos)  # the <|im_end|> row, not id 2
         v.load(1, state)
