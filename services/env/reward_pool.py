@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from concurrent.futures import CancelledError
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,13 @@ class RewardPool:
             message = f"importing {target!r} in a reward worker took over {RESOLVE_TIMEOUT_S:g} s"
         except ProcessExpired as exc:
             message = f"importing {target!r} killed the reward worker (exit code {exc.exitcode})"
+        except BrokenProcessPool:
+            main = getattr(sys.modules.get("__main__"), "__file__", None)
+            raise RuntimeError(
+                "the reward pool's worker processes exited as they started (their traceback is on stderr). "
+                "Multiprocessing's spawn re-runs the parent's main module in each worker" +
+                (f" ({main})" if main else "") + ": run from a file or module whose work sits under "
+                "`if __name__ == \"__main__\":`, not from stdin") from None
         if message:
             raise ValueError(message if message.startswith("env.options.reward") else
                              f"env.options.reward {name!r}: {message}")
@@ -144,7 +152,7 @@ class RewardPool:
                                  timeout=timeout_s) for c in calls]
         # pebble times each call from its start; this bounds the whole step even if the pool itself stalls
         deadline = time.monotonic() + timeout_s * (math.ceil(len(calls) / self.workers) + 1) + 60.0
-        out = []
+        out, broken = [], False
         for call, future in zip(calls, futures, strict=True):
             try:
                 value, message = future.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -153,8 +161,9 @@ class RewardPool:
                 kind, message = "timeout", f"ran past env.options.reward_timeout_s={timeout_s:g}"
             except ProcessExpired as exc:
                 kind, message = "died", f"its worker process died (exit code {exc.exitcode})"
-            except CancelledError:
-                kind, message = "died", "the pool cancelled it"
+            except (CancelledError, BrokenProcessPool) as exc:
+                kind, message = "died", f"the pool lost it ({exc.__class__.__name__})"
+                broken = True
             if kind is None:
                 out.append(Scored(value))
                 continue
@@ -164,6 +173,11 @@ class RewardPool:
             log.warning("reward %s failed (%s) for %s: %s; the sample scores env.options.failure_reward=%g",
                         call.reward, kind, call.sample, message, failure_reward)
             out.append(Scored(failure_reward, kind))
+        if broken:  # pebble gives up on a pool whose workers cannot start: the next step starts a fresh one
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.stop()
         return out
 
     def close(self) -> None:
