@@ -5,6 +5,7 @@ that name the option, the row and the fix; and a BM25 search tool over a user's 
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -161,3 +162,40 @@ def test_a_search_task_answers_search_turns_and_ends_on_an_answer(tmp_path):
     finally:
         pool.close()
     assert np.isclose(pool.finished_returns, [1.0, -0.25]).all()
+
+
+def test_the_search_example_builds_and_every_answer_is_in_the_passage_its_question_finds(monkeypatch):
+    """examples/search_grpo.yaml: the spec's env checks out, and a policy that searches the question itself finds
+    the passage holding the answer for every row of the shipped data (the task is solvable by searching)."""
+    from pathlib import Path
+
+    from services.core.config import load_config
+    from services.env.adapters import text
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    config = load_config("examples/search_grpo.yaml")
+    text.check(config.env)
+    options = dict(config.env.options)
+    train = DatasetTask(options["path"], prompt_field="question", template=options["template"],
+                        tools=["search"], corpus=options["corpus"])
+    held = DatasetTask(options["path"], split="held_out", prompt_field="question", template=options["template"],
+                       tools=["search"], corpus=options["corpus"])
+    for row in train.rows + held.rows:
+        question = row.prompt.split("Q: ")[1].split(" Search with")[0]
+        reply = run_turn(f"<search>{question}</search>", train.tools).reply
+        assert reply.startswith("<result>") and f" {row.answer}" in reply, (question, reply)
+    assert len(train.rows) + len(held.rows) == 60 and held.rows
+
+
+def test_the_example_user_reward_scores_gsm8k_answers(monkeypatch):
+    from pathlib import Path
+
+    from services.env.tasks.rewards import REWARDS, call_reward
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    monkeypatch.setattr(REWARDS, "_loaded", {})
+    reward = REWARDS.load("user_reward:gsm8k_shaped")
+    ref = "8 - 1 = 7\n#### 7"
+    assert [call_reward(reward, "q", c, ref, {"level": 1}) for c in ("so #### 7", "#### 8", "7")] == [1.0, 0.1, 0.0]
+    monkeypatch.delitem(sys.modules, "user_reward")
