@@ -119,3 +119,22 @@ def test_the_text_env_reports_failed_rewards_in_its_step_reply_and_goes_on(hosti
         assert out["reward"].tolist() == [1.0, 1.0] and "reward_failed" not in out
     finally:
         pool.close()
+
+
+def test_built_in_rewards_score_in_the_workers_with_their_fields():
+    """math (math-verify, which times itself with SIGALRM in the worker's main thread) and gsm8k by target."""
+    from services.env.tasks.rewards import REWARDS
+
+    pool = RewardPool(workers=2, memory_mb=2048)
+    math, gsm8k = REWARDS.target("math"), REWARDS.target("gsm8k")
+    calls = [RewardCall("env 0, row 0", math, "Half of one?", r"so $\boxed{\frac{1}{2}}$", "0.5"),
+             RewardCall("env 1, row 1", math, "Half of one?", r"\boxed{\frac{1}{3}}", "0.5"),
+             RewardCall("env 2, row 2", gsm8k, "q", "The total is 1,234.", "#### 1234"),
+             RewardCall("env 3, row 3", gsm8k, "q", "#### 12", "#### 1234")]
+    try:
+        for target, name in ((math, "math"), (gsm8k, "gsm8k")):
+            pool.resolve(target, name)
+        scored = pool.score(calls, timeout_s=30.0, failure_reward=-1.0)
+    finally:
+        pool.close()
+    assert [(s.value, s.failure) for s in scored] == [(1.0, None), (0.0, None), (1.0, None), (0.0, None)]
