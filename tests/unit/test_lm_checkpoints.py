@@ -220,3 +220,32 @@ def test_a_generation_config_stop_string_ends_hf_generation(checkpoints, tmp_pat
     assert backend.codec.stop_strings == [stop]
     g = backend.generate(prompt, 10, sample=False)[0]
     assert g.finished and g.tokens.tolist() == free[:3] and backend.decode(g.tokens).endswith(stop)
+
+
+def test_the_tokenizer_corpus_is_confined_to_the_data_roots(tmp_path):
+    from services.core.config import parse_config
+    from services.core.paths import DataRoots, PathRefused, confine_model
+    from services.replay.datasets import DatasetError, load_dataset
+
+    inside, outside = tmp_path / "data", tmp_path / "elsewhere"
+    for d in (inside, outside):
+        d.mkdir()
+        (d / "c.jsonl").write_text('{"prompt": "a b c", "completion": "d"}\n')
+    roots = DataRoots.parse(str(inside))
+
+    def run(corpus):
+        return parse_config(f"""
+name: t
+env: {{adapter: text, id: arith, num_envs: 2, eval_envs: 2}}
+policy: {{lm: {{hidden_size: 64, intermediate_size: 128, heads: 1, tokenizer_corpus: {corpus}, vocab_size: 270}}}}
+algorithm: {{name: sft, source: offline}}
+replay: {{datasets: {{offline: {inside / "c.jsonl"}}}}}
+""")
+
+    assert confine_model(run(inside / "c.jsonl"), roots).policy.lm.tokenizer_corpus == str(inside / "c.jsonl")
+    with pytest.raises(PathRefused, match="policy.lm.tokenizer_corpus"):
+        confine_model(run(outside / "c.jsonl"), roots)
+    with pytest.raises(DatasetError, match="policy.lm.tokenizer_corpus"):  # replay refuses it too
+        load_dataset(inside / "c.jsonl", 10, roots=roots, config=run(outside / "c.jsonl"))
+    batch = load_dataset(inside / "c.jsonl", 10, roots=roots, config=run(inside / "c.jsonl"))
+    assert batch["loss_mask"].sum() == 2  # "d" and the eos
