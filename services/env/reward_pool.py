@@ -143,31 +143,39 @@ class RewardPool:
                              f"env.options.reward {name!r}: {message}")
         self._resolved.add(target)
 
-    def score(self, calls: list[RewardCall], timeout_s: float, failure_reward: float) -> list[Scored]:
-        """Every call's reward, all running at once on the workers; a call that fails gets ``failure_reward``."""
+    def score(self, calls: list[RewardCall], timeout_s: float, failure_reward: float,
+              step_timeout_s: float | None = None) -> list[Scored]:
+        """Every call's reward, all running at once on the workers; a call that fails gets ``failure_reward``.
+        ``timeout_s`` bounds each call from its start; ``step_timeout_s`` the whole batch, queueing included (calls
+        still unscored then count as timeouts), so that hung rewards queued behind each other cannot hold a step
+        past its peer's data-plane timeout. Default: every call's worst case, queued ``workers`` at a time."""
         if not calls:
             return []
         pool = self._get()
         futures = [pool.schedule(_score, args=(c.reward, c.prompt, c.completion, c.answer, c.fields),
                                  timeout=timeout_s) for c in calls]
-        # pebble times each call from its start; this bounds the whole step even if the pool itself stalls
-        deadline = time.monotonic() + timeout_s * (math.ceil(len(calls) / self.workers) + 1) + 60.0
+        if step_timeout_s is None:
+            step_timeout_s = timeout_s * (math.ceil(len(calls) / self.workers) + 1) + 60.0
+        deadline = time.monotonic() + step_timeout_s
         out, broken = [], False
         for call, future in zip(calls, futures, strict=True):
             try:
                 value, message = future.result(timeout=max(0.0, deadline - time.monotonic()))
                 kind = "raised" if message else None
             except TimeoutError:
-                kind, message = "timeout", f"ran past env.options.reward_timeout_s={timeout_s:g}"
+                kind = "timeout"
+                message = (f"ran past env.options.reward_timeout_s={timeout_s:g}" if future.done() else
+                           f"was not scored within env.options.reward_step_timeout_s={step_timeout_s:g}")
             except ProcessExpired as exc:
                 kind, message = "died", f"its worker process died (exit code {exc.exitcode})"
-            except (CancelledError, BrokenProcessPool) as exc:
-                kind, message = "died", f"the pool lost it ({exc.__class__.__name__})"
-                broken = True
+            except CancelledError:
+                kind, message = "died", "the pool cancelled it"
+            except BrokenProcessPool:
+                kind, message, broken = "died", "the pool's workers could not run it (BrokenProcessPool)", True
             if kind is None:
                 out.append(Scored(value))
                 continue
-            future.cancel()
+            future.cancel()  # (stops a call still running or queued past the step's deadline)
             self.failures[kind] += 1
             FAILURES.labels(kind).inc()
             log.warning("reward %s failed (%s) for %s: %s; the sample scores env.options.failure_reward=%g",

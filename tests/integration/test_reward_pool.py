@@ -138,3 +138,22 @@ def test_built_in_rewards_score_in_the_workers_with_their_fields():
     finally:
         pool.close()
     assert [(s.value, s.failure) for s in scored] == [(1.0, None), (0.0, None), (1.0, None), (0.0, None)]
+
+
+def test_a_step_of_hung_rewards_ends_by_its_step_deadline(hostile, caplog):
+    """Hung calls queued behind each other would hold a step for their number x the call timeout (past the
+    rollout's data-plane timeout): the step's deadline cuts them, and the pool still works afterwards."""
+    pool = RewardPool(workers=1, memory_mb=0)
+    try:
+        pool.resolve(REWARD, REWARD)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
+            scored = pool.score(_calls(["sleep", "sleep", "sleep", "42"]), timeout_s=1.0, failure_reward=0.0,
+                                step_timeout_s=2.0)
+        took = time.monotonic() - t0
+        assert [s.failure for s in scored] == ["timeout"] * 4 and took < 4.0, took
+        lines = [r.getMessage() for r in caplog.records]
+        assert "reward_timeout_s=1" in lines[0] and all("reward_step_timeout_s=2" in line for line in lines[2:])
+        assert [s.value for s in pool.score(_calls(["42"]), 1.0, 0.0, 2.0)] == [1.0]
+    finally:
+        pool.close()

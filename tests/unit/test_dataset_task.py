@@ -94,6 +94,7 @@ def test_the_hash_split_and_an_eval_file_give_disjoint_prompts(data, tmp_path):
     ({"path": "DATA", "level": 2}, r"env.options.level does not apply to env.id 'dataset'"),
     ({"path": "DATA", "tools": "search"}, r"env.options.tools='search': expected a list of names"),
     ({"path": "DATA", "reward_timeout_s": 0}, r"env.options.reward_timeout_s=0"),
+    ({"path": "DATA", "reward_timeout_s": 30}, r"env.options.reward_step_timeout_s=20.0: seconds in \[reward_timeout"),
 ])
 def test_bad_options_and_rows_name_the_option_the_row_and_the_fix(data, options, message):
     from services.env.adapters import text

@@ -47,6 +47,9 @@ ADAPTER_OPTIONS: dict[str, tuple[type, Any, str]] = {
     "max_chars": (int, 512, "the longest model turn, in UTF-8 bytes (default 512)"),
     "reward_timeout_s": (float, 10.0, "seconds one reward call may run before its sample scores failure_reward "
                                       "(default 10)"),
+    "reward_step_timeout_s": (float, 20.0, "seconds one env step may spend scoring all its answers, queueing "
+                                           "included; answers unscored by then score failure_reward. Keep it under "
+                                           "data_plane.timeout_s (default 20)"),
     "reward_memory_mb": (int, 2048, "address-space limit of each reward worker process, in MiB; 0 for none "
                                     "(default 2048)"),
     "reward_workers": (int, 2, "reward worker processes per env process (default 2)"),
@@ -131,6 +134,9 @@ def _options(env_cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"env.options.max_chars={opts['max_chars']}: in [16, 65536]")
     if not 0 < opts["reward_timeout_s"] <= 3600:
         raise ValueError(f"env.options.reward_timeout_s={opts['reward_timeout_s']}: seconds in (0, 3600]")
+    if not opts["reward_timeout_s"] <= opts["reward_step_timeout_s"] <= 3600:
+        raise ValueError(f"env.options.reward_step_timeout_s={opts['reward_step_timeout_s']}: seconds in "
+                         f"[reward_timeout_s={opts['reward_timeout_s']}, 3600] (a step waits for at least one call)")
     if not (opts["reward_memory_mb"] == 0 or 256 <= opts["reward_memory_mb"] <= 1 << 20):
         raise ValueError(f"env.options.reward_memory_mb={opts['reward_memory_mb']}: MiB in [256, 1048576], or 0 "
                          f"for no limit")
@@ -249,7 +255,8 @@ class TextVectorEnv(gym.vector.VectorEnv):
         if calls:
             if self.pool is None:
                 raise RuntimeError("the text env is closed")
-            scores = self.pool.score(calls, self.opts["reward_timeout_s"], self.opts["failure_reward"])
+            scores = self.pool.score(calls, self.opts["reward_timeout_s"], self.opts["failure_reward"],
+                                     self.opts["reward_step_timeout_s"])
             for i, scored in zip(owners, scores, strict=True):
                 rewards[i] += scored.value
                 failed[i] = scored.failure is not None
