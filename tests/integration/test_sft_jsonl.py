@@ -170,6 +170,7 @@ def test_an_sft_run_exports_a_hugging_face_directory_with_the_final_weights(ckpt
     assert ours.tolist() == theirs.tolist()
 
 
+@pytest.mark.slow
 def test_an_sft_run_reads_the_jsonl_file_itself(ckpt, tmp_path):
     import inspect
 
