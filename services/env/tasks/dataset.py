@@ -151,7 +151,7 @@ def _text(value: Any, row: int, name: str, option: str, path: str) -> str:
 
 class DatasetTask:
     """Rows of a data file as text problems. ``problem``, ``prompt``, ``transcript`` and ``problems`` are the
-    interface the text adapter and SFT data use, as for the generated tasks."""
+    interface the text adapter and supervised warm starts use, as for the generated tasks."""
 
     def __init__(self, path: str, split: str = "train", held_out_fraction: float = 0.2, prompt_field: str = "prompt",
                  answer_field: str = "answer", system_prompt: str | None = None, template: str | None = None,
