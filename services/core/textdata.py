@@ -1,11 +1,11 @@
-"""Text data files and chat prompts: what the env (data-set tasks), replay (SFT data) and the LM policies (a
+"""Text data files and chat prompts: what the env (data-set tasks), replay (supervised data sets) and the LM policies (a
 tokenizer trained on a data set) read alike.
 
 A data file is JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``), read through the ``datasets`` library from a
 local path only (never a hub), under the worker's data roots, into plain rows (dicts).
 
 A chat prompt crosses the data plane as text: a JSON list of ``{"role", "content"}`` messages. Whoever owns the
-tokenizer (the rollout backend, the SFT loader) renders it with the checkpoint's chat template; plain text stays
+tokenizer (the rollout backend, the supervised data loader) renders it with the checkpoint's chat template; plain text stays
 plain. ``chat_text`` writes one, ``chat_messages`` reads one back (None for plain text).
 """
 
