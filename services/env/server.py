@@ -125,12 +125,16 @@ class EnvService(env_pb2_grpc.EnvServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
+    from services.core.paths import DataRoots
+    from services.env.tasks.dataset import set_data_roots
+
+    set_data_roots(DataRoots.parse(args.data_root))  # data-set tasks read their files (and corpora) under these
     env_pb2_grpc.add_EnvServicer_to_server(EnvService(runtime, args.host), runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
     # Every worker takes the operator's --data-root and --allow-endpoints (a launcher passes them to all alike);
-    # the env service opens no file or endpoint a run spec names.
+    # the env service reads data-set files only under --data-root and connects to no endpoint a run spec names.
     run_service("env", _build, argv, add_path_arguments)
 
 

@@ -174,3 +174,22 @@ def test_learner_configure_answers_a_run_directory_that_is_a_fifo_with_a_status(
     finally:
         service.close()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "fifo" in info.value.details
+
+
+def test_the_env_service_reads_data_set_files_only_under_its_roots(layout):
+    """env.options.path of the dataset text task: the env service's --data-root confines it like the others."""
+    from services.core.textdata import DataFileError
+    from services.env.tasks import dataset
+
+    (layout.root / "qa.jsonl").write_text('{"prompt": "2+2", "answer": "4"}\n')
+    layout.outside.with_suffix(".jsonl").write_text('{"prompt": "secret", "answer": "1"}\n')
+    os.mkfifo(layout.root / "pipe.jsonl")
+    dataset.set_data_roots(layout.roots)
+    try:
+        task = dataset.DatasetTask(path="qa.jsonl", held_out_fraction=0.01)
+        assert "2+2" in task.prompt(task.problem(np.random.default_rng(0)))
+        for path, expected in ((str(layout.outside.with_suffix(".jsonl")), "outside"), ("pipe.jsonl", "FIFO")):
+            with pytest.raises(DataFileError, match=expected):
+                dataset.DatasetTask(path=path)
+    finally:
+        dataset.set_data_roots(None)

@@ -193,13 +193,13 @@ def test_a_text_task_and_rewards_from_a_users_package_score_through_the_text_ada
     for reg in (TASKS, REWARDS):
         monkeypatch.setattr(reg, "_loaded", {})
     _plugin(tmp_path, "rlf_test_text", "rlfabric.tasks", {"doubled": "rlf_test_text:Doubled"}, """
-        from services.env.tasks.arith import ArithTask
+        from services.env.tasks.arith import ArithTask, Problem
 
-        class Doubled(ArithTask):
-            def correct(self, problem, answer):
-                return answer.strip() == "42"
+        class Doubled(ArithTask):  # every reference answer is 42
+            def problem(self, rng):
+                return Problem(super().problem(rng).question, "42")
 
-        def always_half(task, problem, answer):
+        def always_half(prompt, completion, answer, **fields):
             return 0.5
     """)
     info = tmp_path / "rlf_test_text-0.1.dist-info" / "entry_points.txt"
