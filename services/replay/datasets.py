@@ -91,14 +91,13 @@ def _prompt_text(prompt: Any, options: dict[str, Any]) -> str:
     system prompt) or, with ``template``, plain text."""
     from services.core import textdata
 
-    if textdata.is_messages(prompt):
-        return textdata.chat_text(prompt)
+    # as services/env/tasks/dataset.py builds a row's prompt, so SFT and RL see the same context
+    messages = prompt if textdata.is_messages(prompt) else [{"role": "user", "content": prompt}]
     template = options.get("template")
-    if template:
-        return str(template).format(prompt=prompt)
+    if template is not None:
+        return str(template).format(prompt=prompt if isinstance(prompt, str) else textdata.plain_chat(messages))
     system = options.get("system_prompt")
-    return textdata.chat_text(([{"role": "system", "content": str(system)}] if system else [])
-                              + [{"role": "user", "content": prompt}])
+    return textdata.chat_text(([{"role": "system", "content": str(system)}] if system else []) + list(messages))
 
 
 def _messages_row(codec: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:

@@ -188,3 +188,25 @@ def test_an_sft_run_reads_the_jsonl_file_itself(ckpt, tmp_path):
     with open(tmp_path / "run" / "metrics.csv") as f:
         losses = [float(r["sft_loss"]) for r in csv.DictReader(f) if r.get("sft_loss")]
     assert len(losses) >= 2 and losses[-1] < losses[0]
+
+
+def test_sft_prompts_are_the_dataset_tasks_prompts(ckpt, tmp_path):
+    """The env's dataset task and the SFT loader turn a row into the same prompt text (system prompt, chat list,
+    template), so a warm start trains on the contexts RL samples from."""
+    from services.core.config import parse_config
+    from services.env.tasks.dataset import DatasetTask
+    from services.replay.datasets import load_dataset
+
+    rows = [{"prompt": "What is 2 plus 2?", "completion": "4", "answer": "4"},
+            {"prompt": [{"role": "user", "content": "What is 3 plus 3?"}], "completion": "6", "answer": "6"}]
+    data = _jsonl(tmp_path / "rows.jsonl", rows)
+    for options in ({"system_prompt": SYSTEM}, {"template": "Q: {prompt}\\nA:"}, {}):
+        spec = _spec(ckpt, data).replace(f'{{system_prompt: "{SYSTEM}"}}', json.dumps(options))
+        batch = load_dataset(data, max_rows=10, config=parse_config(spec))
+        task = DatasetTask(path=data, eval_path=data, **options)  # (every row in the train split)
+        policy, codec = _codec(parse_config(spec))
+        prompts = {r.answer: r.prompt for r in task.rows}
+        for i, row in enumerate(rows):
+            want = codec.prompt_ids(prompts[row["answer"]])
+            assert batch["tokens"][i, :len(want)].tolist() == want, options
+            assert not batch["loss_mask"][i, :len(want)].any() and batch["loss_mask"][i, len(want)]
