@@ -214,6 +214,20 @@ def correct(completion: str, answer: str) -> bool:
     return got is not None and got == str(answer).replace(",", "").strip()
 
 
+def training_reward():
+    """The reward both sides train with: rlfabric's ``gsm8k`` (env.options.reward of reasoning_grpo.yaml) where it
+    has the (prompt, completion, answer) signature, else the strict ``####`` parser of the scoring function."""
+    import inspect
+
+    try:
+        from services.env.tasks.rewards import gsm8k
+    except ImportError:
+        gsm8k = None
+    if gsm8k is not None and list(inspect.signature(gsm8k).parameters)[:3] == ["prompt", "completion", "answer"]:
+        return lambda p, c, a: float(gsm8k(p, c, a))
+    return lambda p, c, a: 1.0 if correct(c, a) else 0.0
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -261,7 +275,8 @@ def reasoning_data(n_train: int, n_held_out: int) -> tuple[Path, Path]:
     return train, held
 
 
-def reasoning_warm_start(train: Path, held: Path, sft_updates: int, use_cache: bool) -> tuple[Path, dict]:
+def reasoning_warm_start(train: Path, held: Path, sft_updates: int, use_cache: bool, extra: list[str]
+                         ) -> tuple[Path, dict]:
     """``rlfabric train examples/reasoning_sft.yaml`` on the JSONL, as a user runs it; its checkpoints/hf is the
     warm start of both sides. Cached by the data, the spec and the overrides (it takes minutes on 2 cores)."""
     spec = ROOT / "examples" / "reasoning_sft.yaml"
@@ -269,6 +284,7 @@ def reasoning_warm_start(train: Path, held: Path, sft_updates: int, use_cache: b
             "train.eval_every_iterations=0", "checkpoint.every_iterations=0"]
     if sft_updates:
         sets.append(f"algorithm.total_updates={sft_updates}")
+    sets += extra
     key = hashlib.sha256(train.read_bytes() + spec.read_bytes() + "\n".join(sets).encode()).hexdigest()[:12]
     run = CACHE / f"reasoning-sft-{key}"
     hf = run / "checkpoints" / "hf"
@@ -318,7 +334,15 @@ def ours_reasoning(name: str, sets: list[str], warm: Path, train: Path, held: Pa
     hf = run / "checkpoints" / "hf"
     if not (hf / "config.json").is_file():
         raise SystemExit(f"rlfabric wrote no {hf}")
+    with open(run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    tokens = [float(r["response_tokens"]) for r in rows if r.get("response_tokens")]
+    if not tokens or max(tokens) == 0:
+        raise SystemExit(f"{run}: rlfabric generated no response tokens (is policy.lm.max_positions >= prompt + "
+                         f"rollout.max_new_tokens?)")
     return {"train_wall_s": train_wall(run, updates), "command_wall_s": wall, "updates": updates,
+            "response_tokens_mean": sum(tokens) / len(tokens), "reward_mean": [float(r.get("reward_mean") or 0)
+                                                                               for r in rows],
             "stage_seconds": stage_seconds(run), "overrides": overrides, "model_dir": hf}
 
 
@@ -377,8 +401,10 @@ def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm:
     rows = read_jsonl(Path(train))
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
+    reward = training_reward()
+
     def gsm8k(prompts, completions, answer, **kw):
-        return [1.0 if correct(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+        return [reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
     config = trl_reasoning_config(use_vllm, updates, tempfile.mkdtemp(prefix="trl-grpo-"))
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k, args=GRPOConfig(**config), train_dataset=dataset,
@@ -432,7 +458,11 @@ def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
 
     train, held = reasoning_data(args.reasoning_train_rows, args.reasoning_held_out_rows)
     t0 = time.perf_counter()
-    warm, warm_info = reasoning_warm_start(train, held, args.reasoning_sft_updates, not args.no_cache)
+    if args.warm_start:  # a user's own checkpoint directory (no SFT made here)
+        warm, warm_info = Path(args.warm_start).resolve(), {"given": True, "cached": True}
+    else:
+        warm, warm_info = reasoning_warm_start(train, held, args.reasoning_sft_updates, not args.no_cache,
+                                               args.sft_set)
     eval_rows = read_jsonl(held)[:args.reasoning_eval]
     tokenizer = AutoTokenizer.from_pretrained(str(warm), local_files_only=True)
     lengths = rd.token_lengths(tokenizer, read_jsonl(train))
@@ -514,6 +544,11 @@ def main() -> None:
     ap.add_argument("--trl-generation", choices=["auto", "vllm", "hf"], default="auto",
                     help="reasoning: TRL's generation (auto: vLLM colocated, else HF generate, recording why)")
     ap.add_argument("--no-cache", action="store_true", help="reasoning: remake the cached warm start")
+    ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="reasoning: an override of examples/reasoning_sft.yaml (e.g. a smaller model for a smoke "
+                         "run); part of the cache key")
+    ap.add_argument("--warm-start", default="", metavar="DIR",
+                    help="reasoning: start both sides from this HF checkpoint directory instead of the SFT")
     ap.add_argument("--out", default="bench/results/grpo_vs_trl.json")
     ap.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", default="", help=argparse.SUPPRESS)
