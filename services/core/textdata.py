@@ -92,6 +92,28 @@ def plain_chat(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
+def render_prompt(value: Any, system_prompt: str | None = None, template: str | None = None) -> str:
+    """A data row's prompt as the text that crosses the data plane, the one rule the env's data-set task and the
+    supervised data loader share: with ``template`` plain text (``template.format(prompt=...)``); otherwise a chat
+    (a string becomes a user message), ``system_prompt`` first when given."""
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif is_messages(value):
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    else:
+        raise ValueError(f"a prompt is a string or a list of {{'role': str, 'content': str}} messages, not a "
+                         f"{type(value).__name__}")
+    if template is not None:
+        try:
+            return template.format(prompt=value if isinstance(value, str) else plain_chat(messages))
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            raise ValueError(f"env.options.template={template[:80]!r} cannot be filled ({exc.__class__.__name__}: "
+                             f"{exc}). Fix: name only {{prompt}}, and write literal braces as {{{{ and }}}}") from None
+    if system_prompt:
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return chat_text(messages)
+
+
 def row_texts(row: dict[str, Any]) -> list[str]:
     """Every string in a row (message contents included): what a tokenizer built from a data set learns from."""
     out: list[str] = []
@@ -110,4 +132,4 @@ def row_texts(row: dict[str, Any]) -> list[str]:
     return out
 
 
-__all__ = ["DataFileError", "chat_messages", "chat_text", "is_messages", "plain_chat", "read_rows", "row_texts"]
+__all__ = ["DataFileError", "chat_messages", "chat_text", "is_messages", "plain_chat", "read_rows", "render_prompt", "row_texts"]

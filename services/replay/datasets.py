@@ -5,14 +5,13 @@ observations), ``actions``, ``rewards``, ``next_obs``, ``terminated``, and whate
 read with ``allow_pickle=False`` (numpy refuses object arrays), checked, and stored into its source in chunks, so
 both replay stores hold it like collected data. ``rlfabric collect`` writes such files from a checkpoint.
 
-A language-model run (SFT) may name a JSONL or Parquet file instead: its rows are tokenized here into the arrays
-the .npz form gives (``tokens`` right-padded with the codec's pad id, ``lengths``, ``loss_mask``) with the run's
-tokenizer (``load_tokenizer(policy.lm)``: the checkpoint's, a BPE trained on its corpus, or chars). A row is
-``prompt`` + ``completion`` (field names from env.options ``prompt_field``/``completion_field``), or ``messages``, a
-chat whose assistant turns carry the loss. The prompt is rendered exactly as an RL rollout renders it (the codec's
-``prompt_ids``: chat template where the tokenizer has one); a string prompt becomes the [system?, user] chat the
-env's dataset task sends (``env.options.system_prompt``), or ``env.options.template.format(prompt=...)`` as plain
-text. Only this path imports transformers (lazily: the replay service stays torch-free at import).
+A supervised language-model run may name a JSONL or Parquet file instead: its rows are tokenized here into the
+arrays the .npz form gives (``tokens`` right-padded with the codec's pad id, ``lengths``, ``loss_mask``) with the
+run's tokenizer (``load_tokenizer(policy.lm)``: the checkpoint's, a BPE trained on its corpus, or chars). A row is
+a prompt (env.options ``prompt_field``, default ``prompt``) and a response (``completion`` when the row has one,
+else the ``answer_field``: a GSM8K row's worked answer), or ``messages``, a chat whose assistant turns carry the
+loss. The prompt is rendered exactly as an RL rollout renders it: ``textdata.render_prompt`` (the rule the env's
+data-set task applies) and the codec's ``prompt_ids`` (chat template where the tokenizer has one). Only this path imports transformers (lazily: the replay service stays torch-free at import).
 """
 
 from __future__ import annotations
@@ -86,20 +85,6 @@ def load_dataset(path: str | Path, max_rows: int, max_bytes: int = 8 << 30, root
     return TensorBatch(tensors, version=0, dims=("sample",))
 
 
-def _prompt_text(prompt: Any, options: dict[str, Any]) -> str:
-    """A row's prompt as the text the env's dataset task sends: a chat (a message list, or a string with the
-    system prompt) or, with ``template``, plain text."""
-    from services.core import textdata
-
-    # as services/env/tasks/dataset.py builds a row's prompt, so SFT and RL see the same context
-    messages = prompt if textdata.is_messages(prompt) else [{"role": "user", "content": prompt}]
-    template = options.get("template")
-    if template is not None:
-        return str(template).format(prompt=prompt if isinstance(prompt, str) else textdata.plain_chat(messages))
-    system = options.get("system_prompt")
-    return textdata.chat_text(([{"role": "system", "content": str(system)}] if system else []) + list(messages))
-
-
 def _messages_row(codec: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
     """A chat row: each assistant turn in the loss (its tokens + eos), every other turn context as the chat
     template renders the conversation up to that turn."""
@@ -127,7 +112,7 @@ def _messages_row(codec: Any, messages: list[dict[str, str]], where: str) -> tup
 
 def text_dataset(path: str | Path, config: Any, max_rows: int, roots: DataRoots | None = None,
                  field: str = "replay.datasets") -> TensorBatch:
-    """A JSONL/Parquet file of prompts and responses as SFT arrays (tokens, lengths, loss_mask), tokenized with
+    """A JSONL/Parquet file of prompts and responses as supervised arrays (tokens, lengths, loss_mask), tokenized with
     the run's tokenizer; the loss covers only response tokens (codec.response_ids: text + eos)."""
     from services.core import textdata
     from services.core.models.tokenizer import TextCodec, load_tokenizer
@@ -151,20 +136,27 @@ def text_dataset(path: str | Path, config: Any, max_rows: int, roots: DataRoots 
     codec = TextCodec(tokenizer, generation)
     options = config.env.options
     prompt_field = str(options.get("prompt_field", "prompt"))
-    completion_field = str(options.get("completion_field", "completion"))
+    answer_field = str(options.get("answer_field", "answer"))
     seqs, masks = [], []
     for i, row in enumerate(rows):
         where = f"{field}={str(path)!r} row {i}"
         if textdata.is_messages(row.get("messages")):
             ids, mask = _messages_row(codec, row["messages"], where)
-        elif isinstance(row.get(prompt_field), (str, list)) and isinstance(row.get(completion_field), str):
-            context = codec.prompt_ids(_prompt_text(row[prompt_field], options))
+        elif isinstance(row.get(prompt_field), (str, list)) and isinstance(row.get(completion_field := (
+                "completion" if "completion" in row else answer_field)), str):
+            try:  # the prompt exactly as the env's data-set task sends it, so supervised and RL runs see the same context
+                prompt = textdata.render_prompt(row[prompt_field], options.get("system_prompt"),
+                                                options.get("template"))
+            except ValueError as exc:
+                raise DatasetError(f"{where}: {exc}") from None
+            context = codec.prompt_ids(prompt)
             response = codec.response_ids(row[completion_field])
             ids, mask = context + response, [0] * len(context) + [1] * len(response)
         else:
-            raise DatasetError(f"{where}: needs {prompt_field!r} and {completion_field!r} strings, or 'messages' "
-                               f"(a chat list with assistant turns); it has {sorted(row)[:10]}. Fix: rename the "
-                               f"fields, or set env.options.prompt_field / completion_field")
+            raise DatasetError(f"{where}: needs a {prompt_field!r} prompt and a 'completion' (or {answer_field!r}) "
+                               f"string, or 'messages' (a chat list with assistant turns); it has "
+                               f"{sorted(row)[:10]}. Fix: rename the fields, or set env.options.prompt_field / "
+                               f"answer_field")
         if len(ids) > lm.max_positions:
             raise DatasetError(f"{where}: {len(ids)} tokens exceeds policy.lm.max_positions={lm.max_positions}. "
                                f"Fix: raise policy.lm.max_positions (up to the model's context) or shorten the row")

@@ -284,7 +284,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                     stores[name] = open_replay_store(config, run_id, objects, source=name)
             for name, path in config.replay.datasets.items():
                 data = load_dataset(path, max_rows=config.replay.capacity_transitions, roots=self.roots,
-                                    field=f"replay.datasets.{name}")
+                                    field=f"replay.datasets.{name}", config=config)  # (a JSONL: the run's tokenizer)
                 store = stores[name] = open_replay_store(config, run_id, objects, source=name,
                                                          capacity=max(data.rows, 1))
                 if len(store) == 0:

@@ -4,8 +4,8 @@ generation config.
 
 Tokenizers and special tokens live in services/core/models/tokenizer.py: ``load_tokenizer`` picks the checkpoint's
 tokenizer, a byte-level BPE trained on a data file, or the character tokenizer of the shipped text tasks (ids
-``PAD``/``BOS``/``EOS``, re-exported here); ``TextCodec`` is what backends, collector and SFT loader ask for eos,
-pad and bos ids and how to render a prompt.
+``PAD``/``BOS``/``EOS``, re-exported here); ``TextCodec`` is what backends, collector and supervised data loader
+ask for eos, pad and bos ids and how to render a prompt.
 
 ``CausalLMPolicy`` is what the learner trains and the ``hf`` backend generates with. ``token_logprobs`` gives the
 log-probability of every token given its prefix, the quantity every LM algorithm's loss is built from.

@@ -9,7 +9,7 @@ Three tokenizers, all local (nothing is fetched from a hub):
 - ``chars``: one token per printable ASCII character plus ``<pad>``, ``<bos>``, ``<eos>`` (ids 0, 1, 2), what tiny
   models learn arithmetic with digit by digit.
 
-This module imports no torch or transformers at import time (the replay service tokenizes SFT data through it).
+This module imports no torch or transformers at import time (the replay service tokenizes supervised data through it).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _ids(value: Any) -> list[int]:
 
 class TextCodec:
     """Text <-> token ids with a checkpoint's special tokens: what the backends stop on and pad with, how the
-    collector and the SFT loader render a prompt, and what ends a response."""
+    collector and the supervised data loader render a prompt, and what ends a response."""
 
     def __init__(self, tokenizer: Any, generation_config: Any = None):
         self.tokenizer = tokenizer
@@ -152,7 +152,7 @@ class TextCodec:
         return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
 
     def response_ids(self, text: str) -> list[int]:
-        """A model turn as generation ends it: its tokens, then the first eos (what SFT trains on)."""
+        """A model turn as generation ends it: its tokens, then the first eos (what supervised training targets)."""
         return self.encode(text) + [self.eos_ids[0]]
 
     def stop_at(self, ids: Any) -> int | None:

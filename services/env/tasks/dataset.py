@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from services.core.paths import DataRoots
-from services.core.textdata import DataFileError, chat_text, is_messages, plain_chat, read_rows
+from services.core.textdata import DataFileError, chat_text, is_messages, read_rows, render_prompt
 from services.env.tasks.arith import held_out
 from services.env.tasks.tools import ToolError
 
@@ -173,7 +173,7 @@ class DatasetTask:
         self.prompt_field, self.answer_field = prompt_field, answer_field
         self.system_prompt, self.template = system_prompt, template
         if template is not None:
-            self._format(template, "probe")
+            render_prompt("probe", template=template)
         self.tools = {"search": _Search(corpus)} if "search" in tools else {}
         self.multi_turn = bool(self.tools)
         if self.multi_turn and system_prompt is None and template is None:
@@ -191,14 +191,6 @@ class DatasetTask:
         if "search" in tools:
             self.tools["search"].load()
 
-    @staticmethod
-    def _format(template: str, prompt: str) -> str:
-        try:
-            return template.format(prompt=prompt)
-        except (KeyError, IndexError, ValueError, AttributeError) as exc:
-            raise ValueError(f"env.options.template={template[:80]!r} cannot be filled ({exc.__class__.__name__}: "
-                             f"{exc}). Fix: name only {{prompt}}, and write literal braces as {{{{ and }}}}") from None
-
     def _rows(self, path: str, option: str, keep) -> list[Row]:
         out = []
         for i, row in enumerate(_read(path, f"env.options.{option}")[1]):
@@ -208,23 +200,13 @@ class DatasetTask:
                         f"env.options.{option}={path!r} row {i} has no {name!r} field (its fields: "
                         f"{sorted(row)[:20]}). Fix: set env.options.{what}_field to the field that holds the {what}")
             value = row[self.prompt_field]
-            if isinstance(value, str):
-                raw, messages = value, [{"role": "user", "content": value}]
-            elif is_messages(value):
-                messages = [{"role": m["role"], "content": m["content"]} for m in value]
-                raw = chat_text(messages)
-            else:
+            if not (isinstance(value, str) or is_messages(value)):
                 raise DataFileError(f"env.options.{option}={path!r} row {i}: the prompt field {self.prompt_field!r} "
                                     f"holds a {type(value).__name__}; a prompt is a string or a list of "
                                     f"{{'role': str, 'content': str}} messages")
-            if not keep(raw):
+            if not keep(value if isinstance(value, str) else chat_text(value)):
                 continue
-            if self.template is not None:
-                prompt = self._format(self.template, value if isinstance(value, str) else plain_chat(messages))
-            else:
-                if self.system_prompt:
-                    messages = [{"role": "system", "content": self.system_prompt}, *messages]
-                prompt = chat_text(messages)
+            prompt = render_prompt(value, self.system_prompt, self.template)
             answer = _text(row[self.answer_field], i, self.answer_field, option, path)
             fields = {k: v for k, v in row.items() if k not in (self.prompt_field, self.answer_field)}
             out.append(Row(i, prompt, answer, fields, option))

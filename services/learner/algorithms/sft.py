@@ -79,6 +79,6 @@ class SFT(OfflineAlgorithm):
             nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm, foreach=True)
             self.optimizer.step()
             self.optimizer_steps += 1
-            total += float(loss) * float(whole)  # this rank's summed NLL
+            total += float(loss.detach()) * float(whole)  # this rank's summed NLL
             tokens += float(n) * share
         return {"sft_loss": total / max(tokens, 1.0)}
