@@ -9,7 +9,7 @@ tiny: a tiny Llama (hidden 128, 2 layers, char tokenizer) on arithmetic level 2 
     data, made here (seconds).
 reasoning: GSM8K-like word problems (bench/reasoning_data.py: 2-4 steps, worked solutions ending in ``#### N``,
     long and uneven completions) and a ~20M-parameter Llama (hidden 512, 6 layers, head_dim 64) with a byte-level
-    BPE trained on the data set: group 8, 4 prompts per update, at most 256 new tokens, lr 1e-5. The warm start is
+    BPE trained on the data set: group 8, 4 prompts per update, at most 256 new tokens, lr 3e-5. The warm start is
     ``rlfabric train examples/reasoning_sft.yaml`` on the JSONL; both sides read its ``checkpoints/hf`` directory
     (TRL with AutoModelForCausalLM/AutoTokenizer, rlfabric with ``policy.lm.path``). It takes minutes on 2 cores,
     so it is cached under ``~/.cache/rlfabric-bench/`` by a hash of the data generator, the SFT spec and its
