@@ -293,7 +293,10 @@ def reasoning_warm_start(train: Path, held: Path, sft_updates: int, use_cache: b
     if sft_updates:
         sets.append(f"algorithm.total_updates={sft_updates}")
     sets += extra
-    key = hashlib.sha256(train.read_bytes() + spec.read_bytes() + "\n".join(sets).encode()).hexdigest()[:12]
+    # keyed by what the warm start learns from (data contents, spec, overrides other than where the files lie)
+    what = [s for s in sets if not s.startswith(("env.options.path=", "env.options.eval_path=", "replay.datasets"))]
+    key = hashlib.sha256(train.read_bytes() + held.read_bytes() + spec.read_bytes()
+                         + "\n".join(what).encode()).hexdigest()[:12]
     run = CACHE / f"reasoning-sft-{key}"
     hf = run / "checkpoints" / "hf"
     info = {"cache_dir": str(run), "overrides": sets}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 NAMES = ["Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Milo", "Nina",
@@ -123,10 +124,26 @@ def _two_people(rng: random.Random) -> tuple[str, str, int]:
 FAMILIES = (_running, _running, _packing, _two_people)
 
 
+EQUATION = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
+
+
+def verify(row: dict) -> None:
+    """Every ``a op b = c`` of a worked solution holds, the last result is the answer, and the answer line says it:
+    a generator bug must not teach the model wrong arithmetic."""
+    steps = EQUATION.findall(row["completion"])
+    for a, op, b, c in steps:
+        if {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] != int(c):
+            raise AssertionError(f"wrong step {a} {op} {b} = {c} in {row['completion']!r}")
+    if not steps or steps[-1][3] != row["answer"] or not row["completion"].endswith(f"#### {row['answer']}"):
+        raise AssertionError(f"the answer {row['answer']} is not where the solution ends: {row['completion']!r}")
+
+
 def problem(rng: random.Random) -> dict:
     question, work, answer = rng.choice(FAMILIES)(rng)
-    return {"prompt": f"Question: {question}\nAnswer:", "completion": f"{work}\n#### {answer}",
-            "answer": str(answer)}
+    row = {"prompt": f"Question: {question}\nAnswer:", "completion": f"{work}\n#### {answer}",
+           "answer": str(answer)}
+    verify(row)
+    return row
 
 
 def build(train: int, held_out: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
