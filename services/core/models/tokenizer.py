@@ -39,11 +39,15 @@ def build_tokenizer() -> Any:
                                    clean_up_tokenization_spaces=False)
 
 
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def train_bpe(texts: list[str], vocab_size: int, specials: tuple[str, ...] = SPECIALS,
               pad: str | None = "<pad>", bos: str | None = "<bos>", eos: str | None = "<eos>") -> Any:
     """A byte-level BPE over ``texts`` (every byte is a token, so no text is unknown), wrapped as a
     PreTrainedTokenizerFast. Deterministic: equal texts give an equal vocabulary and merges in every process."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -52,7 +56,11 @@ def train_bpe(texts: list[str], vocab_size: int, specials: tuple[str, ...] = SPE
                          f"{len(specials)} special tokens of a byte-level BPE. Fix: at least "
                          f"{len(alphabet) + len(specials)}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's pre-tokenizer: words, single digits (numbers are read digit by digit, as arithmetic needs), runs of
+    # punctuation and of whitespace; then bytes
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet,
                                   show_progress=False)
