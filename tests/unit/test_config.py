@@ -10,6 +10,21 @@ def test_defaults_and_examples_are_valid():
         assert cfg.train.total_env_steps > 0
 
 
+def test_every_example_run_spec_validates_and_its_text_data_builds():
+    """Each examples/*.yaml passes the schema; the text ones whose data ships in examples/ also build their task
+    (data files, options, reward); others write their data first (bench/reasoning_data.py)."""
+    from pathlib import Path
+
+    from services.env.adapters import text
+
+    names = sorted(p.name for p in Path("examples").glob("*.yaml"))
+    assert {"sums_sft.yaml", "sums_grpo.yaml", "arith_grpo.yaml"} <= set(names)
+    for name in names:
+        cfg = load_config(f"examples/{name}")
+        if cfg.env.adapter == "text" and str(cfg.env.options.get("path", "examples/")).startswith("examples/"):
+            text.check(cfg.env)
+
+
 def test_malformed_yaml_names_line_and_fix():
     with pytest.raises(ConfigError, match=r"bad.yaml: line 4, column 1: malformed YAML.*Fix: check indentation"):
         parse_config("env:\n  id: CartPole-v1\n  num_envs: [8\n", "bad.yaml")
