@@ -1,0 +1,423 @@
+"""One-shot check of every CUDA path of rlfabric, for a GPU machine lent for a few minutes (issue 21, item 5).
+
+Each check runs in a process of its own under its own time budget (a hung engine is killed, its GPU memory freed,
+and the next check still runs); one broken path never hides the others. Total wall time stays under ``--budget``
+(default 470 s). Checks:
+
+  * ``pi0``: transformers' PI0ForConditionalGeneration built tiny from a config (random init, nothing downloaded),
+    in bf16 on CUDA: one training step (flow loss, backward, AdamW) and one ``sample_actions``; ms of each.
+  * ``vllm``: the rollout's VLLMBackend on CUDA with a tiny Llama: greedy generate, load a perturbed version in
+    place, generate again; the outputs must change and match the HF backend's greedy outputs on the same weights.
+  * ``nccl``: rlfabric's weight transport (PairHost/PairClient, NCCL) between two processes; GB/s. NCCL needs a
+    distinct GPU per rank: skipped on a one-GPU machine.
+  * ``sglang``: SGLangBackend generate once, where ``import sglang`` works.
+  * ``sleep_wake``: VLLMBackend.sleep()/wake() around a collocated learner turn; GiB freed (cudaMemGetInfo).
+
+Without a CUDA device every check reports "skipped: no CUDA device" and the script exits 0 at once.
+
+    python bench/gpu_check.py --out bench/results/gpu_check.json [--only vllm,sleep_wake]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import report  # noqa: E402
+
+CHECKS = ("pi0", "vllm", "nccl", "sglang", "sleep_wake")
+BUDGET_S = {"pi0": 60, "vllm": 150, "nccl": 60, "sglang": 90, "sleep_wake": 110}  # sum 470 s: under 8 min
+SPEC = {"observation_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64},
+        "action_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}}
+
+
+class Skip(Exception):
+    """A check that cannot run on this machine (missing package, too few GPUs): reported, not a failure."""
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def check_pi0(device: str) -> dict:
+    """A tiny π0 (PaliGemma prefix + Gemma action expert), bf16 on CUDA (fp32 on CPU, for the self-test)."""
+    import torch
+
+    try:
+        from transformers import PI0Config, PI0ForConditionalGeneration
+    except ImportError as exc:
+        import transformers
+
+        raise Skip(f"transformers {transformers.__version__} has no PI0 ({exc}); needs transformers>=5.19") from None
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    text = {"model_type": "gemma", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "patch_size": 16,
+              "image_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "vision_use_head": False}
+    image_token = 127
+    config = PI0Config(
+        vlm_config={"model_type": "paligemma", "text_config": text, "vision_config": vision, "projection_dim": 64,
+                    "image_token_id": image_token},
+        dit_config={**text, "hidden_size": 32, "intermediate_size": 64},
+        chunk_size=8, max_state_dim=8, max_action_dim=8, num_inference_steps=4)
+    torch.manual_seed(0)
+    model = PI0ForConditionalGeneration(config).to(device=device, dtype=dtype)
+    batch, cameras, per_camera, prompt = 4, 2, (64 // 16) ** 2, 6
+    ids = torch.cat([torch.full((batch, cameras * per_camera), image_token),
+                     torch.randint(1, 100, (batch, prompt))], dim=1).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values": torch.rand(batch, cameras, 3, 64, 64, device=device, dtype=dtype),
+              "pixel_attention_mask": torch.ones(batch, cameras, dtype=torch.bool, device=device),
+              "state": torch.randn(batch, 8, device=device, dtype=dtype)}
+    actions = torch.randn(batch, 8, 8, device=device, dtype=dtype)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        loss = model(**inputs, actions=actions).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        return float(loss)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    model.train()
+    first = step()  # warm-up: kernels picked, optimizer state allocated
+    sync()
+    t0 = time.perf_counter()
+    losses = [step() for _ in range(3)]
+    sync()
+    train_ms = (time.perf_counter() - t0) / 3 * 1e3
+    if not all(torch.isfinite(torch.tensor([first, *losses]))):
+        raise RuntimeError(f"non-finite flow loss: {[first, *losses]}")
+    model.eval()
+    sample = {k: v for k, v in inputs.items()}
+    model.sample_actions(**sample)
+    sync()
+    t0 = time.perf_counter()
+    chunk = model.sample_actions(**sample)
+    sync()
+    sample_ms = (time.perf_counter() - t0) * 1e3
+    if tuple(chunk.shape) != (batch, 8, 8) or not torch.isfinite(chunk.float()).all():
+        raise RuntimeError(f"sample_actions gave shape {tuple(chunk.shape)} (want {(batch, 8, 8)}) or non-finite values")
+    return {"dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in model.parameters()),
+            "batch": batch, "train_step_ms": round(train_ms, 2), "sample_actions_ms": round(sample_ms, 2),
+            "flow_loss": round(losses[-1], 4), "num_inference_steps": config.num_inference_steps}
+
+
+def lm_config(backend: str, memory: float | None = None):
+    """A tiny Llama run (hidden 64, one head: head_dim 64, which every vLLM attention kernel supports)."""
+    from services.core.config import parse_config
+
+    fraction = f", engine_memory_fraction: {memory}" if memory else ""
+    return parse_config(f"""
+name: gpu-check
+seed: 3
+env: {{adapter: text, id: arith, num_envs: 8, options: {{group_size: 2}}}}
+policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 2, heads: 1, max_positions: 128}}}}
+rollout: {{backend: {backend}, temperature: 1.0{fraction}}}
+algorithm: {{name: grpo}}
+""")
+
+
+def lm_prompts(backend, n: int) -> list[list[int]]:
+    from services.env.tasks.arith import ArithTask
+
+    task = ArithTask(level=3, split="train")
+    return [[1, *backend.encode(task.prompt(p))] for p in task.problems(n, seed=0)]
+
+
+def tokens(gens) -> list[list[int]]:
+    return [[int(t) for t in g.tokens] for g in gens]
+
+
+def check_vllm(device: str) -> dict:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"vllm not installed ({exc})") from None
+    import torch
+
+    from services.rollout.backends.hf import HFBackend
+    from services.rollout.backends.vllm import VLLMBackend
+    hf = HFBackend(lm_config("hf"), SPEC, device)
+    t0 = time.perf_counter()
+    engine = VLLMBackend(lm_config("vllm", 0.3 if device == "cuda" else None), SPEC, device)
+    init_s = time.perf_counter() - t0
+    try:
+        base = {k: v.detach().cpu().clone() for k, v in hf.policy.state_dict().items()}
+        contexts = lm_prompts(hf, 8)
+        for b in (hf, engine):
+            b.load(1, base)
+        before = tokens(engine.generate(contexts, 16, sample=False))
+        g = torch.Generator().manual_seed(7)
+        perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                     for k, v in base.items()}
+        t0 = time.perf_counter()
+        engine.load(2, perturbed)
+        reload_s = time.perf_counter() - t0
+        hf.load(2, perturbed)
+        after = tokens(engine.generate(contexts, 16, sample=False))
+        reference = tokens(hf.generate(contexts, 16, sample=False))
+        changed = sum(a != b for a, b in zip(after, before, strict=True))
+        match = sum(a == r for a, r in zip(after, reference, strict=True)) / len(after)
+        first = all(a[:1] == r[:1] for a, r in zip(after, reference, strict=True))
+        wide = lm_prompts(hf, 64)
+        engine.generate(wide, 64, sample=True)  # warm-up at the timed batch
+        t0 = time.perf_counter()
+        n = sum(len(g.tokens) for g in engine.generate(wide, 64, sample=True))
+        rate = n / (time.perf_counter() - t0)
+    finally:
+        engine.close()
+    figures = {"engine_init_s": round(init_s, 1), "reload_s": round(reload_s, 3), "tokens_per_s_batch64": round(rate),
+               "rows_changed_by_reload": f"{changed}/{len(after)}", "greedy_match_vs_hf": round(match, 3)}
+    if changed == 0:
+        raise RuntimeError(f"greedy outputs did not change after loading a perturbed version ({figures})")
+    if not first or match < 0.75:  # fp32 both; later tokens of a random model may flip on near-ties
+        raise RuntimeError(f"vLLM greedy outputs differ from HF's on the same weights ({figures})")
+    return figures
+
+
+def _pair_subscriber(backend: str, port: int, pair: int, prefix: str, numel: int, rounds: int, out) -> None:
+    """The subscriber's side of one weight-transport pair: receives ``rounds`` timed buckets after a warm-up."""
+    import torch
+
+    from services.core.weight_transport import PairClient
+
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(1)
+        device = "cuda:1"
+    client = PairClient(backend, "127.0.0.1", port, pair, prefix, 60.0)
+    buf = torch.empty(numel, dtype=torch.uint8, device=device)
+    client.recv([buf])  # warm-up: the communicator is set up on the first transfer
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        client.recv([buf])
+    seconds = time.perf_counter() - t0
+    out.put({"seconds": seconds, "checksum": int(buf[:1024].sum())})
+    client.close()
+
+
+def check_nccl(device: str) -> dict:
+    """rlfabric's own weight transport (services/core/weight_transport.py) across two processes: NCCL on CUDA
+    (gloo on CPU, the self-test of this check's code)."""
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from services.core.weight_transport import PairHost
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise Skip("this torch build has no NCCL")
+        if torch.cuda.device_count() < 2:
+            raise Skip(f"needs 2 GPUs (NCCL needs a distinct device per rank; {torch.cuda.device_count()} here)")
+        torch.cuda.set_device(0)
+    numel, rounds = (256 if backend == "nccl" else 16) * 2**20, 8
+    host = PairHost(backend, "127.0.0.1", 60.0)
+    pair, prefix = host.join("127.0.0.1", 60.0)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_pair_subscriber, args=(backend, host.port, pair, prefix, numel, rounds, results),
+                       daemon=True)
+    proc.start()
+    try:
+        data = torch.full((numel,), 7, dtype=torch.uint8, device="cuda:0" if backend == "nccl" else "cpu")
+        for _ in range(rounds + 1):
+            host.send(pair, [data])
+        got = results.get(timeout=90)
+    finally:
+        host.close()
+        proc.join(timeout=10)
+    if got["checksum"] != 7 * 1024:
+        raise RuntimeError(f"received bytes differ from those sent (checksum {got['checksum']} != {7 * 1024})")
+    return {"backend": backend, "bytes_per_round": numel, "rounds": rounds,
+            "gb_per_s": round(numel * rounds / got["seconds"] / 1e9, 2)}
+
+
+def check_sglang(device: str) -> dict:
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"sglang not installed ({exc})") from None
+    from services.rollout.backends.sglang import SGLangBackend
+
+    t0 = time.perf_counter()
+    engine = SGLangBackend(lm_config("sglang", 0.3), SPEC, device)
+    init_s = time.perf_counter() - t0
+    try:
+        contexts = lm_prompts(engine, 16)
+        engine.generate(contexts, 16, sample=False)
+        t0 = time.perf_counter()
+        out = engine.generate(contexts, 32, sample=True)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    n = sum(len(g.tokens) for g in out)
+    if n == 0:
+        raise RuntimeError("SGLang generated no tokens")
+    return {"engine_init_s": round(init_s, 1), "tokens_per_s_batch16": round(n / seconds)}
+
+
+def check_sleep_wake(device: str) -> dict:
+    import torch
+
+    if device != "cuda":
+        raise Skip("sleep/wake frees GPU memory: CUDA only")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"vllm not installed ({exc})") from None
+    from services.rollout.backends.vllm import VLLMBackend
+
+    engine = VLLMBackend(lm_config("vllm", 0.3), SPEC, device)
+    gib = 2**30
+    try:
+        contexts = lm_prompts(engine, 8)
+        before = tokens(engine.generate(contexts, 16, sample=False))
+        torch.cuda.synchronize()
+        awake, total = torch.cuda.mem_get_info()
+        t0 = time.perf_counter()
+        engine.sleep()
+        sleep_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        asleep = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        engine.wake()
+        wake_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        woken = torch.cuda.mem_get_info()[0]
+        again = tokens(engine.generate(contexts, 16, sample=False))
+    finally:
+        engine.close()
+    freed = (asleep - awake) / gib
+    figures = {"total_gib": round(total / gib, 1), "free_awake_gib": round(awake / gib, 2),
+               "free_asleep_gib": round(asleep / gib, 2), "free_woken_gib": round(woken / gib, 2),
+               "freed_gib": round(freed, 2), "sleep_s": round(sleep_s, 2), "wake_s": round(wake_s, 2),
+               "same_greedy_after_wake": again == before}
+    if freed < 0.1 * 0.3 * total / gib:  # the engine reserves 30% of the card: most of it must come back
+        raise RuntimeError(f"sleep freed {freed:.2f} GiB of the ~{0.3 * total / gib:.1f} GiB the engine reserves "
+                           f"(vLLM's sleep mode needs LLM(enable_sleep_mode=True) on CUDA) ({figures})")
+    if again != before:
+        raise RuntimeError(f"greedy outputs changed across sleep/wake: weights not restored ({figures})")
+    return figures
+
+
+FUNCTIONS = {"pi0": check_pi0, "vllm": check_vllm, "nccl": check_nccl, "sglang": check_sglang,
+             "sleep_wake": check_sleep_wake}
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+
+
+def child(name: str, device: str, result: str) -> None:
+    """Run one check here and write {"status", "figures"} to ``result``."""
+    try:
+        doc = {"status": "ok", "figures": FUNCTIONS[name](device)}
+    except Skip as exc:
+        doc = {"status": f"skipped: {exc}", "figures": {}}
+    except Exception as exc:  # noqa: BLE001 — a check's failure is its row, never the end of the run
+        doc = {"status": f"failed: {type(exc).__name__}: {str(exc)[:800]}", "figures": {}}
+    Path(result).write_text(json.dumps(doc))
+
+
+def run_check(name: str, timeout_s: float, device: str) -> dict:
+    """One check in a process (and process group) of its own, killed with its engines at ``timeout_s``."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        result = Path(tmp) / "result.json"
+        log = Path(tmp) / "log.txt"
+        t0 = time.perf_counter()
+        with open(log, "w") as sink:
+            proc = subprocess.Popen([sys.executable, __file__, "--child", name, "--device", device, "--result",
+                                     str(result)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                try:  # the whole group, always: engine processes outlive the check's process otherwise
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        seconds = time.perf_counter() - t0
+        tail = log.read_text(errors="replace")[-1500:]
+        if result.exists():
+            doc = json.loads(result.read_text())
+        elif seconds >= timeout_s:
+            doc = {"status": f"failed: over its {timeout_s:.1f} s budget", "figures": {}}
+        else:
+            doc = {"status": f"failed: process exited {proc.returncode} without a result", "figures": {}}
+        if not doc["status"].startswith(("ok", "skipped")):
+            doc["log_tail"] = tail
+    return {"check": name, "status": doc["status"], "seconds": round(seconds, 1), "figures": doc["figures"],
+            **({"log_tail": doc["log_tail"]} if "log_tail" in doc else {})}
+
+
+def cuda_device() -> str | None:
+    """The first CUDA device's name, or None (torch imported here, not at module import)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'check':<11} {'seconds':>8}  status / figures"]
+    for r in rows:
+        figures = ", ".join(f"{k}={v}" for k, v in r["figures"].items())
+        lines.append(f"{r['check']:<11} {r['seconds']:>8.1f}  {r['status'][:160]}" + (f"\n{'':<21}{figures}"
+                                                                                        if figures else ""))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/gpu_check.json")
+    ap.add_argument("--only", default="", help=f"comma-separated checks to run, of {','.join(CHECKS)}")
+    ap.add_argument("--budget", type=float, default=470.0, help="total wall-clock seconds for all checks")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a self-test of a check's code
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.device, args.result)
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        ap.error(f"--only: unknown check(s) {unknown}; choose from {','.join(CHECKS)}")
+    gpu = cuda_device() if args.device == "cuda" else args.device
+    deadline = time.monotonic() + args.budget
+    rows = []
+    for name in names:
+        left = deadline - time.monotonic()
+        if gpu is None:
+            rows.append({"check": name, "status": "skipped: no CUDA device", "seconds": 0.0, "figures": {}})
+        elif left < 1:
+            rows.append({"check": name, "status": f"skipped: --budget {args.budget:.0f} s spent", "seconds": 0.0,
+                         "figures": {}})
+        else:
+            rows.append(run_check(name, min(BUDGET_S[name], left), args.device))
+        print(table(rows[-1:]).split("\n", 1)[1], flush=True)
+    print(table(rows))
+    report("gpu_check", {"device": gpu or "none", "checks": rows}, {}, {}, args.out)
+    return 1 if any(r["status"].startswith("failed") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
