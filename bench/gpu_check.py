@@ -368,12 +368,20 @@ def run_check(name: str, timeout_s: float, device: str) -> dict:
 
 
 def cuda_device() -> str | None:
-    """The first CUDA device's name, or None (torch imported here, not at module import)."""
+    """The GPUs' names, or None without CUDA. torch is imported here, not at module import, and asked only whether a
+    device exists: this process creates no CUDA context (that would hold GPU memory the checks measure)."""
     try:
         import torch
     except ImportError:
         return None
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=20).stdout.split("\n")
+        return ", ".join(n.strip() for n in names if n.strip()) or "cuda"
+    except (OSError, subprocess.TimeoutExpired):
+        return "cuda"
 
 
 def table(rows: list[dict]) -> str:
