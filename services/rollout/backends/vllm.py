@@ -100,6 +100,8 @@ class VLLMBackend(LMBackend):
         fraction = config.rollout.engine_memory_fraction or (0.1 if self.device.type == "cpu" else None)
         if fraction:  # on CPU it is the share of host memory the engine reserves (weights + KV cache)
             kwargs["gpu_memory_utilization"] = fraction
+        if self.device.type == "cuda":  # sleep()/wake() free and retake GPU memory only in vLLM's sleep mode
+            kwargs["enable_sleep_mode"] = True
         self.engine = LLM(model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=lm.max_positions,
                           enforce_eager=True, seed=config.seed, logprobs_mode="processed_logprobs", **kwargs)
         atexit.register(self.close)  # a service stopping without closing its worker still stops the engine
