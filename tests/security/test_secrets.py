@@ -156,7 +156,8 @@ def test_checkpoints_hold_the_spec_without_its_secrets(tmp_path):
 
     store = FilesystemObjectStore(tmp_path)
     learner = SimpleNamespace(config=_secret_config(), env_spec={}, ranks=None, version=3, store=store,
-                              algo=SimpleNamespace(state_dict=lambda: {}), generator=torch.Generator(),
+                              policy=SimpleNamespace(), algo=SimpleNamespace(state_dict=lambda: {}),
+                              generator=torch.Generator(),
                               _weights=lambda: {"w": torch.zeros(2)})
     LearnerService._write_checkpoint(learner, "checkpoints/final.pt", "{}", False)
     raw = (tmp_path / "checkpoints" / "final.pt").read_bytes()
