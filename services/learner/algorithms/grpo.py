@@ -34,6 +34,11 @@ class GRPOConfig(AlgorithmConfig):
     learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)
     epochs: int = Field(1, ge=1, le=100, description="passes over each batch")
     minibatch_size: int = Field(64, ge=1, le=1 << 16, description="responses per gradient step")
+    micro_batch_size: int = Field(
+        0, ge=0, le=1 << 16,
+        description="responses per forward/backward pass inside a minibatch, grouped by length so each pass is "
+                    "padded only to its own longest row; the gradients add up to the same step (long, uneven "
+                    "responses: less padding, less memory). 0: the whole minibatch in one pass")
     clip_low: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="eps_low of the ratio clip")
     clip_high: float = Field(0.2, gt=0, allow_inf_nan=False, description="eps_high (DAPO's clip-higher: > eps_low)")
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="beta; > 0 keeps a frozen reference policy")
@@ -188,6 +193,14 @@ class GRPO(Algorithm):
         groups with no signal and waits for enough)."""
         return batch
 
+    def micro_batches(self, idx: torch.Tensor, attn: torch.Tensor) -> list[torch.Tensor]:
+        """``idx`` in passes of ``micro_batch_size`` rows of similar length (all of it when 0)."""
+        size = self.cfg.micro_batch_size
+        if not size or size >= len(idx):
+            return [idx]
+        by_length = idx[torch.argsort(attn[idx].sum(1), stable=True)]
+        return [by_length[i:i + size] for i in range(0, len(by_length), size)]
+
     # -- the update ---------------------------------------------------------------------------------------------
     def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
@@ -230,30 +243,43 @@ class GRPO(Algorithm):
             for start in range(0, B, cfg.minibatch_size):
                 whole = order[start:start + cfg.minibatch_size]
                 idx, share = self.shard(whole)  # this rank's rows (all of them on one rank)
-                logp, aux = self.forward(tokens[idx], attn[idx])
-                if prox is None and count == 0:  # pre-update log-probs of this rank's rows
-                    stats.update(mismatch(logp.detach(), engine[idx], mask[idx]))
-                per_token, clipped = clipped_surrogate(logp, old[idx], adv[idx], cfg.clip_low, cfg.clip_high)
-                per_token = per_token * weight[idx]
-                m = mask[idx]
-                if ref is not None and self.kl_in_loss:
-                    kl = k3(ref[idx], logp)
-                    per_token = per_token + cfg.kl_coef * kl
-                    sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl * m).sum() / m.sum().clamp(min=1))
-                extra, extra_stats = self.auxiliary_loss(aux, idx, m, mask[whole])
-                loss = (aggregate(per_token, m, cfg.loss_agg, mask[whole]) + extra) * share
-                for k, v in extra_stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
                 self.optimizer.zero_grad()
-                loss.backward()
+                parts = self.micro_batches(idx, attn)
+                for part in parts:
+                    width = int(attn[part].sum(1).max())  # this pass pads only to its own longest row
+                    logp, aux = self.forward(tokens[part, :width], attn[part, :width])
+                    cut = width - 1
+                    if prox is None and count == 0:  # pre-update log-probs of this rank's rows
+                        mm = mismatch(logp.detach(), engine[part, :cut], mask[part, :cut])
+                        for k, v in mm.items():  # token-weighted over the passes
+                            sums["_" + k] = sums.get("_" + k, 0.0) + v * float(mask[part].sum())
+                        sums["_mismatch_tokens"] = sums.get("_mismatch_tokens", 0.0) + float(mask[part].sum())
+                    per_token, clipped = clipped_surrogate(logp, old[part, :cut], adv[part, :cut], cfg.clip_low,
+                                                           cfg.clip_high)
+                    per_token = per_token * weight[part, :cut]
+                    m = mask[part, :cut]
+                    if ref is not None and self.kl_in_loss:
+                        kl = k3(ref[part, :cut], logp)
+                        per_token = per_token + cfg.kl_coef * kl
+                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl * m).sum() / m.sum().clamp(min=1)) / len(
+                            parts)
+                    # denominators of the whole minibatch: the passes' losses add up to the minibatch loss
+                    extra, extra_stats = self.auxiliary_loss(aux, part, m, mask[whole])
+                    loss = (aggregate(per_token, m, cfg.loss_agg, mask[whole]) + extra) * share
+                    for k, v in extra_stats.items():  # a statistic of each pass, averaged over the passes
+                        sums[k] = sums.get(k, 0.0) + v / len(parts)
+                    loss.backward()
+                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+                    sums["clip_fraction"] = sums.get("clip_fraction", 0.0) + float((clipped * m).sum()) / float(
+                        mask[idx].sum().clamp(min=1))
                 grad_norm = full(nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True))
                 self.optimizer.step()
                 self.optimizer_steps += 1
-                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                sums["clip_fraction"] = sums.get("clip_fraction", 0.0) + float((clipped * m).sum() / m.sum()
-                                                                               .clamp(min=1))
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
                 count += 1
+        tokens_seen = sums.pop("_mismatch_tokens", 0.0)
+        for k in [k for k in sums if k.startswith("_")]:
+            stats[k[1:]] = sums.pop(k) / max(tokens_seen, 1.0)
         stats.update({k: v / max(count, 1) for k, v in sums.items()})
         stats["response_tokens"] = float(batch["response_tokens"].float().mean())
         stats["truncated"] = float(batch["truncated"].float().mean())

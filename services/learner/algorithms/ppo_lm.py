@@ -82,7 +82,8 @@ class PPOLM(GRPO):
 
     def auxiliary_loss(self, aux: Any, idx: torch.Tensor, mask: torch.Tensor,
                        whole: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        values, old, ret = aux, self.old_values[idx], self.returns[idx]
+        width = aux.shape[1]  # a length-grouped pass is as wide as its own longest row
+        values, old, ret = aux, self.old_values[idx, :width], self.returns[idx, :width]
         clipped = old + (values - old).clamp(-self.cfg.value_clip, self.cfg.value_clip)
         per_token = 0.5 * torch.max((values - ret).pow(2), (clipped - ret).pow(2))
         loss = aggregate(per_token, mask, self.cfg.loss_agg, whole)
