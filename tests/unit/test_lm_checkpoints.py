@@ -250,3 +250,25 @@ replay: {{datasets: {{offline: {inside / "c.jsonl"}}}}}
         load_dataset(inside / "c.jsonl", 10, roots=roots, config=run(outside / "c.jsonl"))
     batch = load_dataset(inside / "c.jsonl", 10, roots=roots, config=run(inside / "c.jsonl"))
     assert batch["loss_mask"].sum() == 2  # "d" and the eos
+
+
+def test_a_checkpoints_own_context_bounds_episodes_and_a_prompt_that_cannot_start_is_an_error(checkpoints):
+    """policy.lm.path: the context is the checkpoint's max_position_embeddings unless the spec sets max_positions
+    (lower); a prompt that leaves no room for its first turn fails loudly instead of scoring 0 silently."""
+    from services.core.config import RunConfig
+    from services.core.models import build_policy
+    from services.rollout.backends.hf import HFBackend
+    from services.rollout.collectors.llm import LLMCollector
+
+    base = lm_run("hf").model_dump()
+    base["policy"]["lm"] = {"path": str(checkpoints["qwen2"])}  # max_positions left unset
+    own = build_policy("causal_lm", SPEC, RunConfig.model_validate(base).policy)
+    assert own.context == own.model.config.max_position_embeddings == 256
+    base["policy"]["lm"]["max_positions"] = 100
+    assert build_policy("causal_lm", SPEC, RunConfig.model_validate(base).policy).context == 100
+    base["policy"]["lm"]["max_positions"] = 16  # shorter than the prompt plus max_new_tokens
+    base["rollout"]["max_new_tokens"] = 12
+    run = RunConfig.model_validate(base)
+    collector = LLMCollector(run, HFBackend(run, SPEC, "cpu"), _Env(4), 4, 1, "train")
+    with pytest.raises(ValueError, match=r"exceeds the model's context of 16 tokens.*rollout.max_new_tokens"):
+        collector.collect(0, 0, None)

@@ -132,6 +132,11 @@ class CausalLMPolicy(nn.Module):
         self.tokenizer = load_tokenizer(self.cfg)
         self.model = build_lm(self.cfg, self.tokenizer)
         self.codec = TextCodec(self.tokenizer, getattr(self.model, "generation_config", None))
+        # the longest context (prompt, turns and replies): a checkpoint's own max_position_embeddings, unless the
+        # spec sets policy.lm.max_positions lower; a built model has exactly max_positions
+        own = int(getattr(self.model.config, "max_position_embeddings", 0) or self.cfg.max_positions)
+        self.context = min(own, self.cfg.max_positions) if not self.cfg.path or \
+            "max_positions" in self.cfg.model_fields_set else own
         if self.cfg.lora.rank:
             self.model = with_lora(self.model, self.cfg.lora)
         if self.cfg.gradient_checkpointing:

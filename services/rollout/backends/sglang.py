@@ -56,7 +56,7 @@ class SGLangBackend(LMBackend):
         write_model(self.policy, model_dir)
         fraction = config.rollout.engine_memory_fraction
         self.engine = sglang.Engine(model_path=str(model_dir), skip_tokenizer_init=True, random_seed=config.seed,
-                                    context_length=config.policy.lm.max_positions,
+                                    context_length=self.policy.context,
                                     **({"mem_fraction_static": fraction} if fraction else {}))
         atexit.register(self.close)
         self.receiver = DiskReloadReceiver(self.policy, self.engine, model_dir)

@@ -85,7 +85,6 @@ class VLLMBackend(LMBackend):
         self.workdir = Path(tempfile.mkdtemp(prefix="rlfabric-vllm-"))
         self.model_dir = self.workdir / "model"
         write_model(self.policy, self.model_dir)
-        lm = config.policy.lm
         kwargs: dict[str, Any] = {"dtype": "float32" if self.device.type == "cpu" else "auto"}
         if self.device.type == "cpu":
             kwargs["block_size"] = 32
@@ -102,7 +101,7 @@ class VLLMBackend(LMBackend):
             kwargs["gpu_memory_utilization"] = fraction
         if self.device.type == "cuda":  # sleep()/wake() free and retake GPU memory only in vLLM's sleep mode
             kwargs["enable_sleep_mode"] = True
-        self.engine = LLM(model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=lm.max_positions,
+        self.engine = LLM(model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=self.policy.context,
                           enforce_eager=True, seed=config.seed, logprobs_mode="processed_logprobs", **kwargs)
         atexit.register(self.close)  # a service stopping without closing its worker still stops the engine
         self.receiver = EngineReloadReceiver(self.policy, self.engine, self.model_dir)

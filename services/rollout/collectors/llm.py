@@ -74,7 +74,8 @@ class LLMCollector:
         self.S = shard_envs // chunks
         self.group_size = int(config.env.options.get("group_size", 1))
         self.max_new = config.rollout.max_new_tokens
-        self.max_len = config.policy.lm.max_positions
+        # the model's context (a checkpoint's own, see CausalLMPolicy.context); a plug-in backend without one: the spec's
+        self.max_len = int(getattr(getattr(backend, "policy", None), "context", 0) or config.policy.lm.max_positions)
         self.seed = config.seed
 
     def reset(self, seed: int) -> None:
@@ -107,6 +108,12 @@ class LLMCollector:
                 raise Stopped("episodes discarded on stop")
             # a context that cannot hold another turn ends here, cut (the env never sees its next turn)
             full = [i for i in np.flatnonzero(~ep.done) if len(ep.tokens[i]) + self.max_new > self.max_len]
+            if full and not ep.turns[full].any():  # a prompt that leaves no room for its first turn: the spec's
+                i = full[0]
+                raise ValueError(f"a prompt of {len(ep.tokens[i])} tokens plus rollout.max_new_tokens={self.max_new} "
+                                 f"exceeds the model's context of {self.max_len} tokens, so no episode could "
+                                 f"start. Fix: lower rollout.max_new_tokens, shorten the prompts, or raise "
+                                 f"policy.lm.max_positions (up to the checkpoint's max_position_embeddings)")
             ep.done[full], ep.truncated[full] = True, 1.0
             active = np.flatnonzero(~ep.done)
             if not len(active):
