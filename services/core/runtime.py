@@ -454,6 +454,29 @@ async def _wait_for_file(path: str, timeout_s: float) -> str:
         return f.read().strip()
 
 
+def learner_precision(precision: str, device: object):
+    """The context a learner's update runs in: ``runtime.precision`` bf16-mixed autocasts its matrix products to
+    bfloat16 (torch keeps log-softmax, norms and losses in fp32, and the weights and optimizer state stay fp32);
+    fp32 is a no-op context."""
+    import contextlib
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if precision != "bf16-mixed":
+        return contextlib.nullcontext()
+    global _AUTOCAST_HOOK
+    if _AUTOCAST_HOOK is None:
+        # autocast keeps one bf16 copy of each weight for the whole context (no re-cast per pass), and does not
+        # notice in-place changes: every optimizer step drops the copies, or the next minibatch (epochs > 1,
+        # several minibatches per update) would run on the weights before the step
+        _AUTOCAST_HOOK = register_optimizer_step_post_hook(lambda *_: torch.clear_autocast_cache())
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+_AUTOCAST_HOOK = None
+
+
 def set_torch_threads(n: int) -> None:
     """Every service sets its torch thread count: defaults collapse when processes share 2 cores."""
     import torch

@@ -185,7 +185,7 @@ def _sync_generator(generator: torch.Generator) -> None:
 def worker_main() -> None:
     """Ranks 1..N-1: execute rank 0's commands until it says stop (or its process group fails)."""
     from services.core.config import RunConfig
-    from services.core.runtime import set_torch_threads
+    from services.core.runtime import learner_precision, set_torch_threads
 
     logging.basicConfig(level=logging.INFO, format=f"learner rank {os.environ.get('RANK')}: %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -211,7 +211,8 @@ def worker_main() -> None:
                 _sync_generator(generator)
             elif op == UPDATE:
                 _, batch = decode(unpack_frames(payload), max_bytes=MAX_COMMAND_BYTES)
-                algo.update(batch.to_torch(device))
+                with learner_precision(config.runtime.precision, device):
+                    algo.update(batch.to_torch(device))
             elif op == WEIGHTS:
                 full_weights(policy)
             elif op == OPTIMIZER:

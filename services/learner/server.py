@@ -28,7 +28,7 @@ from services.core.ownership import check_owner
 from services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
 from services.core.paths import add_arguments as add_path_arguments
 from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from services.core.runtime import ServiceRuntime, run_service, set_torch_threads
+from services.core.runtime import ServiceRuntime, learner_precision, run_service, set_torch_threads
 from services.core.weights import WeightPublisher, save_weights
 from services.learner import checkpoint as ckpt
 from services.learner.feeds import UpdateCancelled, feed_for
@@ -244,10 +244,11 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         u0 = time.perf_counter()
         stats = {}
         if batch is not None:
-            if self.ranks is not None:  # every rank takes its share of each minibatch
-                stats = self.ranks.update(self.algo, batch)
-            else:
-                stats = self.algo.update(batch.to_torch(self.device, pin=self.device.type == "cuda"))
+            with learner_precision(self.config.runtime.precision, self.device):
+                if self.ranks is not None:  # every rank takes its share of each minibatch
+                    stats = self.ranks.update(self.algo, batch)
+                else:
+                    stats = self.algo.update(batch.to_torch(self.device, pin=self.device.type == "cuda"))
             if "update" in batch.dims:
                 stats["updates"] = batch.sizes()["update"]
         stats["update_seconds"] = time.perf_counter() - u0

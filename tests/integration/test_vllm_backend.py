@@ -217,3 +217,30 @@ def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_pat
         assert all(g.finished and g.tokens[-1] == eos and len(g.tokens) < 24 for g in got)
     finally:
         v.close()
+
+
+@pytest.mark.slow
+def test_a_bfloat16_engine_takes_fp32_versions_and_samples_close_to_the_fp32_learner():
+    """rollout.dtype bfloat16 on a CPU (AMX kernels where the CPU has them): fp32 weight versions reload into the
+    bf16 engine, and its log-probs of its own samples stay within bf16 rounding of the fp32 learner's."""
+    from services.rollout.backends.vllm import VLLMBackend
+
+    run = _run()
+    run.rollout.dtype = "bfloat16"
+    run.rollout.engine_memory_fraction = 0.3  # (late in a long pytest process: see the Qwen2 case above)
+    v = VLLMBackend(run, SPEC, "cpu")
+    try:
+        for version, seed in ((1, 41), (2, 42)):
+            policy = _perturbed(run, seed)
+            v.load(version, policy.state_dict())
+            deltas = []
+            for prompt, g in zip(_prompts(v) * 4, v.generate(_prompts(v) * 4, 8, sample=True), strict=True):
+                assert len(g.tokens) > 0 and np.isfinite(g.logp).all()
+                seq = torch.tensor([prompt + g.tokens.tolist()])
+                with torch.no_grad():
+                    lp = policy.token_logprobs(seq, torch.ones_like(seq), run.rollout.temperature)[0, len(prompt) - 1:]
+                deltas.append(np.abs(lp.numpy() - g.logp))
+            gap = float(np.concatenate(deltas).mean())
+            assert 0 < gap < 0.1, f"version {version}: mean |engine - learner| log-prob {gap}"
+    finally:
+        v.close()

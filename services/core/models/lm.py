@@ -55,9 +55,10 @@ def build_lm(cfg: Any, tokenizer: Any) -> nn.Module:
         if not (path / "config.json").is_file():
             raise ValueError(f"policy.lm.path={cfg.path!r} is not a saved model directory (no config.json). Fix: "
                              f"point it at a directory written by save_pretrained, or leave it empty to build one")
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32,
+                                                    attn_implementation=cfg.attention)
     return AutoModelForCausalLM.from_config(model_config(cfg, TextCodec(tokenizer), len(tokenizer)),
-                                            dtype=torch.float32)
+                                            dtype=torch.float32, attn_implementation=cfg.attention)
 
 
 def token_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,

@@ -65,9 +65,19 @@ class LMBackend:
         return self.codec.decode(tokens)
 
 
+def engine_dtype(dtype: str, device: torch.device) -> str:
+    """``rollout.dtype`` as an engine's dtype argument: auto is float32 on CPUs (the numbers the learner
+    recomputes) and the checkpoint's own dtype on GPUs."""
+    if dtype == "auto":
+        return "float32" if device.type == "cpu" else "auto"
+    return dtype
+
+
 class HFBackend(LMBackend):
     def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
         super().__init__(config, env_spec, device)
+        if config.rollout.dtype == "bfloat16":  # weight versions arrive in fp32; load_state_dict casts them
+            self.policy.to(torch.bfloat16)
         self.receiver = StateDictReceiver(self.policy)
 
     def generate(self, contexts: list[list[int]], max_new_tokens: int, sample: bool = True,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.rollout.backends.hf import Generation, LMBackend
+from services.rollout.backends.hf import Generation, LMBackend, engine_dtype
 from services.rollout.backends.receivers import StateDictReceiver
 from services.rollout.backends.vllm import write_model
 
@@ -57,6 +57,7 @@ class SGLangBackend(LMBackend):
         fraction = config.rollout.engine_memory_fraction
         self.engine = sglang.Engine(model_path=str(model_dir), skip_tokenizer_init=True, random_seed=config.seed,
                                     context_length=self.policy.context,
+                                    dtype=engine_dtype(config.rollout.dtype, self.device),
                                     **({"mem_fraction_static": fraction} if fraction else {}))
         atexit.register(self.close)
         self.receiver = DiskReloadReceiver(self.policy, self.engine, model_dir)

