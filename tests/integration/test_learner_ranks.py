@@ -16,13 +16,14 @@ from services.core.models import build_policy  # noqa: E402
 from tests.lm_support import SPEC  # noqa: E402
 
 
-def run_config(agg: str, algorithm: str = "grpo"):
+def run_config(agg: str, algorithm: str = "grpo", share_prompt: bool = False):
     return parse_config(f"""
 name: ranks
 seed: 5
 env: {{adapter: text, id: arith, num_envs: 10, eval_envs: 2, options: {{group_size: 2}}}}
 policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 2, heads: 2, max_positions: 48}}}}
-algorithm: {{name: {algorithm}, learning_rate: 0.01, minibatch_size: 4, loss_agg: {agg}, epochs: 2}}
+algorithm: {{name: {algorithm}, learning_rate: 0.01, minibatch_size: 4, loss_agg: {agg}, epochs: 2,
+             share_prompt: {str(share_prompt).lower()}}}
 """)
 
 
@@ -63,9 +64,10 @@ def two_ranks():
     group.close()
 
 
-@pytest.mark.parametrize("agg", ["sequence", "token"])
-def test_two_gloo_ranks_make_the_one_rank_update(two_ranks, agg):
-    config = run_config(agg)
+@pytest.mark.parametrize("agg, share", [("sequence", False), ("token", False), ("sequence", True)])
+def test_two_gloo_ranks_make_the_one_rank_update(two_ranks, agg, share):
+    """(share: each pair's common prompt start, "<bos>Q: ", runs once on each rank and both rows read its cache)"""
+    config = run_config(agg, share_prompt=share)
     torch.manual_seed(config.seed)
     batch = grpo_batch(build_policy(config.spec.policy, SPEC, config.policy))
     expected = one_rank_update(config, batch)

@@ -183,3 +183,116 @@ algorithm: {{name: {algorithm}, learning_rate: 0.01, minibatch_size: 8, loss_agg
     moved = max(float((one[k] - v).abs().max()) for k, v in micro.items())
     assert moved < 1e-3, f"micro-batched step differs from the one-pass step by {moved}"
     assert s2["logprob_mismatch_abs"] < 1e-5 and s1["clip_fraction"] == pytest.approx(s2["clip_fraction"])
+
+
+def test_shared_prompt_log_probs_equal_the_full_passes_for_uneven_prompts_and_responses():
+    """shared_prompt_logprobs runs each distinct prompt once (left-padded together) and each response on its
+    owner's KV cache: every response token's log-prob and the gradient equal the plain full-row pass."""
+    from services.core.config import parse_config
+    from services.core.models import build_policy
+    from services.learner.algorithms.grpo import shared_prefixes
+
+    run = parse_config("""
+name: t
+env: {adapter: text, id: arith, num_envs: 4, eval_envs: 4, options: {group_size: 2}}
+policy: {lm: {hidden_size: 64, intermediate_size: 128, layers: 2, heads: 1, max_positions: 48}}
+algorithm: {name: grpo, share_prompt: true}
+""")
+    text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
+    torch.manual_seed(0)
+    policy = build_policy("causal_lm", {"observation_space": text, "action_space": text}, run.policy)
+    tok = policy.tokenizer
+    prompts = {0: "Q: 2+2= A:", 1: "Q: 117+29= A:", 2: "Q: 3*3= A:"}
+    groups = [0, 0, 0, 1, 1, 2, 2]
+    answers = [" 4", " 1234", " 5", " 146", " 9", " 99999", " 1"]
+    rows = [[1, *tok.encode(prompts[g], add_special_tokens=False)] + tok.encode(a, add_special_tokens=False) + [2]
+            for g, a in zip(groups, answers, strict=True)]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    attn = (torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
+    plen = torch.tensor([1 + len(tok.encode(prompts[g], add_special_tokens=False)) for g in groups])
+    loss_mask = ((torch.arange(width)[None] >= plen[:, None]) & (attn > 0)).long()
+    loss_mask[5, :] = 0  # a row with nothing trained stays in its group's prompt
+    loss_mask[5, plen[5] + 2] = 1
+    prefix, owner = shared_prefixes(tokens, attn, loss_mask, torch.tensor(groups) * 10)
+    assert prefix.tolist() == plen.tolist() and len(set(owner.tolist())) == 3
+    mask = loss_mask[:, 1:].float()
+    full = policy.token_logprobs(tokens, attn)
+    (full * mask).sum().backward()
+    want = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    shared = policy.shared_prompt_logprobs(tokens, attn, prefix, owner)
+    (shared * mask).sum().backward()
+    assert torch.allclose((shared * mask), (full * mask).detach(), atol=1e-5)
+    for n, p in policy.named_parameters():
+        assert torch.allclose(p.grad, want[n], atol=1e-5, rtol=1e-4), n
+    # a group whose rows part early shares only what they have in common; one that differs at once does not share
+    odd = tokens.clone()
+    odd[1, 2] += 1
+    prefix, owner = shared_prefixes(odd, attn, loss_mask, torch.tensor(groups))
+    assert prefix[:3].tolist() == [2, 2, 2] and len(set(owner[:3].tolist())) == 1
+    odd[1, 0] += 1
+    prefix, owner = shared_prefixes(odd, attn, loss_mask, torch.tensor(groups))
+    assert prefix[:3].tolist() == plen[:3].tolist() and len(set(owner[:3].tolist())) == 3
+    assert torch.allclose(policy.shared_prompt_logprobs(odd, attn, prefix, owner) * mask,
+                          policy.token_logprobs(odd, attn) * mask, atol=1e-5)
+
+
+@pytest.mark.parametrize("micro", [0, 4])
+def test_share_prompt_takes_the_same_grpo_step(micro):
+    """algorithm.share_prompt: the same loss, gradient norm and parameters as the plain update."""
+    from services.core.config import parse_config
+    from services.core.models import build_policy
+
+    text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
+    questions = ["Q: 2+2= A:", "Q: 10+15= A:"]
+    answers = [" 4", " 1234567", " 5", " 12", " 98765", " 25", " 777777777", " 0"]
+    steps = []
+    for share in ("false", "true"):
+        run = parse_config(f"""
+name: t
+seed: 0
+env: {{adapter: text, id: arith, num_envs: 8, eval_envs: 4, options: {{group_size: 4}}}}
+policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 1, heads: 1, max_positions: 32}}}}
+algorithm: {{name: grpo, learning_rate: 0.01, minibatch_size: 8, micro_batch_size: {micro}, share_prompt: {share}}}
+""")
+        torch.manual_seed(0)
+        policy = build_policy(run.spec.policy, {"observation_space": text, "action_space": text}, run.policy)
+        tok = policy.tokenizer
+        rows, masks = [], []
+        for i, a in enumerate(answers):
+            prompt = [1, *tok.encode(questions[i // 4], add_special_tokens=False)]
+            rows.append(prompt + tok.encode(a, add_special_tokens=False) + [2])
+            masks.append([0] * len(prompt) + [1] * (len(rows[-1]) - len(prompt)))
+        engine = []
+        with torch.no_grad():
+            for r, m in zip(rows, masks, strict=True):
+                t = torch.tensor([r])
+                lp = policy.token_logprobs(t, torch.ones_like(t))[0].numpy()
+                engine.append(np.concatenate([[0.0], lp * np.array(m[1:])]))
+        batch = TensorBatch({
+            "tokens": Ragged.from_rows(rows, dtype=np.int64), "loss_mask": Ragged.from_rows(masks, dtype=np.uint8),
+            "logp": Ragged.from_rows(engine, dtype=np.float32),
+            "rewards": np.array([1, 0, 1, 0, 0, 1, 0, 1], np.float32), "group": np.arange(8) // 4,
+            "response_tokens": np.array([sum(m) for m in masks]), "truncated": np.zeros(8, np.float32),
+        }, dims=("env",))
+        stats = run.spec(policy, run, torch.Generator().manual_seed(0)).update(batch.to_torch())
+        steps.append(({k: v.detach().clone() for k, v in policy.state_dict().items()}, stats))
+    (plain, s1), (shared, s2) = steps
+    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
+    assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-4)
+    moved = max(float((plain[k] - v).abs().max()) for k, v in shared.items())
+    assert moved < 1e-3, f"the shared-prompt step differs from the plain step by {moved}"
+    assert s2["logprob_mismatch_abs"] < 1e-5
+
+
+def test_share_prompt_is_refused_where_the_forward_pass_has_a_value_head():
+    from services.core.config import ConfigError, parse_config
+
+    with pytest.raises((ConfigError, ValueError), match="share_prompt"):
+        parse_config("""
+name: t
+env: {adapter: text, id: arith, num_envs: 4, eval_envs: 4, options: {group_size: 2}}
+policy: {lm: {hidden_size: 64, intermediate_size: 128, layers: 1, heads: 1, max_positions: 32}}
+algorithm: {name: ppo_lm, share_prompt: true}
+""")

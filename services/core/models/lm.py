@@ -70,6 +70,49 @@ def token_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch
     return gathered_logprobs(logits, tokens)
 
 
+def shared_prompt_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                           prefix: torch.Tensor, owner: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``token_logprobs`` for rows that share prompts (a group of G responses to one prompt), with each prompt
+    run once. Row b's first ``prefix[b]`` tokens are the prompt of ``owner[b]`` (rows of one owner share them).
+
+    Two passes: the distinct prompts, left-padded into one batch, fill a KV cache; each row's continuation reads
+    its owner's cache (indexed per row: gradients flow back into the prompt pass) at its true positions. Positions
+    before ``prefix[b] - 1`` (log-probs of prompt tokens, which no loss trains) come back as 0.
+    """
+    B, L = tokens.shape
+    rows = torch.arange(B, device=tokens.device)
+    lengths = attention_mask.sum(1)
+    owners, inverse = torch.unique(owner, return_inverse=True)
+    first = torch.zeros(len(owners), dtype=torch.long, device=tokens.device).scatter_(0, inverse, rows)
+    p = prefix[first]  # each distinct prompt's length
+    width = int(p.max())
+    col = torch.arange(width, device=tokens.device)
+    real = col[None] >= (width - p)[:, None]  # left padding: every prompt ends in the last column
+    src = (col[None] - (width - p)[:, None]).clamp(min=0)
+    prompt_ids = torch.where(real, tokens[first[:, None], src], 0)
+    prompt_mask = real.long()
+    head = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                 position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+    cache = head.past_key_values
+    cache.batch_select_indices(inverse)
+    span = lengths - prefix  # each row's continuation
+    cont = int(span.max())
+    j = torch.arange(cont, device=tokens.device)
+    live = j[None] < span[:, None]
+    cont_ids = torch.where(live, tokens[rows[:, None], (prefix[:, None] + j[None]).clamp(max=L - 1)], 0)
+    tail = model(input_ids=cont_ids, attention_mask=torch.cat([prompt_mask[inverse], live.long()], 1),
+                 position_ids=prefix[:, None] + j[None], past_key_values=cache, use_cache=True).logits
+    # the prompt's last position predicts the first continuation token; continuation position j the next
+    logits = torch.cat([head.logits[inverse, -1:], tail[:, :-1]], 1)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, cont_ids[..., None]).sum(-1) * live
+    # into the [B, L-1] layout of token_logprobs: continuation token j of row b sits at prefix[b] - 1 + j;
+    # padding positions go past column L-2 and are cut off
+    at = torch.where(live, prefix[:, None] - 1 + j[None], L - 1 + j[None])
+    return lp.new_zeros(B, L - 1 + cont).scatter(1, at, lp)[:, :L - 1]
+
+
 def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p of each next token from the (already shifted and tempered) logits [B, L-1, V]."""
     # .sum(-1) of the one gathered value, not .squeeze(-1): a new tensor, not a view (a sharded learner's FSDP hooks
@@ -116,7 +159,7 @@ class CausalLMPolicy(nn.Module):
 
     has_value = False
     discrete = True
-    forward_methods = ("token_logprobs",)  # what a sharded (FSDP) learner calls instead of forward()
+    forward_methods = ("token_logprobs", "shared_prompt_logprobs")  # what a sharded (FSDP) learner calls
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
@@ -147,6 +190,10 @@ class CausalLMPolicy(nn.Module):
     def token_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
                        temperature: float = 1.0) -> torch.Tensor:
         return token_logprobs(self.model, tokens, attention_mask, temperature)
+
+    def shared_prompt_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor, prefix: torch.Tensor,
+                               owner: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return shared_prompt_logprobs(self.model, tokens, attention_mask, prefix, owner, temperature)
 
     def shard_units(self) -> list[nn.Module]:
         """The FSDP units of a multi-rank learner: the decoder layers (each all-gathered on its own)."""

@@ -39,6 +39,10 @@ class GRPOConfig(AlgorithmConfig):
         description="responses per forward/backward pass inside a minibatch, grouped by length so each pass is "
                     "padded only to its own longest row; the gradients add up to the same step (long, uneven "
                     "responses: less padding, less memory). 0: the whole minibatch in one pass")
+    share_prompt: bool = Field(
+        False, description="run each group's prompt once per pass and let its responses read the prompt's KV cache "
+                           "(gradients flow back through it): the same loss and gradient with fewer tokens, "
+                           "worth most when prompts are long next to responses; passes then hold whole groups")
     clip_low: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="eps_low of the ratio clip")
     clip_high: float = Field(0.2, gt=0, allow_inf_nan=False, description="eps_high (DAPO's clip-higher: > eps_low)")
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="beta; > 0 keeps a frozen reference policy")
@@ -73,6 +77,27 @@ def chunked_logprobs(model: nn.Module, tokens: torch.Tensor, attn: torch.Tensor,
     with torch.no_grad():
         return torch.cat([model.token_logprobs(tokens[i:i + chunk], attn[i:i + chunk], temperature)
                           for i in range(0, tokens.shape[0], chunk)])
+
+
+def shared_prefixes(tokens: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor,
+                    group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the prompt it shares with its group: (prefix, owner). ``prefix`` is the leading tokens every row of
+    the group has in common, up to the group's first trained token and short of each row's last token; rows with
+    nothing in common with their group own their prefix alone (up to their own first trained token)."""
+    B, L = tokens.shape
+    lengths = attn.sum(1)
+    first = torch.where((loss_mask > 0).any(1), (loss_mask > 0).float().argmax(1), lengths)  # each row's first trained token
+    prefix = torch.minimum(first, lengths - 1).clamp(min=1)
+    owner = torch.arange(B) + B  # alone
+    groups, inverse = torch.unique(group, return_inverse=True)
+    for g in range(len(groups)):
+        rows = torch.nonzero(inverse == g).squeeze(1)
+        agree = ((tokens[rows] == tokens[rows[:1]]) & (attn[rows] > 0)).all(0)
+        common = int(agree.long().cumprod(0).sum())
+        p = min(common, int(first[rows].min()), int(lengths[rows].min()) - 1)
+        if p >= 1:
+            prefix[rows], owner[rows] = p, g
+    return prefix, owner
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
@@ -154,6 +179,9 @@ class GRPO(Algorithm):
         if run.env.adapter != "text":
             raise ValueError(f"algorithm {run.algorithm.name} trains language-model policies on text tasks: set "
                              f"env.adapter: text (got {run.env.adapter!r})")
+        if getattr(run.algorithm, "share_prompt", False) and cls.forward is not GRPO.forward:
+            raise ValueError(f"algorithm.share_prompt: {run.algorithm.name} computes more than log-probs in its "
+                             f"forward pass (a value head); set share_prompt: false")
         if cls.grouped and run.env.options.get("group_size", 1) < 2:
             raise ValueError("env.options.group_size must be >= 2: group-relative advantages compare the responses "
                              "to one prompt")
@@ -179,8 +207,12 @@ class GRPO(Algorithm):
         """Each response's scalar reward (DAPO shapes overlong responses here)."""
         return batch["rewards"].float()
 
-    def forward(self, tokens: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The minibatch's per-token log-probs [b, L-1], and whatever else the loss needs (a critic's values)."""
+    def forward(self, tokens: torch.Tensor, attn: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+        """The minibatch's per-token log-probs [b, L-1], and whatever else the loss needs (a critic's values).
+        ``shared``: each row's (prefix, owner) when share_prompt runs each prompt once."""
+        if shared is not None:
+            return self.policy.shared_prompt_logprobs(tokens, attn, *shared, self.temperature), None
         return self.policy.token_logprobs(tokens, attn, self.temperature), None
 
     def auxiliary_loss(self, aux: Any, idx: torch.Tensor, mask: torch.Tensor,
@@ -193,12 +225,22 @@ class GRPO(Algorithm):
         groups with no signal and waits for enough)."""
         return batch
 
-    def micro_batches(self, idx: torch.Tensor, attn: torch.Tensor) -> list[torch.Tensor]:
-        """``idx`` in passes of ``micro_batch_size`` rows of similar length (all of it when 0)."""
+    def micro_batches(self, idx: torch.Tensor, attn: torch.Tensor,
+                      owner: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """``idx`` in passes of ``micro_batch_size`` rows of similar length (all of it when 0); with ``owner``
+        (share_prompt), rows of one prompt stay together, prompts ordered by their longest row."""
         size = self.cfg.micro_batch_size
         if not size or size >= len(idx):
             return [idx]
-        by_length = idx[torch.argsort(attn[idx].sum(1), stable=True)]
+        lengths = attn[idx].sum(1)
+        if owner is not None:  # rows of one prompt together (sorted by prompt), prompts by their longest row
+            order = torch.argsort(owner[idx], stable=True)
+            idx, lengths = idx[order], lengths[order]
+            _, inverse = torch.unique(owner[idx], return_inverse=True)
+            longest = torch.zeros(int(inverse.max()) + 1, dtype=lengths.dtype).scatter_reduce_(
+                0, inverse, lengths, "amax")
+            lengths = longest[inverse]
+        by_length = idx[torch.argsort(lengths, stable=True)]
         return [by_length[i:i + size] for i in range(0, len(by_length), size)]
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -221,6 +263,9 @@ class GRPO(Algorithm):
         mask = seq["loss_mask"][:, 1:].float()
         engine = seq["logp"][:, 1:].float()
         B = tokens.shape[0]
+        prefix = owner = None
+        if cfg.share_prompt:
+            prefix, owner = shared_prefixes(tokens, attn, seq["loss_mask"], batch["group"])
         # the learner's log-probs before the update (the mismatch, the proximal policy) and pi_ref's. When the
         # engine's log-probs are pi_old and the batch is one minibatch, the first training forward pass is taken
         # before any step: the mismatch comes from it, and no separate pass is spent
@@ -244,10 +289,11 @@ class GRPO(Algorithm):
                 whole = order[start:start + cfg.minibatch_size]
                 idx, share = self.shard(whole)  # this rank's rows (all of them on one rank)
                 self.optimizer.zero_grad()
-                parts = self.micro_batches(idx, attn)
+                parts = self.micro_batches(idx, attn, owner)
                 for part in parts:
                     width = int(attn[part].sum(1).max())  # this pass pads only to its own longest row
-                    logp, aux = self.forward(tokens[part, :width], attn[part, :width])
+                    shared = () if prefix is None else ((prefix[part], owner[part]),)
+                    logp, aux = self.forward(tokens[part, :width], attn[part, :width], *shared)
                     cut = width - 1
                     if prox is None and count == 0:  # pre-update log-probs of this rank's rows
                         mm = mismatch(logp.detach(), engine[part, :cut], mask[part, :cut])
@@ -288,4 +334,4 @@ class GRPO(Algorithm):
 
 
 __all__ = ["GRPO", "GRPOConfig", "aggregate", "chunked_logprobs", "clipped_surrogate", "full", "group_advantages",
-           "k3", "mismatch", "padded", "take"]
+           "k3", "mismatch", "padded", "shared_prefixes", "take"]
