@@ -137,45 +137,51 @@ algorithm: {name: ppo_lm, learning_rate: 0.003, minibatch_size: 4, epochs: 2, vf
     assert stats["value_loss"] > 0 and "explained_variance" in stats
 
 
-@pytest.mark.parametrize("algorithm, agg", [("grpo", "sequence"), ("grpo", "token"), ("ppo_lm", "token")])
-def test_length_grouped_micro_batches_take_the_same_step_as_one_pass(algorithm, agg):
-    """algorithm.micro_batch_size splits a minibatch into passes of similar length (each padded only to its own
-    longest row) whose gradients add up to exactly the one-pass step, for uneven responses."""
+def _step_on_uneven_responses(algorithm: str, questions: tuple[str, str] = ("Q: 2+2= A:", "Q: 2+2= A:")):
+    """One update by ``algorithm`` (the body of its YAML mapping) on 8 responses of uneven length, 4 to each
+    question, whose engine log-probs are the policy's own: the parameters after it, and its stats."""
     from services.core.config import parse_config
     from services.core.models import build_policy
 
     text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
     answers = [" 4", " 1234567", " 5", " 12", " 98765", " 3", " 777777777", " 0"]
-    steps = []
-    for micro in (0, 3):
-        run = parse_config(f"""
+    run = parse_config(f"""
 name: t
 seed: 0
 env: {{adapter: text, id: arith, num_envs: 8, eval_envs: 4, options: {{group_size: 4}}}}
 policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 1, heads: 1, max_positions: 32}}}}
-algorithm: {{name: {algorithm}, learning_rate: 0.01, minibatch_size: 8, loss_agg: {agg}, micro_batch_size: {micro}}}
+algorithm: {{learning_rate: 0.01, minibatch_size: 8, {algorithm}}}
 """)
-        torch.manual_seed(0)
-        policy = build_policy(run.spec.policy, {"observation_space": text, "action_space": text}, run.policy)
-        tok = policy.tokenizer
-        prompt = [1, *tok.encode("Q: 2+2= A:", add_special_tokens=False)]
-        rows = [prompt + tok.encode(a, add_special_tokens=False) + [2] for a in answers]
-        masks = [[0] * len(prompt) + [1] * (len(r) - len(prompt)) for r in rows]
-        engine = []
-        with torch.no_grad():
-            for r, m in zip(rows, masks, strict=True):
-                t = torch.tensor([r])
-                lp = policy.token_logprobs(t, torch.ones_like(t))[0].numpy()
-                engine.append(np.concatenate([[0.0], lp * np.array(m[1:])]))
-        batch = TensorBatch({
-            "tokens": Ragged.from_rows(rows, dtype=np.int64), "loss_mask": Ragged.from_rows(masks, dtype=np.uint8),
-            "logp": Ragged.from_rows(engine, dtype=np.float32),
-            "rewards": np.array([1, 0, 1, 0, 0, 1, 0, 1], np.float32), "group": np.arange(8) // 4,
-            "response_tokens": np.array([sum(m) for m in masks]), "truncated": np.zeros(8, np.float32),
-        }, dims=("env",))
-        stats = run.spec(policy, run, torch.Generator().manual_seed(0)).update(batch.to_torch())
-        steps.append(({k: v.detach().clone() for k, v in policy.state_dict().items()}, stats))
-    (one, s1), (micro, s2) = steps
+    torch.manual_seed(0)
+    policy = build_policy(run.spec.policy, {"observation_space": text, "action_space": text}, run.policy)
+    tok = policy.tokenizer
+    rows, masks = [], []
+    for i, a in enumerate(answers):
+        prompt = [1, *tok.encode(questions[i // 4], add_special_tokens=False)]
+        rows.append(prompt + tok.encode(a, add_special_tokens=False) + [2])
+        masks.append([0] * len(prompt) + [1] * (len(rows[-1]) - len(prompt)))
+    engine = []
+    with torch.no_grad():
+        for r, m in zip(rows, masks, strict=True):
+            t = torch.tensor([r])
+            lp = policy.token_logprobs(t, torch.ones_like(t))[0].numpy()
+            engine.append(np.concatenate([[0.0], lp * np.array(m[1:])]))
+    batch = TensorBatch({
+        "tokens": Ragged.from_rows(rows, dtype=np.int64), "loss_mask": Ragged.from_rows(masks, dtype=np.uint8),
+        "logp": Ragged.from_rows(engine, dtype=np.float32),
+        "rewards": np.array([1, 0, 1, 0, 0, 1, 0, 1], np.float32), "group": np.arange(8) // 4,
+        "response_tokens": np.array([sum(m) for m in masks]), "truncated": np.zeros(8, np.float32),
+    }, dims=("env",))
+    stats = run.spec(policy, run, torch.Generator().manual_seed(0)).update(batch.to_torch())
+    return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats
+
+
+@pytest.mark.parametrize("algorithm, agg", [("grpo", "sequence"), ("grpo", "token"), ("ppo_lm", "token")])
+def test_length_grouped_micro_batches_take_the_same_step_as_one_pass(algorithm, agg):
+    """algorithm.micro_batch_size splits a minibatch into passes of similar length (each padded only to its own
+    longest row) whose gradients add up to exactly the one-pass step, for uneven responses."""
+    (one, s1), (micro, s2) = [
+        _step_on_uneven_responses(f"name: {algorithm}, loss_agg: {agg}, micro_batch_size: {size}") for size in (0, 3)]
     # the same loss and gradient; parameters agree to float summation order (Adam's first step is about lr * sign
     # of each gradient entry, so an entry near zero may differ by a fraction of lr = 0.01)
     assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
@@ -241,44 +247,9 @@ algorithm: {name: grpo, share_prompt: true}
 @pytest.mark.parametrize("micro", [0, 4])
 def test_share_prompt_takes_the_same_grpo_step(micro):
     """algorithm.share_prompt: the same loss, gradient norm and parameters as the plain update."""
-    from services.core.config import parse_config
-    from services.core.models import build_policy
-
-    text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
-    questions = ["Q: 2+2= A:", "Q: 10+15= A:"]
-    answers = [" 4", " 1234567", " 5", " 12", " 98765", " 25", " 777777777", " 0"]
-    steps = []
-    for share in ("false", "true"):
-        run = parse_config(f"""
-name: t
-seed: 0
-env: {{adapter: text, id: arith, num_envs: 8, eval_envs: 4, options: {{group_size: 4}}}}
-policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 1, heads: 1, max_positions: 32}}}}
-algorithm: {{name: grpo, learning_rate: 0.01, minibatch_size: 8, micro_batch_size: {micro}, share_prompt: {share}}}
-""")
-        torch.manual_seed(0)
-        policy = build_policy(run.spec.policy, {"observation_space": text, "action_space": text}, run.policy)
-        tok = policy.tokenizer
-        rows, masks = [], []
-        for i, a in enumerate(answers):
-            prompt = [1, *tok.encode(questions[i // 4], add_special_tokens=False)]
-            rows.append(prompt + tok.encode(a, add_special_tokens=False) + [2])
-            masks.append([0] * len(prompt) + [1] * (len(rows[-1]) - len(prompt)))
-        engine = []
-        with torch.no_grad():
-            for r, m in zip(rows, masks, strict=True):
-                t = torch.tensor([r])
-                lp = policy.token_logprobs(t, torch.ones_like(t))[0].numpy()
-                engine.append(np.concatenate([[0.0], lp * np.array(m[1:])]))
-        batch = TensorBatch({
-            "tokens": Ragged.from_rows(rows, dtype=np.int64), "loss_mask": Ragged.from_rows(masks, dtype=np.uint8),
-            "logp": Ragged.from_rows(engine, dtype=np.float32),
-            "rewards": np.array([1, 0, 1, 0, 0, 1, 0, 1], np.float32), "group": np.arange(8) // 4,
-            "response_tokens": np.array([sum(m) for m in masks]), "truncated": np.zeros(8, np.float32),
-        }, dims=("env",))
-        stats = run.spec(policy, run, torch.Generator().manual_seed(0)).update(batch.to_torch())
-        steps.append(({k: v.detach().clone() for k, v in policy.state_dict().items()}, stats))
-    (plain, s1), (shared, s2) = steps
+    (plain, s1), (shared, s2) = [
+        _step_on_uneven_responses(f"name: grpo, micro_batch_size: {micro}, share_prompt: {share}",
+                                  ("Q: 2+2= A:", "Q: 10+15= A:")) for share in ("false", "true")]
     assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
     assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-4)
     moved = max(float((plain[k] - v).abs().max()) for k, v in shared.items())
