@@ -84,11 +84,12 @@ def shared_prefixes(tokens: torch.Tensor, attn: torch.Tensor, loss_mask: torch.T
     """Per row, the prompt it shares with its group: (prefix, owner). ``prefix`` is the leading tokens every row of
     the group has in common, up to the group's first trained token and short of each row's last token; rows with
     nothing in common with their group own their prefix alone (up to their own first trained token)."""
-    B, L = tokens.shape
+    B = tokens.shape[0]
     lengths = attn.sum(1)
-    first = torch.where((loss_mask > 0).any(1), (loss_mask > 0).float().argmax(1), lengths)  # each row's first trained token
+    trained = loss_mask > 0
+    first = torch.where(trained.any(1), trained.float().argmax(1), lengths)  # each row's first trained token
     prefix = torch.minimum(first, lengths - 1).clamp(min=1)
-    owner = torch.arange(B) + B  # alone
+    owner = torch.arange(B, device=tokens.device) + B  # alone
     groups, inverse = torch.unique(group, return_inverse=True)
     for g in range(len(groups)):
         rows = torch.nonzero(inverse == g).squeeze(1)
@@ -237,7 +238,7 @@ class GRPO(Algorithm):
             order = torch.argsort(owner[idx], stable=True)
             idx, lengths = idx[order], lengths[order]
             _, inverse = torch.unique(owner[idx], return_inverse=True)
-            longest = torch.zeros(int(inverse.max()) + 1, dtype=lengths.dtype).scatter_reduce_(
+            longest = torch.zeros(int(inverse.max()) + 1, dtype=lengths.dtype, device=lengths.device).scatter_reduce_(
                 0, inverse, lengths, "amax")
             lengths = longest[inverse]
         by_length = idx[torch.argsort(lengths, stable=True)]
