@@ -15,14 +15,8 @@ x, y positions), the keypoint encoder robot-learning policies use: where things 
     flow    a flow-matching action expert v(x, tau | context), integrated over K = ``flow_steps`` steps from noise
             to the chunk as a Flow-SDE, so every step is a Gaussian with a log-prob (the piRL method)
 
-Flow-SDE. With x_tau = (1 - tau) x0 + tau x1 (x0 ~ N(0, I) noise, x1 the chunk) and v = E[x1 - x0 | x_tau], the
-score is -(x - tau v) / (1 - tau), and the SDE with the flow's marginals and noise level sigma is
-
-    dx = [v - sigma^2 / (2 (1 - tau)) * (x - tau v)] dtau + sigma dW
-
-Euler-Maruyama with d = 1/K: x_{k+1} ~ N(mu_k, sigma^2 d), mu_k = x_k + d * drift(x_k, tau_k). The chain x_0..x_K
-is the raw action the update re-scores: log pi(chain) = sum_k log N(x_{k+1}; mu_k, sigma^2 d) (x_0's density does
-not depend on the policy). The env gets x_K clipped to the action bounds. Deterministic acting integrates the ODE
+Flow-SDE (services/policies/flow_sde.py): each denoising step is a Gaussian, so the chain x_0..x_K is the raw
+action the update re-scores. The env gets x_K clipped to the action bounds. Deterministic acting integrates the ODE
 from x_0 = 0.
 
 Log-prob levels (``logprob_level``): chunk -> one per decision [B]; action -> one per step of the chunk [B, H];
@@ -39,6 +33,7 @@ import torch
 from torch import nn
 
 from services.core.models.encoders import CNN, box_bound, is_image
+from services.policies import flow_sde
 
 
 class VLAPolicy(nn.Module):
@@ -202,11 +197,8 @@ class VLAPolicy(nn.Module):
                   sigma: float | None = None) -> torch.Tensor:
         """mu_k: the mean of the Flow-SDE step from x_k (with sigma 0: the ODE's Euler step)."""
         sigma = self.sigma if sigma is None else sigma
-        d = 1.0 / self.steps
-        tau = (torch.as_tensor(k, device=x.device, dtype=x.dtype) * d).expand(x.shape[0])
-        v = self.velocity(x, tau, context)
-        drift = v - sigma ** 2 / (2 * (1 - tau[:, None])) * (x - tau[:, None] * v)
-        return x + d * drift
+        tau = (torch.as_tensor(k, device=x.device, dtype=x.dtype) / self.steps).expand(x.shape[0])
+        return flow_sde.step_mean(x, self.velocity(x, tau, context), tau, sigma, self.steps)
 
     def _chain_logp(self, chain: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Per-token log-prob [B, H, A] of a denoising chain [B, K+1, H, A]: all K steps in one expert call."""
@@ -214,9 +206,7 @@ class VLAPolicy(nn.Module):
         x = chain[:, :K].reshape(B * K, self.act_dim)
         k = torch.arange(K, device=chain.device).repeat(B)
         mu = self.step_mean(x, k, context.repeat_interleave(K, 0)).reshape(B, K, self.H, self.A)
-        std = self.sigma * math.sqrt(1.0 / K)
-        z = (chain[:, 1:] - mu) / std
-        return (-0.5 * z.pow(2) - math.log(std) - 0.5 * math.log(2 * math.pi)).sum(1)
+        return flow_sde.chain_logp(chain, mu, self.sigma, K)
 
     # -- actor-critic interface ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -239,7 +229,7 @@ class VLAPolicy(nn.Module):
             for k in range(self.steps):
                 chain.append(x := self.step_mean(x, k, context, sigma=0.0))
         else:
-            std = self.sigma * math.sqrt(1.0 / self.steps)
+            std = flow_sde.step_std(self.sigma, self.steps)
             x = torch.randn(B, self.act_dim, generator=generator, device=context.device)
             chain = [x]
             for k in range(self.steps):
@@ -260,9 +250,25 @@ class VLAPolicy(nn.Module):
             entropy = -(log_probs.exp() * log_probs).sum(-1).reshape(B, self.H, self.A)
             return self._reduce(logp), self._reduce(entropy), value
         logp = self._chain_logp(actions.reshape(B, self.steps + 1, self.H, self.A), context)
-        per_step = 0.5 * math.log(2 * math.pi * math.e * self.sigma ** 2 / self.steps)
-        entropy = torch.full_like(logp, self.steps * per_step)  # fixed noise: entropy is a constant
+        entropy = torch.full_like(logp, flow_sde.chain_entropy(self.sigma, self.steps))
         return self._reduce(logp), self._reduce(entropy), value
+
+    def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
+        """Imitation of demonstrated env actions [B, H, A]: the cross-entropy of each dimension's nearest bin (tokens
+        head), or flow matching toward the chunk in [-1, 1] (flow head: x_tau = (1 - tau) noise + tau chunk,
+        target velocity chunk - noise)."""
+        context, queries, _ = self._run(obs)
+        B = context.shape[0]
+        unit = (2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0)
+        unit = unit.clamp(-1.0, 1.0)
+        if self.head == "tokens":
+            target = torch.round((unit + 1.0) * 0.5 * (self.bins - 1)).long().reshape(B * self.act_dim)
+            return nn.functional.cross_entropy(self.bin_head(queries).reshape(B * self.act_dim, self.bins), target)
+        x1 = unit.reshape(B, self.act_dim)
+        x0 = torch.randn_like(x1)
+        tau = torch.rand(B, device=x1.device)
+        x = (1 - tau[:, None]) * x0 + tau[:, None] * x1
+        return (self.velocity(x, tau, context) - (x1 - x0)).pow(2).mean()
 
     def value(self, obs: Any) -> torch.Tensor:
         return self.value_head(self._run(obs)[2]).squeeze(-1)
