@@ -155,6 +155,36 @@ class VLAConfig(_Strict):
         return self
 
 
+class PI0PolicyConfig(_Strict):
+    """transformers' pi0 (``policy.name: pi0``): a PaliGemma VLM reads the camera images and the instruction, and a
+    flow-matching action expert reads its KV cache and denoises an action chunk. Built from the sizes below with
+    random init, or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded)."""
+
+    path: str = Field("", max_length=4096, description="a local save_pretrained directory of a "
+                                                       "PI0ForConditionalGeneration; empty: build from the sizes below")
+    width: int = Field(64, ge=8, le=8192, description="hidden size of the VLM's language model")
+    expert_width: int = Field(64, ge=8, le=8192, description="hidden size of the action expert")
+    layers: int = Field(2, ge=1, le=64, description="layers of the language model and of the expert (the expert "
+                                                    "reads the VLM's KV cache layer by layer, so they match)")
+    heads: int = Field(2, ge=1, le=128, description="attention heads of the language model and of the expert")
+    head_dim: int = Field(32, ge=4, le=512, description="width of one attention head (one KV head, as pi0)")
+    vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
+    vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
+    patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
+    image_size: int = Field(0, ge=0, le=1024, description="the size images are resized to; 0: the env's own")
+    flow_steps: int = Field(4, ge=1, le=64, description="denoising steps per chunk (each one an expert call)")
+    flow_noise: float = Field(0.5, gt=0, le=5, allow_inf_nan=False,
+                              description="the Flow-SDE noise level sigma of each denoising step when sampling")
+    logprob_level: Literal["chunk", "action", "token"] = Field(
+        "chunk", description="what one log-prob covers in the update: the whole chunk, one action of it, or one "
+                             "action dimension")
+    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the VLM's "
+                                                             "pooled prefix features")
+    value_detach: bool = Field(False, description="the value head reads the VLM's features without sending its "
+                                                   "gradient back into the VLM: a critic learning from scratch on a "
+                                                   "fine-tuned policy cannot disturb what the policy sees")
+
+
 class PolicyConfig(_Strict):
     name: str = Field("", max_length=64, description="the policy to train (a registered name, e.g. vla); empty: "
                                                      "the one the algorithm names")
@@ -165,6 +195,7 @@ class PolicyConfig(_Strict):
     cnn: CNNConfig = Field(default_factory=CNNConfig, description="encoder of image observations")
     lm: LMConfig = Field(default_factory=LMConfig, description="the language model of LM policies")
     vla: VLAConfig = Field(default_factory=VLAConfig, description="the VLA-shaped policy (policy.name: vla)")
+    pi0: PI0PolicyConfig = Field(default_factory=PI0PolicyConfig, description="transformers' pi0 (policy.name: pi0)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")
 

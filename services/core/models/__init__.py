@@ -21,6 +21,7 @@ POLICIES = Registry("policies", "policy.name", {
     "causal_lm": "services.core.models.lm:CausalLMPolicy",  # imported when used: it needs transformers
     "causal_lm_value": "services.core.models.lm:CausalLMValuePolicy",
     "vla": "services.core.models.vla:VLAPolicy",
+    "pi0": "services.policies.pi0:PI0Policy",  # transformers' PI0ForConditionalGeneration
 }, home="services/core/models", noun="policy")
 
 

@@ -1,0 +1,243 @@
+"""PI0Policy (``policy.name: pi0``): transformers' PI0ForConditionalGeneration as an actor-critic for RL and as a
+flow-matching policy that imitates demonstrations.
+
+    prefix   the camera images (SigLIP patches) and the instruction's ids run through the PaliGemma VLM once per
+             decision; its KV cache is what the action expert reads, and its pooled features feed the value head
+    suffix   the expert (a Gemma with its own weights) reads that cache, the proprioceptive state and a noisy chunk
+             at time t, and predicts the velocity; pi0 integrates it from noise (t = 1) to the chunk (t = 0)
+
+RL scores the denoising chain with Flow-SDE (services/policies/flow_sde.py): each of the K steps is a Gaussian
+around the SDE's Euler-Maruyama mean, so log pi(chain) is a sum of K Gaussian log-probs, computed through pi0's own
+expert. Acting computes the prefix's cache once and reuses it for all K steps (cropping the expert's tokens off
+after each); the learner re-scores all K steps of a batch in one expert call over the cache repeated K times, with
+gradients flowing into the VLM through it. Deterministic acting is pi0's own ODE from zero noise, so the same
+weights saved with ``save_pretrained`` give the same chunk from plain transformers' ``sample_actions``.
+
+Chains and chunks live in [-1, 1] per action dimension (the env's bounds mapped onto it); a chunk shorter than the
+model's ``chunk_size`` or narrower than its ``max_action_dim`` is zero-padded in and cropped out, as pi0 pads.
+The instruction arrives as the env's token ids and feeds the VLM's embedding directly, so a loaded checkpoint must
+share the env's vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.core.models.encoders import box_bound, is_image
+from services.policies import flow_sde
+
+
+def tiny_config(p: Any, vocab: int, image_size: int, chunk: int, action_dim: int, state_dim: int):
+    """A PI0Config from ``policy.pi0``'s sizes (random init): one KV head per layer, as pi0, and the expert as deep
+    as the language model, whose cache it reads layer by layer."""
+    from transformers import PI0Config
+
+    gemma = {"model_type": "gemma", "num_hidden_layers": p.layers, "num_attention_heads": p.heads,
+             "num_key_value_heads": 1, "head_dim": p.head_dim, "vocab_size": vocab}
+    return PI0Config(
+        vlm_config={"model_type": "paligemma", "image_token_id": vocab, "projection_dim": p.width,
+                    "text_config": gemma | {"hidden_size": p.width, "intermediate_size": 4 * p.width},
+                    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": p.vision_width,
+                                      "intermediate_size": 4 * p.vision_width, "num_hidden_layers": p.vision_layers,
+                                      "num_attention_heads": p.heads, "patch_size": p.patch,
+                                      "image_size": image_size, "vision_use_head": False}},
+        dit_config=gemma | {"hidden_size": p.expert_width, "intermediate_size": 4 * p.expert_width},
+        chunk_size=chunk, max_action_dim=action_dim, max_state_dim=max(state_dim, 1),
+        num_inference_steps=p.flow_steps)
+
+
+def load_pretrained(path: str):
+    """A local save_pretrained directory (``policy.pi0.path``); never a hub id."""
+    from pathlib import Path
+
+    from transformers import PI0ForConditionalGeneration
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"policy.pi0.path={path!r} is not a save_pretrained directory (no config.json). Fix: point "
+                         f"it at a local directory written by PI0ForConditionalGeneration.save_pretrained; nothing "
+                         f"is downloaded")
+    return PI0ForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+
+
+class PI0Policy(nn.Module):
+    has_value = True
+    serves = "actor_critic"
+
+    def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
+        super().__init__()
+        from transformers import PI0ForConditionalGeneration
+
+        p = cfg.pi0
+        if action_space["kind"] != "box" or len(action_space["shape"]) not in (1, 2):
+            raise ValueError(f"policy.name=pi0 acts in Box action spaces of shape [A] or [H, A] (a chunk of H "
+                             f"actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
+        self.discrete = False
+        self.action_shape = tuple(action_space["shape"])
+        self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
+        self.steps, self.sigma, self.level = p.flow_steps, p.flow_noise, p.logprob_level
+        self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
+        self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
+        spaces = obs_space["spaces"] if obs_space["kind"] == "dict" else {"image": obs_space}
+        self.dict_obs = obs_space["kind"] == "dict"
+        self.image_keys = sorted(k for k, s in spaces.items() if is_image(s))
+        if not self.image_keys:
+            raise ValueError("policy.name=pi0 reads camera images (uint8 [H, W, C] observations) and the env gives "
+                             "none. Fix: an env with pixel observations (e.g. env.kwargs: {observation: pixels})")
+        self.text_key = "instruction" if "instruction" in spaces else None
+        self.state_keys = sorted(k for k in spaces if k not in (*self.image_keys, self.text_key))
+        state_dim = sum(int(np.prod(spaces[k]["shape"])) if spaces[k]["shape"] else 1 for k in self.state_keys)
+        shape = list(spaces[self.image_keys[0]]["shape"])
+        self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
+        env_size = shape[0] if self.channels_last else shape[1]
+        vocab = int(np.max(spaces[self.text_key]["high"])) + 1 if self.text_key else 2
+        if p.path:
+            self.model = load_pretrained(p.path)
+        else:
+            config = tiny_config(p, vocab, p.image_size or env_size, self.H, self.A, state_dim)
+            self.model = PI0ForConditionalGeneration(config)
+        c = self.model.config
+        if c.chunk_size < self.H or c.max_action_dim < self.A or c.max_state_dim < state_dim:
+            raise ValueError(f"the pi0 model makes chunks of {c.chunk_size}x{c.max_action_dim} from states of "
+                             f"{c.max_state_dim}, but the env needs {self.H}x{self.A} from {state_dim}. Fix: "
+                             f"env.action_chunk <= {c.chunk_size}, or a model with larger chunk_size/max_action_dim")
+        vision = c.vlm_config.vision_config
+        self.image_size = vision.image_size
+        self.image_token_id = c.vlm_config.image_token_id
+        self.image_tokens = (vision.image_size // vision.patch_size) ** 2
+        self.vocab = c.vlm_config.text_config.vocab_size
+        width = c.vlm_config.text_config.hidden_size
+        self.value_head = nn.Sequential(nn.Linear(width, p.value_hidden), nn.Tanh(), nn.Linear(p.value_hidden, 1))
+        self.value_detach = p.value_detach
+
+    # -- inputs and the prefix -----------------------------------------------------------------------------
+    def inputs(self, obs: Any) -> dict[str, torch.Tensor]:
+        """pi0's inputs from an observation batch: ``pixel_values`` [B, cams, 3, S, S] in [-1, 1] (SigLIP's
+        normalisation), ``input_ids`` (each camera's image tokens, then the instruction), ``attention_mask`` (0 on
+        the instruction's padding), ``pixel_attention_mask`` and the zero-padded ``state``."""
+        parts: dict[str, torch.Tensor] = obs if self.dict_obs else {"image": obs}
+        cams = []
+        for k in self.image_keys:
+            x = parts[k].float() / 127.5 - 1.0
+            x = x.permute(0, 3, 1, 2) if self.channels_last else x
+            if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
+                x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+            cams.append(x)
+        pixels = torch.stack(cams, 1)
+        B, device = pixels.shape[0], pixels.device
+        ids = torch.full((B, len(cams) * self.image_tokens), self.image_token_id, dtype=torch.long, device=device)
+        mask = torch.ones_like(ids)
+        if self.text_key is not None:
+            text = parts[self.text_key].long().clamp(0, self.vocab - 1)
+            ids, mask = torch.cat([ids, text], 1), torch.cat([mask, (text != 0).long()], 1)
+        state = torch.zeros(B, self.model.config.max_state_dim, device=device)
+        if self.state_keys:
+            flat = torch.cat([parts[k].reshape(B, -1).float() for k in self.state_keys], -1)
+            state[:, :flat.shape[1]] = flat
+        return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "state": state,
+                "pixel_attention_mask": torch.ones(B, len(cams), dtype=torch.bool, device=device)}
+
+    def prefix(self, x: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The VLM over images and words, once: its KV cache (what every denoising step reads) and the masked mean
+        of its last hidden states (the value head's input)."""
+        pi0 = self.model.model
+        embeds = pi0.embed_prefix(x["input_ids"], x["pixel_values"], x["pixel_attention_mask"])
+        mask = x["attention_mask"]
+        out = pi0.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
+                      token_type_ids=torch.zeros_like(mask), use_cache=True, return_dict=True)
+        weights = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
+        pooled = (out.last_hidden_state * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        return out.past_key_values, pooled.detach() if self.value_detach else pooled
+
+    def velocity(self, x: torch.Tensor, tau: torch.Tensor, state: torch.Tensor, cache: Any,
+                 mask: torch.Tensor) -> torch.Tensor:
+        """Our velocity E[x1 - x0 | x_tau] for chunks x [N, H, A] at times tau [N]: pi0 runs time the other way
+        (t = 1 - tau, its velocity points from chunk to noise), so it is the negated expert output. The expert's
+        own tokens are appended to ``cache``; callers crop them off."""
+        c = self.model.config
+        noise = F.pad(x, (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
+        out = self.model(state=state, noise=noise, timestep=1.0 - tau, attention_mask=mask, past_key_values=cache)
+        return -out.logits[:, :self.H, :self.A]
+
+    def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[B, H, A] -> the configured log-prob level."""
+        if self.level == "token":
+            return per_token
+        if self.level == "action":
+            return per_token.sum(-1)
+        return per_token.sum((-1, -2))
+
+    # -- actor-critic interface ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: Any, deterministic: bool = False, generator: torch.Generator | None = None):
+        """A denoising chain [B, K+1, H, A] per observation, its log-prob and the value. The prefix runs once;
+        each step's velocity gives both the step taken and its Flow-SDE mean, so scoring costs no extra call."""
+        x_in = self.inputs(obs)
+        cache, pooled = self.prefix(x_in)
+        value = self.value_head(pooled).squeeze(-1)
+        B, K, device = pooled.shape[0], self.steps, pooled.device
+        length = cache.get_seq_length()
+        if deterministic:  # pi0's ODE from zero noise: plain transformers' sample_actions(noise=0)
+            x = torch.zeros(B, self.H, self.A, device=device)
+        else:
+            x = torch.randn(B, self.H, self.A, generator=generator, device=device)
+        chain, means = [x], []
+        std = flow_sde.step_std(self.sigma, K)
+        for k in range(K):
+            tau = torch.full((B,), k / K, device=device)
+            v = self.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
+            cache.crop(length - cache.get_seq_length())  # drop the expert's tokens (a negative crop)
+            means.append(mu := flow_sde.step_mean(x, v, tau, self.sigma, K))
+            if deterministic:
+                x = flow_sde.step_mean(x, v, tau, 0.0, K)
+            else:
+                x = mu + std * torch.randn(mu.shape, generator=generator, device=device)
+            chain.append(x)
+        chain_t = torch.stack(chain, 1)
+        logp = flow_sde.chain_logp(chain_t, torch.stack(means, 1), self.sigma, K)
+        return chain_t, self._reduce(logp), value
+
+    def evaluate(self, obs: Any, actions: torch.Tensor):
+        """Log-probs (at the configured level), entropies and values of recorded chains [B, K+1, H, A]: the prefix
+        once, then all K steps of every row in one expert call over the cache repeated K times."""
+        x_in = self.inputs(obs)
+        cache, pooled = self.prefix(x_in)
+        value = self.value_head(pooled).squeeze(-1)
+        B, K = pooled.shape[0], self.steps
+        chain = actions.reshape(B, K + 1, self.H, self.A).float()
+        cache.batch_repeat_interleave(K)
+        x = chain[:, :K].reshape(B * K, self.H, self.A)
+        tau = (torch.arange(K, device=x.device, dtype=x.dtype) / K).repeat(B)
+        v = self.velocity(x, tau, x_in["state"].repeat_interleave(K, 0), cache,
+                          x_in["attention_mask"].repeat_interleave(K, 0))
+        means = flow_sde.step_mean(x, v, tau, self.sigma, K).reshape(B, K, self.H, self.A)
+        logp = flow_sde.chain_logp(chain, means, self.sigma, K)
+        entropy = torch.full_like(logp, flow_sde.chain_entropy(self.sigma, K))
+        return self._reduce(logp), self._reduce(entropy), value
+
+    def value(self, obs: Any) -> torch.Tensor:
+        return self.value_head(self.prefix(self.inputs(obs))[1]).squeeze(-1)
+
+    def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
+        """pi0's own flow-matching loss on demonstrated env actions [B, H, A] (supervised): mapped onto [-1, 1] and
+        zero-padded as pi0 trains."""
+        x_in = self.inputs(obs)
+        B = actions.shape[0]
+        unit = 2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0
+        c = self.model.config
+        target = F.pad(unit.clamp(-1.0, 1.0), (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
+        return self.model(actions=target, **x_in).loss
+
+    def env_actions(self, actions: torch.Tensor) -> np.ndarray:
+        """The chunk the env executes: the chain's last point, clipped to [-1, 1], mapped onto the bounds."""
+        unit = actions[:, -1].clamp(-1.0, 1.0)
+        chunk = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
+        return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
+
+    def save_pretrained(self, directory: str) -> None:
+        """The pi0 model alone, loadable by plain transformers (the value head is ours, not pi0's)."""
+        self.model.save_pretrained(directory)

@@ -1,0 +1,161 @@
+"""policy.name pi0: transformers' PI0ForConditionalGeneration as an actor-critic. The prefix's KV cache, computed
+once, gives the expert what recomputing the prefix would; the learner re-scores a chain as the rollout scored it;
+SFT on demonstrations makes the instruction steer the chunk; a fine-tuned model reloads in plain transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.core.config import PolicyConfig, RunConfig
+from services.core.models import build_policy
+from services.env.sims import instructions
+from services.policies.pi0 import PI0Policy
+
+pytest.importorskip("transformers.models.pi0")
+
+VOCAB = instructions.vocab_size()
+OBS_SPACE = {"kind": "dict", "spaces": {
+    "image": {"kind": "box", "dtype": "uint8", "shape": [32, 32, 3], "low": 0, "high": 255},
+    "proprio": {"kind": "box", "dtype": "float32", "shape": [8], "low": -np.inf, "high": np.inf},
+    "instruction": {"kind": "box", "dtype": "int64", "shape": [instructions.MAX_TOKENS],
+                    "low": np.zeros(instructions.MAX_TOKENS), "high": np.full(instructions.MAX_TOKENS, VOCAB - 1)}}}
+ACT_SPACE = {"kind": "box", "dtype": "float32", "shape": [3, 2], "low": np.full((3, 2), -2.0),
+             "high": np.full((3, 2), 2.0)}
+
+
+def policy(**pi0) -> PI0Policy:
+    torch.manual_seed(0)
+    cfg = PolicyConfig(name="pi0", pi0={"patch": 8, "flow_steps": 3, **pi0})
+    return build_policy("pi0", {"observation_space": OBS_SPACE, "action_space": ACT_SPACE}, cfg)
+
+
+def observations(texts: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    B = len(texts)
+    return {"image": torch.randint(0, 256, (B, 32, 32, 3), generator=g, dtype=torch.uint8),
+            "proprio": torch.randn(B, 8, generator=g),
+            "instruction": torch.as_tensor(np.stack([instructions.encode(t) for t in texts]))}
+
+
+TEXTS = ["reach the red ball", "touch the blue one", "go to the green target", "reach the red ball"]
+
+
+def test_the_cached_prefix_gives_the_expert_what_recomputing_it_gives():
+    pol = policy()
+    x = pol.inputs(observations(TEXTS))
+    cache, _ = pol.prefix(x)
+    length = cache.get_seq_length()
+    chunk = torch.randn(4, 3, 2)
+    for tau in (0.0, 0.5):
+        t = torch.full((4,), tau)
+        cached = pol.velocity(chunk, t, x["state"], cache, x["attention_mask"])
+        cache.crop(length - cache.get_seq_length())
+        full = pol.model(noise=chunk, timestep=1.0 - t, **x).logits  # the prefix recomputed, no cache
+        assert torch.allclose(cached, -full, atol=1e-5)
+    assert cache.get_seq_length() == length  # the expert's tokens were cropped off
+
+
+@pytest.mark.parametrize("level", ["chunk", "action", "token"])
+def test_the_learner_rescores_the_rollouts_chain_to_1e_4(level):
+    pol = policy(logprob_level=level)
+    obs = observations(TEXTS)
+    chain, logp, value = pol.act(obs, generator=torch.Generator().manual_seed(1))
+    assert chain.shape == (4, 4, 3, 2)  # [B, K+1, H, A]
+    assert logp.shape == {"chunk": (4,), "action": (4, 3), "token": (4, 3, 2)}[level]
+    new_logp, entropy, new_value = pol.evaluate(obs, chain)
+    assert (new_logp - logp).abs().max() < 1e-4
+    assert (new_value - value).abs().max() < 1e-5
+    assert entropy.shape == logp.shape
+    # the Flow-SDE log-prob depends on the chain: another chain's differs
+    other, _, _ = pol.act(obs, generator=torch.Generator().manual_seed(2))
+    assert (pol.evaluate(obs, other)[0] - logp).abs().max() > 1e-2
+
+
+def test_gradients_reach_the_vlm_through_the_cache_and_the_value_head():
+    pol = policy()
+    obs = observations(TEXTS)
+    chain, _, _ = pol.act(obs)
+    logp, _, value = pol.evaluate(obs, chain)
+    (logp.sum() + value.sum()).backward()
+    vlm = [p.grad for n, p in pol.named_parameters() if ".vlm.language_model." in n and p.grad is not None]
+    vision = [p.grad for n, p in pol.named_parameters() if ".vision_tower." in n and p.grad is not None]
+    assert vlm and all(torch.isfinite(g).all() for g in vlm)
+    assert sum(g.abs().sum() for g in vlm) > 0 and sum(g.abs().sum() for g in vision) > 0
+
+
+def test_env_actions_are_the_chains_last_point_on_the_bounds():
+    pol = policy()
+    chain = torch.zeros(2, 4, 3, 2)
+    chain[0, -1] = 1.0
+    chain[1, -1] = -3.0  # clipped to -1 first
+    out = pol.env_actions(chain)
+    assert out.shape == (2, 3, 2)
+    assert np.allclose(out[0], 2.0) and np.allclose(out[1], -2.0)
+
+
+def test_sft_makes_the_instruction_steer_the_chunk():
+    """Demonstrations: 'red' -> +1.2 on every action, 'blue' -> -1.2. After SFT on pi0's own flow loss, the
+    deterministic chunk follows the words, on images it never saw."""
+    pol = policy(flow_steps=4)
+    texts = ["reach the red ball", "reach the blue ball"] * 8
+    target = torch.tensor([1.2 if "red" in t else -1.2 for t in texts])[:, None, None].expand(-1, 3, 2)
+    optimizer = torch.optim.AdamW(pol.parameters(), lr=2e-3)
+    first = None
+    for step in range(150):
+        loss = pol.imitation_loss(observations(texts, seed=step), target)
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.5 * first
+    test = ["touch the red one", "touch the blue one"]
+    chain, _, _ = pol.act(observations(test, seed=999), deterministic=True)
+    chunk = pol.env_actions(chain)
+    assert chunk[0].mean() > 0.3 and chunk[1].mean() < -0.3 and chunk[0].mean() - chunk[1].mean() > 1.2, chunk
+
+
+def test_save_pretrained_reloads_in_plain_transformers_to_the_same_deterministic_actions(tmp_path):
+    from transformers import PI0ForConditionalGeneration
+
+    pol = policy()
+    with torch.no_grad():  # move off the init so the check is not of an untrained model
+        for p in pol.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    obs = observations(TEXTS)
+    chain, _, _ = pol.act(obs, deterministic=True)
+    pol.save_pretrained(str(tmp_path))
+    plain = PI0ForConditionalGeneration.from_pretrained(str(tmp_path), local_files_only=True).eval()
+    x = pol.inputs(obs)
+    actions = plain.sample_actions(state=x["state"], input_ids=x["input_ids"], pixel_values=x["pixel_values"],
+                                   attention_mask=x["attention_mask"],
+                                   pixel_attention_mask=x["pixel_attention_mask"], noise=torch.zeros(4, 3, 2),
+                                   num_steps=3)
+    assert torch.allclose(actions, chain[:, -1], atol=1e-5)
+    again = build_policy("pi0", {"observation_space": OBS_SPACE, "action_space": ACT_SPACE},
+                         PolicyConfig(name="pi0", pi0={"path": str(tmp_path), "flow_steps": 3}))
+    assert torch.allclose(again.act(obs, deterministic=True)[0], chain, atol=1e-6)
+
+
+def test_bad_specs_name_the_field_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="policy.pi0.path.*save_pretrained"):
+        policy(path=str(tmp_path))
+    state_only = {"kind": "box", "dtype": "float32", "shape": [8], "low": -np.inf, "high": np.inf}
+    with pytest.raises(ValueError, match="pi0 reads camera images"):
+        build_policy("pi0", {"observation_space": state_only, "action_space": ACT_SPACE}, PolicyConfig(name="pi0"))
+    long_chunk = dict(ACT_SPACE, shape=[5, 2], low=np.full((5, 2), -1.0), high=np.full((5, 2), 1.0))
+    pol = policy()
+    pol.save_pretrained(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="env.action_chunk <= 3"):
+        build_policy("pi0", {"observation_space": OBS_SPACE, "action_space": long_chunk},
+                     PolicyConfig(name="pi0", pi0={"path": str(tmp_path / "m")}))
+
+
+def test_a_run_spec_names_pi0_and_its_sizes():
+    cfg = RunConfig.model_validate({"env": {"id": "rlfabric/ArmReachLang-v0", "action_chunk": 4},
+                                    "policy": {"name": "pi0", "pi0": {"width": 32, "flow_steps": 6}},
+                                    "algorithm": {"name": "ppo"}})
+    assert cfg.policy.pi0.flow_steps == 6
+    with pytest.raises(ValueError, match="flow_noise"):
+        RunConfig.model_validate({"policy": {"name": "pi0", "pi0": {"flow_noise": 0}}})
