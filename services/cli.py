@@ -447,7 +447,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from services.rollout.evaluate import evaluate_checkpoint
 
     try:
-        evaluation = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, args.deterministic)
+        evaluation = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, args.deterministic, args.set)
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc), 2)
     returns, successes = evaluation.returns, evaluation.successes
@@ -462,14 +462,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    """Write an offline data set (.npz of transitions) from a checkpoint's policy, or uniform random actions."""
+    """Write an offline data set (.npz of transitions) from a checkpoint's policy, uniform random actions, or the
+    env's scripted expert."""
     from services.core.batch import TensorBatch
     from services.replay.datasets import DatasetError, load_dataset, save_dataset
     from services.rollout.evaluate import collect_dataset, merge_datasets
 
     try:
         batch, returns = collect_dataset(args.source, args.episodes, args.seed, random=args.random,
-                                         deterministic=args.deterministic)
+                                         deterministic=args.deterministic, expert=args.expert)
         out = Path(args.out)
         if args.append and out.exists():
             old = load_dataset(out, max_rows=1 << 40)
@@ -626,17 +627,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: the run's own evaluation seed")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the run's config, e.g. env.kwargs.swap_instruction=true")
     mode = p.add_mutually_exclusive_group()  # neither: the run's own train.eval_deterministic decides
     mode.add_argument("--stochastic", dest="deterministic", action="store_false", default=None,
                       help="sample the policy's actions (default: as the run's train.eval_deterministic says)")
     mode.add_argument("--deterministic", dest="deterministic", action="store_true", default=None,
                       help="the policy's mode: argmax or mean")
-    p = sub.add_parser("collect", help="write an offline data set from a checkpoint's policy or random actions")
-    p.add_argument("source", help="a checkpoint (its policy acts), or with --random a run spec or checkpoint")
+    p = sub.add_parser("collect", help="write an offline data set from a checkpoint's policy, random actions or "
+                                       "the env's scripted expert")
+    p.add_argument("source", help="a checkpoint (its policy acts), or with --random/--expert a run spec or checkpoint")
     p.add_argument("--out", required=True, help="the .npz data set to write (replay.datasets reads it)")
     p.add_argument("--episodes", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random", action="store_true", help="uniform random actions instead of the policy")
+    p.add_argument("--expert", action="store_true", help="the env's scripted expert (demonstrations to imitate)")
     p.add_argument("--deterministic", action="store_true", help="the policy's mode instead of sampling")
     p.add_argument("--append", action="store_true", help="add to an existing data set (episodes numbered on)")
     p = sub.add_parser("teleop", help="take over robots on a gateway: keyboard, or the scripted reach expert")

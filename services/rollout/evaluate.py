@@ -19,14 +19,18 @@ from services.rollout.collectors import collector_class
 from services.rollout.collectors.gym import Evaluation, play
 
 
-def _from_checkpoint(path: str | Path):
+def _from_checkpoint(path: str | Path, overrides: list[str] | None = None):
+    """The run config and an acting backend of a checkpoint; ``overrides`` (KEY=VALUE, as train's --set) change
+    the run config, e.g. the env's kwargs for a held-out variant of the task."""
+    from services.core.config import parse_config
     from services.learner.checkpoint import unpack
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint (runs leave one at runs/<id>/checkpoints/final.pt)")
     ckpt = unpack(path.read_bytes(), str(path))
-    config = RunConfig.from_json(ckpt["config_json"])
+    config = (parse_config(ckpt["config_json"], str(path), overrides) if overrides
+              else RunConfig.from_json(ckpt["config_json"]))
     spec = json.loads(ckpt["env_spec_json"])
     backend = build_backend(config.rollout.backend, config, spec, "cpu")
     backend.load(int(ckpt.get("weight_version", 0)), ckpt["policy"])
@@ -43,10 +47,11 @@ def _env_spec(config: RunConfig) -> dict:
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None,
-                        deterministic: bool | None = None) -> Evaluation:
+                        deterministic: bool | None = None, overrides: list[str] | None = None) -> Evaluation:
     """Returns (and successes, where the env says) of ``episodes`` episodes; by default on the run's own eval
-    seeds and with its own ``train.eval_deterministic``, so it reproduces the run's eval."""
-    config, backend = _from_checkpoint(path)
+    seeds and with its own ``train.eval_deterministic``, so it reproduces the run's eval. ``overrides`` change the
+    run config first (e.g. ``env.kwargs.swap_instruction=true``)."""
+    config, backend = _from_checkpoint(path, overrides)
     if deterministic is None:
         deterministic = config.train.eval_deterministic
     env = LocalEnvChannel(config)
@@ -58,23 +63,47 @@ def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None
         env.close()
 
 
+class ScriptedExpert:
+    """Acts as the env's own scripted expert: each eval sub-env's ``expert_action(horizon)`` (ArmReach has one),
+    read from the simulator's privileged state, so it works only beside an in-process env channel. Its raw actions
+    are the env actions: demonstrations to imitate, mapped by the imitation loss onto the policy's own action space."""
+
+    def __init__(self, channel: LocalEnvChannel, config: RunConfig):
+        pool = channel.pools["eval"]
+        self.vector_env, self.shape = pool.envs[0], tuple(pool.act_spec["shape"])
+        self.horizon = config.env.action_chunk
+        try:
+            self.vector_env.get_attr("expert_action")
+        except AttributeError:
+            raise ValueError(f"env {pool.env_id!r} has no scripted expert (an expert_action(horizon) method on the "
+                             f"env). Fix: collect from a checkpoint's policy, or give the env one") from None
+
+    def act(self, obs, deterministic: bool = True):
+        moves = np.stack(self.vector_env.call("expert_action", self.horizon)).astype(np.float32)
+        actions = moves.reshape(len(moves), *self.shape)
+        return actions, actions, None, None
+
+
 def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bool = False,
-                    deterministic: bool = False) -> tuple[TensorBatch, list[float]]:
+                    deterministic: bool = False, expert: bool = False) -> tuple[TensorBatch, list[float]]:
     """Transitions of ``episodes`` episodes: with the policy of checkpoint ``source`` (stochastic unless
-    ``deterministic``), or, with ``random``, uniform actions in the env of run spec (or checkpoint) ``source``."""
+    ``deterministic``), or, with ``random``, uniform actions, or, with ``expert``, the env's scripted expert, in
+    the env of run spec (or checkpoint) ``source``."""
     source = Path(source)
     if source.suffix in (".yaml", ".yml"):
-        if not random:
+        if not (random or expert):
             raise ValueError(f"{source} is a run spec: it has no policy to act with. Fix: pass a checkpoint, or "
-                             f"--random for uniform actions")
+                             f"--random for uniform actions, or --expert for the env's scripted expert")
         from services.core.config import load_config
 
         config = load_config(source)
-        backend = build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
+        backend = None if expert else build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
     else:
         config, backend = _from_checkpoint(source)
     env = LocalEnvChannel(config)
     try:
+        if expert:
+            backend = ScriptedExpert(env, config)
         evaluation, batch = play(env, backend, config.env.eval_envs, episodes, seed, deterministic, record=True,
                                  random=random)
     finally:

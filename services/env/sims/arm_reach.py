@@ -68,7 +68,7 @@ class ArmReach(gym.Env):
 
     def __init__(self, colors: tuple[str, ...] = ("red",), instruction: bool = False, observation: str = "pixels",
                  image_size: int = 64, frame_skip: int = 5, max_move: float = 0.03, success_radius: float = 0.04,
-                 render_mode: str | None = None):
+                 swap_instruction: bool = False, render_mode: str | None = None):
         if observation == "pixels" and "mujoco" not in sys.modules and ctypes.util.find_library("OSMesa"):
             # MuJoCo picks its OpenGL backend once, on import. Only processes that render pick OSMesa: its LLVM
             # crashes transformers code that runs later in the same process.
@@ -85,6 +85,10 @@ class ArmReach(gym.Env):
         self.mujoco, self.colors, self.use_instruction = mujoco, tuple(colors), instruction
         self.observation, self.image_size, self.render_mode = observation, image_size, render_mode
         self.frame_skip, self.max_move, self.success_radius = frame_skip, max_move, success_radius
+        if swap_instruction and (not instruction or len(colors) < 2):
+            raise ValueError("swap_instruction names another ball than the goal: it needs instruction=True and at "
+                             "least two colors")
+        self.swap_instruction = swap_instruction
         self.model = mujoco.MjModel.from_xml_string(mjcf(self.colors))
         self.data = mujoco.MjData(self.model)
         self.site = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_SITE, "ee")
@@ -121,7 +125,11 @@ class ArmReach(gym.Env):
         self.mujoco.mj_forward(self.model, self.data)
         self.goal = int(rng.integers(len(self.colors)))
         template = instructions.TEMPLATES[int(rng.integers(len(instructions.TEMPLATES)))]
-        self.text = template.format(self.colors[self.goal])
+        named = self.goal
+        if self.swap_instruction:  # the words name a distractor; success still counts the goal: a policy the
+            # words steer fails here, one that ignores them succeeds as often as without the swap
+            named = (self.goal + 1 + int(rng.integers(len(self.colors) - 1))) % len(self.colors)
+        self.text = template.format(self.colors[named])
         self.start_distance = self.last_distance = max(self._distance(), 1e-3)
         return self._observe(), {"instruction": self.text}
 
@@ -151,6 +159,15 @@ class ArmReach(gym.Env):
         reward = (self.last_distance - distance) / self.start_distance + (1.0 if success else 0.0)
         self.last_distance = distance
         return self._observe(), float(reward), bool(success), False, {"is_success": bool(success)}
+
+    def expert_action(self, horizon: int = 1) -> np.ndarray:
+        """The scripted expert's next ``horizon`` moves [horizon, 2], from privileged state (where the goal ball
+        is): straight at the goal, at full speed while it is more than a chunk away, then the rest spread over the
+        chunk. Demonstrations to imitate (``rlfabric collect --expert``); a policy never sees this."""
+        delta = self.data.mocap_pos[self.mocap[self.goal]][:2] - self._ee()
+        move = delta / (self.max_move * max(horizon, 1))
+        move = move / max(1.0, float(np.abs(move).max()))
+        return np.repeat(move[None].astype(np.float32), max(horizon, 1), 0)
 
     # -- observation ---------------------------------------------------------------------------------------
     def _ee(self) -> np.ndarray:
