@@ -143,3 +143,35 @@ def test_linear_schedules_follow_env_steps():
 def test_unknown_algorithm_is_a_clear_error():
     with pytest.raises(ValueError, match="not registered"):
         algorithm("nope")
+
+
+def test_critic_warmup_trains_the_value_alone_then_the_policy():
+    """A warm-started actor keeps its behaviour while its new critic learns; then PPO moves it. The first
+    minibatch also reports how far the learner's log-probs are from the rollout's (0: the same weights)."""
+    torch.manual_seed(0)
+    cfg = RunConfig.model_validate({"algorithm": {"name": "ppo", "n_epochs": 10, "batch_size": 64,
+                                                  "lr_schedule": "constant", "critic_warmup": 1}})
+    policy = ActorCritic({"kind": "box", "shape": [4]}, SPACES["discrete"], cfg.policy)
+    algo = cfg.spec(policy, cfg, torch.Generator().manual_seed(0))
+    T, N = 16, 8
+    obs = torch.randn(T, N, 4)
+    actions = torch.randint(0, 3, (T, N))
+
+    def batch():
+        with torch.no_grad():
+            logp, _, values = policy.evaluate(obs.reshape(-1, 4), actions.reshape(-1))
+        return {"obs": obs, "actions": actions, "logp": logp.reshape(T, N), "values": values.reshape(T, N),
+                "rewards": (actions == 2).float(), "dones": torch.ones(T, N), "last_values": torch.zeros(N)}
+
+    def probs():
+        return policy.distribution(obs.reshape(-1, 4)).probs[:, 2].mean().item()
+
+    before, value_before = probs(), policy.value(obs.reshape(-1, 4)).detach()
+    stats = algo.update(batch())
+    assert stats["critic_warmup"] == 1.0 and stats["logprob_mismatch_abs"] < 1e-6
+    assert probs() == pytest.approx(before, abs=1e-6)  # the actor did not move
+    assert (policy.value(obs.reshape(-1, 4)).detach() - value_before).abs().mean() > 1e-3
+    fresh = cfg.spec(policy, cfg)
+    fresh.load_state_dict(algo.state_dict())  # a resumed run does not warm up again
+    stats = fresh.update(batch())
+    assert stats["critic_warmup"] == 0.0 and probs() > before + 0.02

@@ -50,6 +50,10 @@ class PPOConfig(AlgorithmConfig):
     target_kl: float | None = Field(None, gt=0, allow_inf_nan=False)
     reward_level: Literal["chunk", "action"] = Field(
         "chunk", description="with action chunks: sum a chunk's rewards (chunk) or discount them per step (action)")
+    critic_warmup: int = Field(0, ge=0, le=1_000_000, description="the first N updates train the value function "
+                                                                  "alone (no policy loss): a warm-started actor (an "
+                                                                  "SFT checkpoint) keeps its behaviour while its new "
+                                                                  "critic learns, instead of following noise")
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor,
@@ -132,6 +136,7 @@ class PPO(Algorithm):
         # torch.optim.Adam's, without the torch._dynamo import torch.optim costs a fresh process (see optim.py)
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = optim.Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
+        self.updates = 0
 
     def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
@@ -159,6 +164,9 @@ class PPO(Algorithm):
         sums: dict[str, torch.Tensor] = {}
         count = 0
         stop = False
+        mismatch: torch.Tensor | None = None
+        warming = self.updates < cfg.critic_warmup
+        self.updates += 1
         for _ in range(cfg.n_epochs):
             order = torch.randperm(size, generator=self.generator,
                                    device=self.generator.device if self.generator is not None else "cpu")
@@ -167,8 +175,13 @@ class PPO(Algorithm):
                 adv = flat["advantages"][idx]
                 if cfg.normalize_advantage and len(idx) > 1:
                     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+                if warming:  # no policy gradient: the clipped surrogate of a zero advantage is zero
+                    adv = torch.zeros_like(adv)
                 obs = tree_map(lambda x, i=idx: x[i], flat["obs"])
                 new_logp, entropy, new_values = self.policy.evaluate(obs, flat["actions"][idx])
+                if mismatch is None:  # before any step: the learner re-scores what the rollout scored (numerics,
+                    # plus policy lag when the batch is older than the learner's weights: batch_version)
+                    mismatch = (new_logp.detach() - flat["logp"][idx]).abs().mean()
                 adv = adv.reshape(-1, *(1,) * (new_logp.dim() - 1))  # each action/token of a decision gets its
                 loss, stats = ppo_loss(new_logp, flat["logp"][idx], adv, new_values, flat["values"][idx],
                                        flat["returns"][idx], entropy, clip, cfg.clip_range_vf, cfg.vf_coef,
@@ -189,9 +202,17 @@ class PPO(Algorithm):
         out = {k: float(v) / max(count, 1) for k, v in sums.items()}
         y, y_hat = flat["returns"], flat["values"]
         var_y = float(y.var())
-        out.update(learning_rate=lr, clip_range=clip,
+        out.update(learning_rate=lr, clip_range=clip, logprob_mismatch_abs=float(mismatch), critic_warmup=float(warming),
                    explained_variance=float("nan") if var_y == 0 else 1 - float((y - y_hat).var()) / var_y)
         return out
+
+
+    def state_dict(self) -> dict:
+        return super().state_dict() | {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.updates = int(state.get("updates", 0))  # (checkpoints from before critic_warmup existed: 0)
 
 
 __all__ = ["PPO", "PPOConfig", "compute_gae", "per_step_discounting", "ppo_loss"]
