@@ -11,7 +11,7 @@
   rlfabric scale RUN_ID rollout +1 --coordinator HOST:PORT [--spawn]   online scaling of a live run
   rlfabric plan CONFIG --cluster rollout=24,learner=8 --profile RUN_DIR   rank plans on a cluster (simulator)
   rlfabric eval CHECKPOINT [--episodes N]             play episodes with a saved policy
-  rlfabric collect SOURCE --out FILE.npz [--random]   write an offline data set of transitions
+  rlfabric collect SOURCE --out FILE.npz [--random|--expert]   write an offline data set of transitions
 
 Exit codes: 0 success, 2 bad input (reason on stderr), 1 anything else.
 """
@@ -28,6 +28,7 @@ if __name__ == "__main__" and sys.argv[1:2] in (["train"], ["resume"]) and not a
     prestart()
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -105,10 +106,86 @@ def cmd_train(args: argparse.Namespace) -> int:
             config = _load(args.config, args.set)
         except ConfigError as exc:
             return _fail(str(exc), 2)
+        if config.warm_start.enabled and not config.policy.init_checkpoint:
+            return _fail("warm_start's stages run on local services (rlfabric train without --coordinator). Fix: "
+                         "run them there first, then submit with --set policy.init_checkpoint=<the supervised "
+                         "run's checkpoints/final.pt>", 2)
         return _follow(args.coordinator, args, Path(args.run_dir) if args.run_dir else None, None, config.progress())
     from services.launcher import prestart
 
     prestart()  # the forkserver's imports (torch) start now, while the CLI reads the spec
+    failed = _warm_start(args)
+    if failed is not None:
+        return failed
+    return _train_local(args)
+
+
+def _warm_start(args: argparse.Namespace) -> int | None:
+    """A spec's ``warm_start`` stages, before its own run (when ``policy.init_checkpoint`` is empty): the env's
+    scripted expert records demonstrations, a supervised run learns from them, and the run itself then starts from
+    that run's checkpoint (``--set policy.init_checkpoint=...``, kept in its config.yaml, so a resume does not warm
+    up again). Stages already done in the run directory are kept. None to go on, or an exit code."""
+    from services.core.spec_yaml import ConfigError, read_spec_file
+
+    try:  # the cheap read first: a spec without stages costs the CLI no torch import
+        raw = read_spec_file(args.config, args.set)
+    except ConfigError:
+        return None  # the run's own start says what is wrong with it
+    policy = raw.get("policy") if isinstance(raw.get("policy"), dict) else {}
+    if not isinstance(raw.get("warm_start"), dict) or policy.get("init_checkpoint"):
+        return None
+    import yaml
+
+    from services.core.batch import TensorBatch
+    from services.replay.datasets import DatasetError, save_dataset
+    from services.rollout.evaluate import collect_dataset
+
+    try:
+        config = _load(args.config, args.set)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    warm = config.warm_start
+    if not warm.enabled:
+        return None
+    run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
+        f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    args.run_dir = str(run_dir)  # the run itself goes there, its stages under warm_start/
+    stage = run_dir / "warm_start"
+    demos = stage / "demos.npz"
+    if not demos.exists():
+        try:
+            with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
+                batch, returns = collect_dataset(args.config, warm.demos, warm.demos_seed, expert=True,
+                                                 overrides=args.set)
+            # the supervised stage reads obs and actions: next_obs would double every sample replay sends it
+            save_dataset(demos, TensorBatch({k: v for k, v in batch.tensors.items() if not k.startswith("next_obs")},
+                                            version=0, dims=("sample",)))
+        except (ValueError, DatasetError) as exc:
+            return _fail(f"warm_start.demos: {exc}", 2)
+        console.print(f"warm start: {len(returns)} expert episodes (mean return {sum(returns) / len(returns):.2f}), "
+                      f"{batch.rows} transitions -> {demos}")
+    spec = json.loads(config.to_json())
+    spec.pop("warm_start")
+    spec.pop("scheduling")  # the supervised stage is offline: the default plan
+    source = warm.supervised.get("source", "offline")
+    spec.update(name=f"{config.name}-supervised", algorithm=warm.supervised,
+                replay=spec["replay"] | {"datasets": {source: str(demos.resolve())}})
+    supervised_spec = stage / "supervised.yaml"
+    supervised_spec.write_text(yaml.safe_dump(spec, sort_keys=False))
+    final = stage / "supervised" / "checkpoints" / "final.pt"
+    if not final.exists():
+        console.print(f"warm start: supervised stage {warm.supervised.get('name')} -> {stage / 'supervised'}")
+        code = _train_local(argparse.Namespace(**{**vars(args), "config": str(supervised_spec), "set": [],
+                                                  "run_dir": str(stage / "supervised")}))
+        if code:
+            return code
+    args.set = [*args.set, f"policy.init_checkpoint={final.resolve()}"]
+    console.print(f"warm start done: the run starts from {final}")
+    return None
+
+
+def _train_local(args: argparse.Namespace) -> int:
+    """One run on a local stack of services, followed to its end."""
     try:
         started = _local_stack(args.config, args.set, lambda name: Path(args.run_dir) if args.run_dir else Path(
             args.runs_root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", lambda run_dir: run_dir / "logs", "")
@@ -628,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: the run's own evaluation seed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field of the run's config, e.g. env.kwargs.swap_instruction=true")
+                   help="override a field of the run's config, e.g. env.eval_envs=4")
     mode = p.add_mutually_exclusive_group()  # neither: the run's own train.eval_deterministic decides
     mode.add_argument("--stochastic", dest="deterministic", action="store_false", default=None,
                       help="sample the policy's actions (default: as the run's train.eval_deterministic says)")

@@ -442,6 +442,47 @@ class RuntimeConfig(_Strict):
                                     "rank")
 
 
+class WarmStartConfig(_Strict):
+    """Stages ``rlfabric train`` runs before this run when ``policy.init_checkpoint`` is empty (RLinf's
+    supervised-then-RL recipe as one command): demonstrations by the env's scripted expert, then a supervised run on
+    them, whose checkpoint this run starts from. Each stage leaves its own run directory under
+    ``<run dir>/warm_start``."""
+
+    demos: int = Field(0, ge=0, le=1_000_000, description="episodes of the env's scripted expert to record (as "
+                                                           "rlfabric collect --expert); 0: no demonstrations")
+    demos_seed: int = Field(100_000, ge=0, le=2**32 - 1, description="env seed of the first demonstration (apart "
+                                                                     "from the run's evaluation seeds)")
+    supervised: dict[str, Any] = Field(default_factory=dict, description="the supervised stage's algorithm section "
+                                       "(an offline algorithm that imitates, with its fields); it learns from the "
+                                       "demonstrations. Empty: no warm start")
+
+    @model_validator(mode="after")
+    def _offline_stage(self) -> WarmStartConfig:
+        if not self.supervised:
+            if self.demos:
+                raise ValueError("warm_start.demos records demonstrations for a supervised stage, and "
+                                 "warm_start.supervised is empty. Fix: add warm_start.supervised: {name: ..., ...} "
+                                 "(an offline algorithm that imitates), or set demos: 0")
+            return self
+        if not self.demos:
+            raise ValueError("warm_start.supervised learns from demonstrations. Fix: warm_start.demos: N episodes")
+        from pydantic import TypeAdapter
+
+        try:
+            section = TypeAdapter(AlgorithmSection).validate_python(self.supervised)
+        except ValidationError as exc:
+            raise ValueError(f"warm_start.supervised is not an algorithm section: {exc.errors()[0]['msg']} (at "
+                             f"{'.'.join(map(str, exc.errors()[0]['loc']))})") from None
+        if ALGORITHMS[section.name].roles.rollout != "none":
+            raise ValueError(f"warm_start.supervised.name={section.name!r} collects with a rollout; the supervised "
+                             f"stage learns offline from the demonstrations. Fix: an offline algorithm that imitates")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.supervised)
+
+
 class RunConfig(_Strict):
     name: str = Field("run", min_length=1, max_length=100, description="names the run (its id starts with it)")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="numpy and torch seeds derive from it")
@@ -457,6 +498,9 @@ class RunConfig(_Strict):
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="expert demonstrations and a "
+                                        "supervised stage rlfabric train runs first, when policy.init_checkpoint "
+                                        "is empty")
 
     @model_validator(mode="before")
     @classmethod

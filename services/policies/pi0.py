@@ -38,7 +38,8 @@ def tiny_config(p: Any, vocab: int, image_size: int, chunk: int, action_dim: int
     from transformers import PI0Config
 
     gemma = {"model_type": "gemma", "num_hidden_layers": p.layers, "num_attention_heads": p.heads,
-             "num_key_value_heads": 1, "head_dim": p.head_dim, "vocab_size": vocab}
+             "num_key_value_heads": 1, "head_dim": p.head_dim, "vocab_size": vocab, "pad_token_id": 0,
+             "bos_token_id": None, "eos_token_id": None}  # the env's ids: 0 pads, no bos/eos of Gemma's
     return PI0Config(
         vlm_config={"model_type": "paligemma", "image_token_id": vocab, "projection_dim": p.width,
                     "text_config": gemma | {"hidden_size": p.width, "intermediate_size": 4 * p.width},

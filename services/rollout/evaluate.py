@@ -50,7 +50,7 @@ def evaluate_checkpoint(path: str | Path, episodes: int, seed: int | None = None
                         deterministic: bool | None = None, overrides: list[str] | None = None) -> Evaluation:
     """Returns (and successes, where the env says) of ``episodes`` episodes; by default on the run's own eval
     seeds and with its own ``train.eval_deterministic``, so it reproduces the run's eval. ``overrides`` change the
-    run config first (e.g. ``env.kwargs.swap_instruction=true``)."""
+    run config first (e.g. a held-out variant of the env's kwargs)."""
     config, backend = _from_checkpoint(path, overrides)
     if deterministic is None:
         deterministic = config.train.eval_deterministic
@@ -85,10 +85,11 @@ class ScriptedExpert:
 
 
 def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bool = False,
-                    deterministic: bool = False, expert: bool = False) -> tuple[TensorBatch, list[float]]:
+                    deterministic: bool = False, expert: bool = False,
+                    overrides: list[str] | None = None) -> tuple[TensorBatch, list[float]]:
     """Transitions of ``episodes`` episodes: with the policy of checkpoint ``source`` (stochastic unless
     ``deterministic``), or, with ``random``, uniform actions, or, with ``expert``, the env's scripted expert, in
-    the env of run spec (or checkpoint) ``source``."""
+    the env of run spec (or checkpoint) ``source``, with ``overrides`` (KEY=VALUE) applied to its config."""
     source = Path(source)
     if source.suffix in (".yaml", ".yml"):
         if not (random or expert):
@@ -96,10 +97,10 @@ def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bo
                              f"--random for uniform actions, or --expert for the env's scripted expert")
         from services.core.config import load_config
 
-        config = load_config(source)
+        config = load_config(source, overrides)
         backend = None if expert else build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
     else:
-        config, backend = _from_checkpoint(source)
+        config, backend = _from_checkpoint(source, overrides)
     env = LocalEnvChannel(config)
     try:
         if expert:

@@ -1,11 +1,9 @@
 """SFT of action policies on demonstrations: ArmReach's scripted expert solves the task from privileged state,
 `collect --expert` records it as a data set, and vla_sft clones it into a VLA policy through the policy's own
-imitation loss (flow matching or bin cross-entropy). The swapped-instruction variant keeps the scene and the goal
-and names the other ball."""
+imitation loss (flow matching or bin cross-entropy)."""
 
 from __future__ import annotations
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -53,20 +51,6 @@ def test_collecting_with_the_expert_from_a_spec_needs_an_env_that_has_one(tmp_pa
         collect_dataset(path, episodes=2)
 
 
-def test_a_swapped_instruction_names_the_other_ball_in_the_same_scene():
-    plain = gym.make("rlfabric/ArmReachLang-v0", observation="state")
-    swapped = gym.make("rlfabric/ArmReachLang-v0", observation="state", swap_instruction=True)
-    for seed in range(6):
-        a, info_a = plain.reset(seed=seed)
-        b, info_b = swapped.reset(seed=seed)
-        assert np.array_equal(a["state"], b["state"])  # the same arm and balls
-        assert plain.unwrapped.goal == swapped.unwrapped.goal
-        goal = plain.unwrapped.colors[plain.unwrapped.goal]
-        assert goal in info_a["instruction"] and goal not in info_b["instruction"]
-    with pytest.raises(ValueError, match="swap_instruction"):
-        gym.make("rlfabric/ArmReach-v0", swap_instruction=True)
-
-
 @pytest.mark.parametrize("head", ["flow", "tokens"])
 def test_vla_sft_clones_the_expert(demos, head):
     batch, _ = demos
@@ -105,3 +89,16 @@ def test_vla_sft_refuses_a_policy_without_an_imitation_loss():
                                                             "high": [2.0]}}, cfg.policy)
     with pytest.raises(ValueError, match="imitation_loss.*policy.name: pi0 or vla"):
         cfg.spec(policy, cfg)
+
+
+@pytest.mark.parametrize("warm_start, message", [
+    ({"demos": 10}, "warm_start.supervised is empty"),
+    ({"supervised": {"name": "vla_sft"}}, "warm_start.demos: N episodes"),
+    ({"demos": 10, "supervised": {"name": "ppo"}}, "collects with a rollout"),
+    ({"demos": 10, "supervised": {"name": "vla_sft", "total_updates": 0}}, "at vla_sft.total_updates"),
+])
+def test_a_warm_start_names_demonstrations_and_an_offline_stage(warm_start, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig.model_validate({"warm_start": warm_start})
+    ok = RunConfig.model_validate({"warm_start": {"demos": 10, "supervised": {"name": "vla_sft"}}})
+    assert ok.warm_start.enabled and not RunConfig().warm_start.enabled

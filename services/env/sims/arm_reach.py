@@ -68,7 +68,7 @@ class ArmReach(gym.Env):
 
     def __init__(self, colors: tuple[str, ...] = ("red",), instruction: bool = False, observation: str = "pixels",
                  image_size: int = 64, frame_skip: int = 5, max_move: float = 0.03, success_radius: float = 0.04,
-                 swap_instruction: bool = False, render_mode: str | None = None):
+                 render_mode: str | None = None):
         if observation == "pixels" and "mujoco" not in sys.modules and ctypes.util.find_library("OSMesa"):
             # MuJoCo picks its OpenGL backend once, on import. Only processes that render pick OSMesa: its LLVM
             # crashes transformers code that runs later in the same process.
@@ -85,10 +85,6 @@ class ArmReach(gym.Env):
         self.mujoco, self.colors, self.use_instruction = mujoco, tuple(colors), instruction
         self.observation, self.image_size, self.render_mode = observation, image_size, render_mode
         self.frame_skip, self.max_move, self.success_radius = frame_skip, max_move, success_radius
-        if swap_instruction and (not instruction or len(colors) < 2):
-            raise ValueError("swap_instruction names another ball than the goal: it needs instruction=True and at "
-                             "least two colors")
-        self.swap_instruction = swap_instruction
         self.model = mujoco.MjModel.from_xml_string(mjcf(self.colors))
         self.data = mujoco.MjData(self.model)
         self.site = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_SITE, "ee")
@@ -125,11 +121,7 @@ class ArmReach(gym.Env):
         self.mujoco.mj_forward(self.model, self.data)
         self.goal = int(rng.integers(len(self.colors)))
         template = instructions.TEMPLATES[int(rng.integers(len(instructions.TEMPLATES)))]
-        named = self.goal
-        if self.swap_instruction:  # the words name a distractor; success still counts the goal: a policy the
-            # words steer fails here, one that ignores them succeeds as often as without the swap
-            named = (self.goal + 1 + int(rng.integers(len(self.colors) - 1))) % len(self.colors)
-        self.text = template.format(self.colors[named])
+        self.text = template.format(self.colors[self.goal])
         self.start_distance = self.last_distance = max(self._distance(), 1e-3)
         return self._observe(), {"instruction": self.text}
 
