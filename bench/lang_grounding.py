@@ -1,5 +1,6 @@
-"""Does a language-conditioned policy read its instruction? On rlfabric/ArmReachLang-v0 (state + instruction), each
-held-out scene is played twice by a checkpoint's deterministic policy: with the instruction naming the goal ball,
+"""Does a language-conditioned policy read its instruction? On rlfabric/ArmReachLang-v0, with the checkpoint's own
+observations (state + instruction, or pixels + proprio + instruction), each held-out scene is played twice by its
+deterministic policy: with the instruction naming the goal ball,
 and with the same scene but the words naming the other ball. A policy that ignores the words goes to the same ball
 both times, so it can never succeed in both; one that follows them succeeds in both about as often as
 success_rate^2.
@@ -10,11 +11,9 @@ success_rate^2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("MUJOCO_GL", "disable")  # state observations: nothing renders
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -51,8 +50,11 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     config, backend = _from_checkpoint(args.checkpoint)
-    env = ActionChunk(gym.make("rlfabric/ArmReachLang-v0", observation="state"), config.env.action_chunk)
+    if config.env.id != "rlfabric/ArmReachLang-v0":
+        raise SystemExit(f"{args.checkpoint} trained on {config.env.id}; this check plays rlfabric/ArmReachLang-v0")
+    env = ActionChunk(gym.make(config.env.id, **config.env.kwargs), config.env.action_chunk)
     runs = np.array([[play(env, backend, 20_000 + s, swap) for swap in (False, True)] for s in range(args.scenes)])
+    env.close()
     success = float(runs.mean())
     both = float(runs.all(axis=1).mean())
     print(f"success per run {success:.2f}; both (true and swapped words) {both:.2f}; "
