@@ -9,7 +9,12 @@ chunks of 4), everything measured in this run, on this machine, through real ser
     proprioception, a [64, 64] MLP head; SB3's MultiInputPolicy). Each side is timed from the start of its training process to the first
     evaluation that reaches the threshold (start-up included). Target: rlfabric / SB3 <= 1.0.
 
+  * with ``--policy pi0`` (transformers' pi0, examples/arm_reach_pi0.yaml's sizes, random init, on
+    rlfabric/ArmReachLang-v0): the same plans, and the decision latency of acting with the VLM prefix's KV cache
+    computed once and reused by every denoising step against recomputing the prefix at each step (same chunks).
+
     python bench/embodied.py --out bench/results/embodied.json [--iterations 8] [--threshold 1.0] [--skip-plans]
+    python bench/embodied.py --policy pi0 --out bench/results/embodied_pi0.json
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +39,7 @@ from services.core.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VLA = ROOT / "examples" / "arm_reach_vla.yaml"
+SPECS = {"vla": VLA, "pi0": ROOT / "examples" / "arm_reach_pi0.yaml"}
 WARMUP = 2
 PLANS = {
     "collocated": {"mode": "collocated"},
@@ -50,8 +57,8 @@ HP = {"num_envs": 16, "n_steps": 16, "batch_size": 64, "n_epochs": 8, "gamma": 0
 CNN = {"channels": [32, 64, 64], "kernels": [8, 4, 3], "strides": [4, 2, 1], "features": 128}
 
 
-def plans(iterations: int, work: Path) -> dict[str, float]:
-    base = load_config(VLA)
+def plans(iterations: int, work: Path, spec: Path = VLA) -> dict[str, float]:
+    base = load_config(spec)
     measured: dict[str, float] = {}
     for name, sched in PLANS.items():  # a fresh stack per plan: no plan inherits another's warm processes
         folder = work / name.replace(" ", "_").replace("|", "_")
@@ -65,6 +72,73 @@ def plans(iterations: int, work: Path) -> dict[str, float]:
         print(f"{name:<28} {measured[name]:8.1f} env steps/s (decisions of {base.env.action_chunk} steps)",
               flush=True)
     return measured
+
+
+def pi0_decision_latency(repeats: int = 20) -> dict[str, float]:
+    """ms per decision of 16 observations: pi0's prefix once with its KV cache reused by the K denoising steps (the
+    policy's act), against the prefix recomputed at every step (pi0's forward with the images and words each
+    time). Both integrate the same ODE from zero noise, checked equal."""
+    import gymnasium as gym
+    import numpy as np
+    import torch
+
+    import services.env.sims  # noqa: F401  (registers the rlfabric/ tasks)
+    from services.core.models import build_policy
+    from services.env.adapters.gymnasium import describe_space
+    from services.env.chunking import ActionChunk
+    from services.env.sims import instructions
+
+    torch.set_num_threads(1)
+    config = load_config(SPECS["pi0"])
+    # nothing renders here: without this, ArmReach picks OSMesa, whose LLVM crashes (SIGSEGV) the import of
+    # triton that transformers' pi0 makes through torch._dynamo later in this process. Only while mujoco is
+    # imported: the services this bench starts afterwards inherit the environment, and they do render.
+    previous = os.environ.get("MUJOCO_GL")
+    os.environ["MUJOCO_GL"] = "disable"
+    try:
+        env = ActionChunk(gym.make(config.env.id, **config.env.kwargs), config.env.action_chunk)
+    finally:
+        if previous is None:
+            os.environ.pop("MUJOCO_GL")
+        else:
+            os.environ["MUJOCO_GL"] = previous
+    spaces = {"observation_space": describe_space(env.observation_space),
+              "action_space": describe_space(env.action_space)}
+    env.close()
+    policy = build_policy("pi0", spaces, config.policy).eval()
+    g = torch.Generator().manual_seed(0)  # latency does not depend on what the image shows
+    size = config.env.kwargs["image_size"]
+    obs = {"image": torch.randint(0, 256, (16, size, size, 3), generator=g, dtype=torch.uint8),
+           "proprio": torch.randn(16, 8, generator=g),
+           "instruction": torch.as_tensor(np.stack([instructions.encode("reach the red ball")] * 16))}
+    K, B = policy.steps, 16
+
+    @torch.no_grad()
+    def recompute() -> torch.Tensor:
+        x_in = policy.inputs(obs)
+        x = torch.zeros(B, policy.H, policy.A)
+        for k in range(K):
+            tau = torch.full((B,), k / K)
+            v = -policy.model(noise=x, timestep=1.0 - tau, **x_in).logits[:, :policy.H, :policy.A]
+            x = x + v / K  # the ODE's Euler step (sigma 0)
+        return x
+
+    def timed(fn) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats * 1000
+
+    cached = policy.act(obs, deterministic=True)[0][:, -1]
+    if not torch.allclose(cached, recompute(), atol=1e-5):
+        raise RuntimeError("the cached and recomputed prefixes gave different chunks")
+    ms_cached = timed(lambda: policy.act(obs, deterministic=True))
+    ms_recompute = timed(recompute)
+    print(f"pi0 decision of {B} observations, {K} denoising steps: {ms_cached:.1f} ms with the prefix's KV cache, "
+          f"{ms_recompute:.1f} ms recomputing the prefix per step", flush=True)
+    return {"decision_ms_kv_cache": ms_cached, "decision_ms_recompute_prefix": ms_recompute,
+            "denoising_steps": float(K), "prefix_tokens": float(np.prod(policy.inputs(obs)["input_ids"].shape[1:]))}
 
 
 def rlfabric_to_threshold(seed: int, threshold: float, max_steps: int, work: Path, plan: dict) -> dict:
@@ -113,14 +187,23 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--skip-sb3", action="store_true")
     ap.add_argument("--skip-plans", action="store_true", help="only the SB3 comparison (on the hybrid plan)")
+    ap.add_argument("--policy", choices=sorted(SPECS), default="vla",
+                    help="pi0: its plans and decision latency (the SB3 comparison is the vla policy's)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlfabric-embodied-"))
     metrics: dict = {}
     ratios: dict[str, float] = {}
     targets: dict[str, str] = {}
     best = "hybrid env+rollout|learner"
+    if args.policy == "pi0":
+        latency = pi0_decision_latency()
+        metrics.update(latency)
+        ratios["decision_latency_kv_cache_vs_recompute"] = (latency["decision_ms_kv_cache"]
+                                                            / latency["decision_ms_recompute_prefix"])
+        targets["decision_latency_kv_cache_vs_recompute"] = "<1.0"
+        args.skip_sb3 = True
     if not args.skip_plans:
-        measured = plans(args.iterations, work)
+        measured = plans(args.iterations, work, SPECS[args.policy])
         metrics.update({f"{k} env_steps_per_s": v for k, v in measured.items()})
         pipelined = {k: v for k, v in measured.items() if k != "collocated"}
         best = max(pipelined, key=pipelined.get)
