@@ -159,3 +159,25 @@ def test_a_run_spec_names_pi0_and_its_sizes():
     assert cfg.policy.pi0.flow_steps == 6
     with pytest.raises(ValueError, match="flow_noise"):
         RunConfig.model_validate({"policy": {"name": "pi0", "pi0": {"flow_noise": 0}}})
+
+
+def test_a_ppo_update_raises_the_log_prob_of_advantaged_chains_and_lowers_the_others():
+    cfg = RunConfig.model_validate({"env": {"id": "rlfabric/ArmReachLang-v0", "action_chunk": 3},
+                                    "policy": {"name": "pi0", "pi0": {"patch": 8, "flow_steps": 3}},
+                                    "algorithm": {"name": "ppo", "n_epochs": 4, "batch_size": 16,
+                                                  "learning_rate": 3e-4, "lr_schedule": "constant"}})
+    pol = policy()
+    algo = cfg.spec(pol, cfg, torch.Generator().manual_seed(0))
+    T, N = 2, 8
+    obs = observations(TEXTS * 2, seed=3)
+    chains, logp, values = pol.act(obs, generator=torch.Generator().manual_seed(4))
+    good = torch.arange(N) % 2 == 0  # every other env's chain earned a reward
+    batch = {"obs": {k: v[None].expand(T, *v.shape).contiguous() for k, v in obs.items()},
+             "actions": chains[None].expand(T, *chains.shape).contiguous(),
+             "logp": logp[None].expand(T, N).contiguous(), "values": values[None].expand(T, N).contiguous(),
+             "rewards": good.float()[None].expand(T, N).contiguous(), "dones": torch.ones(T, N),
+             "last_values": torch.zeros(N)}
+    stats = algo.update(batch)
+    after = pol.evaluate(obs, chains)[0].detach()
+    assert stats["logprob_mismatch_abs"] < 1e-4  # the learner re-scored the rollout's chains
+    assert (after - logp)[good].mean() > 0.05 and (after - logp)[~good].mean() < -0.05, after - logp
