@@ -185,6 +185,30 @@ class PI0PolicyConfig(_Strict):
                                                    "fine-tuned policy cannot disturb what the policy sees")
 
 
+class VLATokensConfig(_Strict):
+    """An OpenVLA-style policy (``policy.name: vla_tokens``): a transformers image-text-to-text VLM whose action
+    dimensions are tokens, ``bins`` bins mapped onto the vocabulary's last ids. Built as a tiny PaliGemma from the
+    sizes below (random init), or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded)."""
+
+    path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma-style "
+                                                       "VLM; empty: build a tiny one from the sizes below")
+    trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")
+    width: int = Field(64, ge=8, le=8192, description="hidden size of the language model")
+    layers: int = Field(2, ge=1, le=64, description="layers of the language model")
+    heads: int = Field(2, ge=1, le=128, description="attention heads of the language model")
+    head_dim: int = Field(32, ge=4, le=512, description="width of one attention head")
+    vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
+    vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
+    patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
+    bins: int = Field(256, ge=2, le=4096, description="bins per action dimension over [low, high], mapped onto "
+                                                     "the vocabulary's last ids (OpenVLA: 256)")
+    parallel: bool = Field(False, description="decode the whole chunk in one forward pass from learned action "
+                                              "queries (OFT-style) instead of token by token")
+    logprob_level: Literal["chunk", "action", "token"] = Field(
+        "token", description="what one log-prob covers in the update: the whole chunk, one action, or one token")
+    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the pooled prefix")
+
+
 class PolicyConfig(_Strict):
     name: str = Field("", max_length=64, description="the policy to train (a registered name, e.g. vla); empty: "
                                                      "the one the algorithm names")
@@ -196,6 +220,8 @@ class PolicyConfig(_Strict):
     lm: LMConfig = Field(default_factory=LMConfig, description="the language model of LM policies")
     vla: VLAConfig = Field(default_factory=VLAConfig, description="the VLA-shaped policy (policy.name: vla)")
     pi0: PI0PolicyConfig = Field(default_factory=PI0PolicyConfig, description="transformers' pi0 (policy.name: pi0)")
+    vla_tokens: VLATokensConfig = Field(default_factory=VLATokensConfig, description="a VLM with action tokens "
+                                                                                     "(policy.name: vla_tokens)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")
 

@@ -28,28 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.core.models.encoders import box_bound, is_image
+from services.core.models.encoders import box_bound
 from services.policies import flow_sde
+from services.policies.vlm_inputs import VLMInputs, siglip_paligemma_config
 
 
 def tiny_config(p: Any, vocab: int, image_size: int, chunk: int, action_dim: int, state_dim: int):
-    """A PI0Config from ``policy.pi0``'s sizes (random init): one KV head per layer, as pi0, and the expert as deep
-    as the language model, whose cache it reads layer by layer."""
+    """A PI0Config from ``policy.pi0``'s sizes (random init): the expert as deep as the language model, whose
+    cache it reads layer by layer, with its own width."""
     from transformers import PI0Config
 
-    gemma = {"model_type": "gemma", "num_hidden_layers": p.layers, "num_attention_heads": p.heads,
-             "num_key_value_heads": 1, "head_dim": p.head_dim, "vocab_size": vocab, "pad_token_id": 0,
-             "bos_token_id": None, "eos_token_id": None}  # the env's ids: 0 pads, no bos/eos of Gemma's
-    return PI0Config(
-        vlm_config={"model_type": "paligemma", "image_token_id": vocab, "projection_dim": p.width,
-                    "text_config": gemma | {"hidden_size": p.width, "intermediate_size": 4 * p.width},
-                    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": p.vision_width,
-                                      "intermediate_size": 4 * p.vision_width, "num_hidden_layers": p.vision_layers,
-                                      "num_attention_heads": p.heads, "patch_size": p.patch,
-                                      "image_size": image_size, "vision_use_head": False}},
-        dit_config=gemma | {"hidden_size": p.expert_width, "intermediate_size": 4 * p.expert_width},
-        chunk_size=chunk, max_action_dim=action_dim, max_state_dim=max(state_dim, 1),
-        num_inference_steps=p.flow_steps)
+    vlm = siglip_paligemma_config(p, vocab, image_size)
+    return PI0Config(vlm_config=vlm, dit_config=vlm["text_config"] | {"hidden_size": p.expert_width,
+                                                                      "intermediate_size": 4 * p.expert_width},
+                     chunk_size=chunk, max_action_dim=action_dim, max_state_dim=max(state_dim, 1),
+                     num_inference_steps=p.flow_steps)
 
 
 def load_pretrained(path: str):
@@ -83,64 +76,29 @@ class PI0Policy(nn.Module):
         self.steps, self.sigma, self.level = p.flow_steps, p.flow_noise, p.logprob_level
         self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
         self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
-        spaces = obs_space["spaces"] if obs_space["kind"] == "dict" else {"image": obs_space}
-        self.dict_obs = obs_space["kind"] == "dict"
-        self.image_keys = sorted(k for k, s in spaces.items() if is_image(s))
-        if not self.image_keys:
-            raise ValueError("policy.name=pi0 reads camera images (uint8 [H, W, C] observations) and the env gives "
-                             "none. Fix: an env with pixel observations (e.g. env.kwargs: {observation: pixels})")
-        self.text_key = "instruction" if "instruction" in spaces else None
-        self.state_keys = sorted(k for k in spaces if k not in (*self.image_keys, self.text_key))
-        state_dim = sum(int(np.prod(spaces[k]["shape"])) if spaces[k]["shape"] else 1 for k in self.state_keys)
-        shape = list(spaces[self.image_keys[0]]["shape"])
-        self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
-        env_size = shape[0] if self.channels_last else shape[1]
-        vocab = int(np.max(spaces[self.text_key]["high"])) + 1 if self.text_key else 2
+        self.read = VLMInputs(obs_space, "pi0")
         if p.path:
             self.model = load_pretrained(p.path)
         else:
-            config = tiny_config(p, vocab, p.image_size or env_size, self.H, self.A, state_dim)
+            config = tiny_config(p, self.read.text_vocab, p.image_size or self.read.env_image_size, self.H, self.A,
+                                 self.read.state_dim)
             self.model = PI0ForConditionalGeneration(config)
         c = self.model.config
-        if c.chunk_size < self.H or c.max_action_dim < self.A or c.max_state_dim < state_dim:
+        if c.chunk_size < self.H or c.max_action_dim < self.A or c.max_state_dim < self.read.state_dim:
             raise ValueError(f"the pi0 model makes chunks of {c.chunk_size}x{c.max_action_dim} from states of "
-                             f"{c.max_state_dim}, but the env needs {self.H}x{self.A} from {state_dim}. Fix: "
-                             f"env.action_chunk <= {c.chunk_size}, or a model with larger chunk_size/max_action_dim")
-        vision = c.vlm_config.vision_config
-        self.image_size = vision.image_size
-        self.image_token_id = c.vlm_config.image_token_id
-        self.image_tokens = (vision.image_size // vision.patch_size) ** 2
-        self.vocab = c.vlm_config.text_config.vocab_size
+                             f"{c.max_state_dim}, but the env needs {self.H}x{self.A} from {self.read.state_dim}. "
+                             f"Fix: env.action_chunk <= {c.chunk_size}, or a model with larger "
+                             f"chunk_size/max_action_dim")
+        self.read.bind(c.vlm_config.vision_config, c.vlm_config.image_token_id, c.vlm_config.text_config.vocab_size)
         width = c.vlm_config.text_config.hidden_size
         self.value_head = nn.Sequential(nn.Linear(width, p.value_hidden), nn.Tanh(), nn.Linear(p.value_hidden, 1))
         self.value_detach = p.value_detach
 
     # -- inputs and the prefix -----------------------------------------------------------------------------
     def inputs(self, obs: Any) -> dict[str, torch.Tensor]:
-        """pi0's inputs from an observation batch: ``pixel_values`` [B, cams, 3, S, S] in [-1, 1] (SigLIP's
-        normalisation), ``input_ids`` (each camera's image tokens, then the instruction), ``attention_mask`` (0 on
-        the instruction's padding), ``pixel_attention_mask`` and the zero-padded ``state``."""
-        parts: dict[str, torch.Tensor] = obs if self.dict_obs else {"image": obs}
-        cams = []
-        for k in self.image_keys:
-            x = parts[k].float() / 127.5 - 1.0
-            x = x.permute(0, 3, 1, 2) if self.channels_last else x
-            if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-                x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-            cams.append(x)
-        pixels = torch.stack(cams, 1)
-        B, device = pixels.shape[0], pixels.device
-        ids = torch.full((B, len(cams) * self.image_tokens), self.image_token_id, dtype=torch.long, device=device)
-        mask = torch.ones_like(ids)
-        if self.text_key is not None:
-            text = parts[self.text_key].long().clamp(0, self.vocab - 1)
-            ids, mask = torch.cat([ids, text], 1), torch.cat([mask, (text != 0).long()], 1)
-        state = torch.zeros(B, self.model.config.max_state_dim, device=device)
-        if self.state_keys:
-            flat = torch.cat([parts[k].reshape(B, -1).float() for k in self.state_keys], -1)
-            state[:, :flat.shape[1]] = flat
-        return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "state": state,
-                "pixel_attention_mask": torch.ones(B, len(cams), dtype=torch.bool, device=device)}
+        """pi0's inputs from an observation batch (services/policies/vlm_inputs.py), the state zero-padded to the
+        model's ``max_state_dim``."""
+        return self.read(obs, self.model.config.max_state_dim)
 
     def prefix(self, x: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """The VLM over images and words, once: its KV cache (what every denoising step reads) and the masked mean

@@ -87,7 +87,7 @@ def test_vla_sft_refuses_a_policy_without_an_imitation_loss():
     policy = build_policy("actor_critic", {"observation_space": {"kind": "box", "shape": [3]},
                                            "action_space": {"kind": "box", "shape": [1], "low": [-2.0],
                                                             "high": [2.0]}}, cfg.policy)
-    with pytest.raises(ValueError, match="imitation_loss.*policy.name: pi0 or vla"):
+    with pytest.raises(ValueError, match="imitation_loss.*policy.name: pi0, vla or vla_tokens"):
         cfg.spec(policy, cfg)
 
 

@@ -22,6 +22,7 @@ POLICIES = Registry("policies", "policy.name", {
     "causal_lm_value": "services.core.models.lm:CausalLMValuePolicy",
     "vla": "services.core.models.vla:VLAPolicy",
     "pi0": "services.policies.pi0:PI0Policy",  # transformers' PI0ForConditionalGeneration
+    "vla_tokens": "services.policies.vla_tokens:VLATokensPolicy",  # a transformers VLM, actions as tokens
 }, home="services/core/models", noun="policy")
 
 

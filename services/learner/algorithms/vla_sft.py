@@ -4,7 +4,7 @@ decides what that is:
 
     pi0          flow matching: t ~ Beta, x_t = t * noise + (1 - t) * chunk, L = |v(x_t, t) - (noise - chunk)|^2
     vla flow     the same with its own expert
-    vla tokens   cross-entropy of each action dimension's bin
+    vla tokens   cross-entropy of each action dimension's bin (also policy.name vla_tokens, on a VLM's LM head)
 
 Demonstrations come from `rlfabric collect --expert` (the env's scripted expert), a checkpoint's policy, or any
 .npz of obs and actions named in ``replay.datasets``. The run's checkpoint is RL's ``policy.init_checkpoint``.
@@ -41,7 +41,7 @@ class VLASFT(OfflineAlgorithm):
         if not callable(getattr(policy, "imitation_loss", None)):
             raise ValueError(f"algorithm.name=vla_sft trains a policy on demonstrations through its "
                              f"imitation_loss(obs, actions), and policy {type(policy).__name__} has none. Fix: "
-                             f"policy.name: pi0 or vla")
+                             f"policy.name: pi0, vla or vla_tokens")
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay)
 

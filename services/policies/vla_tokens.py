@@ -1,0 +1,214 @@
+"""VLATokensPolicy (``policy.name: vla_tokens``): an OpenVLA-style policy on a transformers image-text-to-text VLM
+(PaliGemma): each action dimension of each step of the chunk is one token, ``bins`` bins over [low, high] mapped
+onto the vocabulary's last ids, as OpenVLA maps its 256 bins.
+
+    prefix   the camera images (SigLIP), the instruction's ids and one proprioception embedding (a linear
+             projection, as OFT feeds proprio), attended bidirectionally (PaliGemma's prefix)
+    tokens   autoregressive: H*A action tokens decoded one by one with the prefix's KV cache (OpenVLA); or
+             parallel: H*A learned action queries appended to the prefix, decoded in one forward pass (OFT)
+
+Log-probs are the bins' log-softmax at each action position (the VLM's own LM head, restricted to the bin ids), per
+token, action or chunk. The learner re-scores a chunk teacher-forced in one pass. A value head reads the masked
+mean of the prefix's last hidden states. Imitation is the bins' cross-entropy (OpenVLA's training).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.core.models.encoders import box_bound
+from services.policies.vlm_inputs import VLMInputs, siglip_paligemma_config
+
+
+def load_pretrained(path: str, trust_remote_code: bool):
+    """A local save_pretrained directory (``policy.vla_tokens.path``); never a hub id."""
+    from pathlib import Path
+
+    from transformers import AutoModelForImageTextToText
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"policy.vla_tokens.path={path!r} is not a save_pretrained directory (no config.json). "
+                         f"Fix: a local directory written by save_pretrained; nothing is downloaded")
+    return AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                       trust_remote_code=trust_remote_code)
+
+
+class VLATokensPolicy(nn.Module):
+    has_value = True
+    serves = "actor_critic"
+
+    def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
+        super().__init__()
+        from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+        v = cfg.vla_tokens
+        if action_space["kind"] != "box" or len(action_space["shape"]) not in (1, 2):
+            raise ValueError(f"policy.name=vla_tokens acts in Box action spaces of shape [A] or [H, A] (a chunk of "
+                             f"H actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
+        self.discrete = False
+        self.action_shape = tuple(action_space["shape"])
+        self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
+        self.n = self.H * self.A
+        self.bins, self.parallel, self.level = v.bins, v.parallel, v.logprob_level
+        self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
+        self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
+        self.read = VLMInputs(obs_space, "vla_tokens")
+        if v.path:
+            self.model = load_pretrained(v.path, v.trust_remote_code)
+        else:  # the env's instruction ids, then the bins: the vocabulary's last ids
+            size = self.read.env_image_size
+            config = PaliGemmaConfig(**{k: val for k, val in siglip_paligemma_config(
+                v, self.read.text_vocab + v.bins, size).items() if k != "model_type"})
+            self.model = PaliGemmaForConditionalGeneration(config)
+        c = self.model.config
+        vocab = c.text_config.vocab_size
+        if vocab < self.read.text_vocab + v.bins:
+            raise ValueError(f"the VLM's vocabulary ({vocab} ids) cannot hold the instruction's {self.read.text_vocab} "
+                             f"ids and policy.vla_tokens.bins={v.bins} action bins after them. Fix: fewer bins")
+        self.read.bind(c.vision_config, c.image_token_id, vocab)
+        self.register_buffer("bin_ids", torch.arange(vocab - v.bins, vocab))
+        self.register_buffer("centers", torch.linspace(-1.0, 1.0, v.bins))
+        width = c.text_config.hidden_size
+        self.state_proj = nn.Linear(max(self.read.state_dim, 1), width)
+        if self.parallel:
+            self.queries = nn.Parameter(0.02 * torch.randn(1, self.n, width))
+        self.value_head = nn.Sequential(nn.Linear(width, v.value_hidden), nn.Tanh(), nn.Linear(v.value_hidden, 1))
+
+    # -- the VLM -------------------------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def _prefix(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings [B, P, W] and mask [B, P] of images, instruction and the proprioception token."""
+        x = self.read(obs, max(self.read.state_dim, 1))
+        ids, mask = x["input_ids"], x["attention_mask"]
+        placeholders = ids == self.read.image_token_id
+        emb = self._embed(ids.masked_fill(placeholders, 0))
+        pixels = x["pixel_values"].flatten(0, 1)
+        image = self.model.model.get_image_features(pixels).pooler_output
+        emb = emb.masked_scatter(placeholders.unsqueeze(-1), image.to(emb.dtype))
+        emb = torch.cat([emb, self.state_proj(x["state"]).unsqueeze(1)], 1)
+        return emb, torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+
+    def _run(self, emb: torch.Tensor, mask: torch.Tensor, prefix_len: int, cache: Any = None,
+             offset: torch.Tensor | None = None, use_cache: bool = False):
+        """The language model over embeddings: the first ``prefix_len`` positions bidirectional (PaliGemma's
+        prefix), the rest causal; positions count unmasked tokens (1-based, as PaliGemma's)."""
+        B, L = emb.shape[:2]
+        if cache is None:
+            position = mask.cumsum(-1)
+            token_type = torch.ones(B, L, dtype=torch.long, device=emb.device)
+            token_type[:, :prefix_len] = 0
+        else:  # one decoded token after the cached ones
+            position = offset.unsqueeze(1)
+            token_type = None
+        return self.model.model(inputs_embeds=emb, attention_mask=mask, position_ids=position, past_key_values=cache,
+                                token_type_ids=token_type, use_cache=use_cache or cache is not None,
+                                return_dict=True)
+
+    def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """log-softmax over the bins (the LM head's rows of the bin ids) at each hidden state [..., W]."""
+        weight = self.model.lm_head.weight[self.bin_ids]
+        return torch.log_softmax(hidden @ weight.T, -1)
+
+    def _pooled(self, hidden: torch.Tensor, mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
+        m = mask[:, :prefix_len].unsqueeze(-1).to(hidden.dtype)
+        return (hidden[:, :prefix_len] * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+    def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[B, H, A] -> the configured log-prob level."""
+        if self.level == "token":
+            return per_token
+        if self.level == "action":
+            return per_token.sum(-1)
+        return per_token.sum((-1, -2))
+
+    def _score(self, obs: Any, bins: torch.Tensor | None):
+        """Bin log-probs [B, n, bins] of every action position and the value, teacher-forced on ``bins`` [B, n]
+        (autoregressive) or from the action queries (parallel, ``bins`` unused): one forward pass."""
+        emb, mask = self._prefix(obs)
+        B, P = mask.shape
+        if self.parallel:
+            emb = torch.cat([emb, self.queries.expand(B, -1, -1)], 1)
+            mask = torch.cat([mask, mask.new_ones(B, self.n)], 1)
+            out = self.model.model(inputs_embeds=emb, attention_mask=mask, position_ids=mask.cumsum(-1),
+                                   token_type_ids=torch.zeros_like(mask), use_cache=False, return_dict=True)
+            hidden = out.last_hidden_state[:, P:]
+        else:  # the last prefix position predicts token 1, token i predicts token i + 1
+            emb = torch.cat([emb, self._embed(self.bin_ids[bins[:, :-1]])], 1)
+            mask = torch.cat([mask, mask.new_ones(B, self.n - 1)], 1)
+            out = self._run(emb, mask, P)
+            hidden = out.last_hidden_state[:, P - 1:]
+        value = self.value_head(self._pooled(out.last_hidden_state, mask, P)).squeeze(-1)
+        return self._bin_logits(hidden), value
+
+    # -- actor-critic interface ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: Any, deterministic: bool = False, generator: torch.Generator | None = None):
+        """Bin ids [B, H, A], their log-probs and the value: parallel in one pass, or token by token with the
+        prefix's KV cache."""
+        if self.parallel:
+            log_probs, value = self._score(obs, None)
+            idx = log_probs.argmax(-1) if deterministic else torch.multinomial(
+                log_probs.exp().reshape(-1, self.bins), 1, generator=generator).reshape(log_probs.shape[:2])
+            logp = log_probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+            return idx.reshape(-1, self.H, self.A), self._reduce(logp.reshape(-1, self.H, self.A)), value
+        emb, mask = self._prefix(obs)
+        B, P = mask.shape
+        out = self._run(emb, mask, P, use_cache=True)
+        value = self.value_head(self._pooled(out.last_hidden_state, mask, P)).squeeze(-1)
+        cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+        position = mask.sum(-1)
+        chosen, logps = [], []
+        for i in range(self.n):
+            log_probs = self._bin_logits(hidden)
+            idx = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1,
+                                                                               generator=generator).squeeze(-1)
+            chosen.append(idx)
+            logps.append(log_probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1))
+            if i + 1 < self.n:
+                mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+                position = position + 1
+                out = self._run(self._embed(self.bin_ids[idx]).unsqueeze(1), mask, P, cache, position)
+                cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+        idx = torch.stack(chosen, 1).reshape(B, self.H, self.A)
+        return idx, self._reduce(torch.stack(logps, 1).reshape(B, self.H, self.A)), value
+
+    def evaluate(self, obs: Any, actions: torch.Tensor):
+        """Log-probs, entropies (at the configured level) and values of recorded bin ids [B, H, A]."""
+        B = actions.shape[0]
+        bins = actions.reshape(B, self.n).long()
+        log_probs, value = self._score(obs, bins)
+        logp = log_probs.gather(-1, bins.unsqueeze(-1)).squeeze(-1).reshape(B, self.H, self.A)
+        entropy = -(log_probs.exp() * log_probs).sum(-1).reshape(B, self.H, self.A)
+        return self._reduce(logp), self._reduce(entropy), value
+
+    def value(self, obs: Any) -> torch.Tensor:
+        if self.parallel:  # the prefix attends to the action queries too: the value is the one pass's
+            return self._score(obs, None)[1]
+        emb, mask = self._prefix(obs)
+        out = self._run(emb, mask, mask.shape[1])
+        return self.value_head(self._pooled(out.last_hidden_state, mask, mask.shape[1])).squeeze(-1)
+
+    def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
+        """The bins' cross-entropy of demonstrated env actions [B, H, A] (their nearest bins), teacher-forced."""
+        B = actions.shape[0]
+        unit = 2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0
+        bins = torch.round((unit.clamp(-1.0, 1.0) + 1.0) * 0.5 * (self.bins - 1)).long().reshape(B, self.n)
+        log_probs, _ = self._score(obs, bins)
+        return F.nll_loss(log_probs.reshape(B * self.n, self.bins), bins.reshape(-1))
+
+    def env_actions(self, actions: torch.Tensor) -> np.ndarray:
+        """Bin centres mapped from [-1, 1] onto the bounds."""
+        unit = self.centers[actions.long()]
+        chunk = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
+        return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
+
+    def save_pretrained(self, directory: str) -> None:
+        """The VLM alone, loadable by plain transformers (the proprio projection and value head are ours)."""
+        self.model.save_pretrained(directory)
