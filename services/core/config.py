@@ -180,6 +180,11 @@ class PI0PolicyConfig(_Strict):
                              "action dimension")
     value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the VLM's "
                                                              "pooled prefix features")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the attention "
+                             "projections named in lora.targets; rank 0 trains every parameter")
+    lora_on: Literal["vlm", "expert", "both"] = Field("both", description="where the adapters go: the VLM's language "
+                                                     "model, the action expert, or both (the action and state "
+                                                     "projections always train in full)")
     value_detach: bool = Field(False, description="the value head reads the VLM's features without sending its "
                                                    "gradient back into the VLM: a critic learning from scratch on a "
                                                    "fine-tuned policy cannot disturb what the policy sees")
@@ -207,6 +212,8 @@ class VLATokensConfig(_Strict):
     logprob_level: Literal["chunk", "action", "token"] = Field(
         "token", description="what one log-prob covers in the update: the whole chunk, one action, or one token")
     value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the pooled prefix")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
+                             "lora.targets, vision tower included; rank 0 trains every parameter")
 
 
 class PolicyConfig(_Strict):

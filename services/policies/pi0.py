@@ -30,7 +30,7 @@ from torch import nn
 
 from services.core.models.encoders import box_bound
 from services.policies import flow_sde
-from services.policies.vlm_inputs import VLMInputs, siglip_paligemma_config
+from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
 
 
 def tiny_config(p: Any, vocab: int, image_size: int, chunk: int, action_dim: int, state_dim: int):
@@ -90,20 +90,31 @@ class PI0Policy(nn.Module):
                              f"Fix: env.action_chunk <= {c.chunk_size}, or a model with larger "
                              f"chunk_size/max_action_dim")
         self.read.bind(c.vlm_config.vision_config, c.vlm_config.image_token_id, c.vlm_config.text_config.vocab_size)
+        if p.lora.rank:  # adapters on the attention of the VLM's language model, the expert or both
+            from services.core.models.lm import with_lora
+
+            scope = {"vlm": r"vlm\.language_model", "expert": r"dit", "both": r"(vlm\.language_model|dit)"}[p.lora_on]
+            targets = rf".*model\.{scope}\.layers\.\d+\.self_attn\.({'|'.join(p.lora.targets)})"
+            self.model = with_lora(self.model, p.lora, targets, train=("embed_action_time", "action_out_proj"))
         width = c.vlm_config.text_config.hidden_size
         self.value_head = nn.Sequential(nn.Linear(width, p.value_hidden), nn.Tanh(), nn.Linear(p.value_hidden, 1))
         self.value_detach = p.value_detach
+
+    @property
+    def pi0(self):
+        """The transformers model (inside peft's wrapper when LoRA is on)."""
+        return unwrapped(self.model)
 
     # -- inputs and the prefix -----------------------------------------------------------------------------
     def inputs(self, obs: Any) -> dict[str, torch.Tensor]:
         """pi0's inputs from an observation batch (services/policies/vlm_inputs.py), the state zero-padded to the
         model's ``max_state_dim``."""
-        return self.read(obs, self.model.config.max_state_dim)
+        return self.read(obs, self.pi0.config.max_state_dim)
 
     def prefix(self, x: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """The VLM over images and words, once: its KV cache (what every denoising step reads) and the masked mean
         of its last hidden states (the value head's input)."""
-        pi0 = self.model.model
+        pi0 = self.pi0.model
         embeds = pi0.embed_prefix(x["input_ids"], x["pixel_values"], x["pixel_attention_mask"])
         mask = x["attention_mask"]
         out = pi0.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
@@ -117,9 +128,9 @@ class PI0Policy(nn.Module):
         """Our velocity E[x1 - x0 | x_tau] for chunks x [N, H, A] at times tau [N]: pi0 runs time the other way
         (t = 1 - tau, its velocity points from chunk to noise), so it is the negated expert output. The expert's
         own tokens are appended to ``cache``; callers crop them off."""
-        c = self.model.config
+        c = self.pi0.config
         noise = F.pad(x, (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
-        out = self.model(state=state, noise=noise, timestep=1.0 - tau, attention_mask=mask, past_key_values=cache)
+        out = self.pi0(state=state, noise=noise, timestep=1.0 - tau, attention_mask=mask, past_key_values=cache)
         return -out.logits[:, :self.H, :self.A]
 
     def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
@@ -187,9 +198,9 @@ class PI0Policy(nn.Module):
         x_in = self.inputs(obs)
         B = actions.shape[0]
         unit = 2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0
-        c = self.model.config
+        c = self.pi0.config
         target = F.pad(unit.clamp(-1.0, 1.0), (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
-        return self.model(actions=target, **x_in).loss
+        return self.pi0(actions=target, **x_in).loss
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """The chunk the env executes: the chain's last point, clipped to [-1, 1], mapped onto the bounds."""
@@ -198,5 +209,6 @@ class PI0Policy(nn.Module):
         return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
 
     def save_pretrained(self, directory: str) -> None:
-        """The pi0 model alone, loadable by plain transformers (the value head is ours, not pi0's)."""
-        self.model.save_pretrained(directory)
+        """The pi0 model alone (LoRA adapters folded in), loadable by plain transformers (the value head is ours,
+        not pi0's)."""
+        save_merged(self.model, directory)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.core.models.encoders import box_bound
-from services.policies.vlm_inputs import VLMInputs, siglip_paligemma_config
+from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
 
 
 def load_pretrained(path: str, trust_remote_code: bool):
@@ -71,6 +71,10 @@ class VLATokensPolicy(nn.Module):
             raise ValueError(f"the VLM's vocabulary ({vocab} ids) cannot hold the instruction's {self.read.text_vocab} "
                              f"ids and policy.vla_tokens.bins={v.bins} action bins after them. Fix: fewer bins")
         self.read.bind(c.vision_config, c.image_token_id, vocab)
+        if v.lora.rank:
+            from services.core.models.lm import with_lora
+
+            self.model = with_lora(self.model, v.lora)
         self.register_buffer("bin_ids", torch.arange(vocab - v.bins, vocab))
         self.register_buffer("centers", torch.linspace(-1.0, 1.0, v.bins))
         width = c.text_config.hidden_size
@@ -79,9 +83,14 @@ class VLATokensPolicy(nn.Module):
             self.queries = nn.Parameter(0.02 * torch.randn(1, self.n, width))
         self.value_head = nn.Sequential(nn.Linear(width, v.value_hidden), nn.Tanh(), nn.Linear(v.value_hidden, 1))
 
+    @property
+    def vlm(self):
+        """The transformers model (inside peft's wrapper when LoRA is on)."""
+        return unwrapped(self.model)
+
     # -- the VLM -------------------------------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(ids)
+        return self.vlm.get_input_embeddings()(ids)
 
     def _prefix(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings [B, P, W] and mask [B, P] of images, instruction and the proprioception token."""
@@ -90,7 +99,7 @@ class VLATokensPolicy(nn.Module):
         placeholders = ids == self.read.image_token_id
         emb = self._embed(ids.masked_fill(placeholders, 0))
         pixels = x["pixel_values"].flatten(0, 1)
-        image = self.model.model.get_image_features(pixels).pooler_output
+        image = self.vlm.model.get_image_features(pixels).pooler_output
         emb = emb.masked_scatter(placeholders.unsqueeze(-1), image.to(emb.dtype))
         emb = torch.cat([emb, self.state_proj(x["state"]).unsqueeze(1)], 1)
         return emb, torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
@@ -107,13 +116,13 @@ class VLATokensPolicy(nn.Module):
         else:  # one decoded token after the cached ones
             position = offset.unsqueeze(1)
             token_type = None
-        return self.model.model(inputs_embeds=emb, attention_mask=mask, position_ids=position, past_key_values=cache,
-                                token_type_ids=token_type, use_cache=use_cache or cache is not None,
-                                return_dict=True)
+        return self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=position, past_key_values=cache,
+                              token_type_ids=token_type, use_cache=use_cache or cache is not None,
+                              return_dict=True)
 
     def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """log-softmax over the bins (the LM head's rows of the bin ids) at each hidden state [..., W]."""
-        weight = self.model.lm_head.weight[self.bin_ids]
+        weight = self.vlm.lm_head.weight[self.bin_ids]
         return torch.log_softmax(hidden @ weight.T, -1)
 
     def _pooled(self, hidden: torch.Tensor, mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
@@ -136,8 +145,8 @@ class VLATokensPolicy(nn.Module):
         if self.parallel:
             emb = torch.cat([emb, self.queries.expand(B, -1, -1)], 1)
             mask = torch.cat([mask, mask.new_ones(B, self.n)], 1)
-            out = self.model.model(inputs_embeds=emb, attention_mask=mask, position_ids=mask.cumsum(-1),
-                                   token_type_ids=torch.zeros_like(mask), use_cache=False, return_dict=True)
+            out = self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=mask.cumsum(-1),
+                                 token_type_ids=torch.zeros_like(mask), use_cache=False, return_dict=True)
             hidden = out.last_hidden_state[:, P:]
         else:  # the last prefix position predicts token 1, token i predicts token i + 1
             emb = torch.cat([emb, self._embed(self.bin_ids[bins[:, :-1]])], 1)
@@ -210,5 +219,6 @@ class VLATokensPolicy(nn.Module):
         return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
 
     def save_pretrained(self, directory: str) -> None:
-        """The VLM alone, loadable by plain transformers (the proprio projection and value head are ours)."""
-        self.model.save_pretrained(directory)
+        """The VLM alone (LoRA adapters folded in), loadable by plain transformers (the proprio projection and the
+        value head are ours)."""
+        save_merged(self.model, directory)

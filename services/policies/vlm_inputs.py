@@ -81,3 +81,16 @@ def siglip_paligemma_config(p: Any, vocab: int, image_size: int) -> dict[str, An
                               "intermediate_size": 4 * p.vision_width, "num_hidden_layers": p.vision_layers,
                               "num_attention_heads": p.heads, "patch_size": p.patch, "image_size": image_size,
                               "vision_use_head": False}}
+
+
+def unwrapped(model: Any) -> Any:
+    """The transformers model inside a peft wrapper (its LoRA layers are injected in place), or the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def save_merged(model: Any, directory: str) -> None:
+    """save_pretrained of the plain transformers model, LoRA adapters folded in on a copy."""
+    import copy
+
+    plain = copy.deepcopy(model).merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    plain.save_pretrained(directory)

@@ -181,3 +181,36 @@ def test_a_ppo_update_raises_the_log_prob_of_advantaged_chains_and_lowers_the_ot
     after = pol.evaluate(obs, chains)[0].detach()
     assert stats["logprob_mismatch_abs"] < 1e-4  # the learner re-scored the rollout's chains
     assert (after - logp)[good].mean() > 0.05 and (after - logp)[~good].mean() < -0.05, after - logp
+
+
+@pytest.mark.parametrize("where", ["vlm", "expert", "both"])
+def test_lora_trains_adapters_where_asked_and_exports_a_plain_model(tmp_path, where):
+    """Adapters (peft) on the attention of the VLM's language model, the expert or both; the action and state
+    projections and the value head train in full, the rest stays frozen. save_pretrained folds them in."""
+    from transformers import PI0ForConditionalGeneration
+
+    pol = policy(lora={"rank": 4, "alpha": 8.0}, lora_on=where)
+    trainable = {n for n, p in pol.named_parameters() if p.requires_grad}
+    adapters = {n for n in trainable if "lora_" in n}
+    assert adapters and all("self_attn" in n for n in adapters)
+    assert any(".dit." in n for n in adapters) == (where != "vlm")
+    assert any("vlm.language_model" in n for n in adapters) == (where != "expert")
+    assert not any("vision_tower" in n for n in trainable)
+    assert any("action_out_proj" in n for n in trainable) and any(n.startswith("value_head") for n in trainable)
+    obs = observations(TEXTS)
+    chain, logp, _ = pol.act(obs, generator=torch.Generator().manual_seed(1))
+    assert (pol.evaluate(obs, chain)[0] - logp).abs().max() < 1e-4
+    with torch.no_grad():  # as if trained: the adapters' B is zero at init
+        for n, p in pol.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05 * torch.randn_like(p))
+    moved, _, _ = pol.act(obs, deterministic=True)
+    pol.save_pretrained(str(tmp_path))
+    plain = PI0ForConditionalGeneration.from_pretrained(str(tmp_path), local_files_only=True)
+    assert not any("lora" in k for k in plain.state_dict())
+    x = pol.inputs(obs)
+    actions = plain.sample_actions(state=x["state"], input_ids=x["input_ids"], pixel_values=x["pixel_values"],
+                                   attention_mask=x["attention_mask"],
+                                   pixel_attention_mask=x["pixel_attention_mask"], noise=torch.zeros(4, 3, 2),
+                                   num_steps=3)
+    assert torch.allclose(actions, moved[:, -1], atol=1e-5)

@@ -95,3 +95,18 @@ def test_save_pretrained_reloads_the_vlm(tmp_path):
     assert torch.equal(again.act(obs, deterministic=True)[0], pol.act(obs, deterministic=True)[0])
     with pytest.raises(ValueError, match="policy.vla_tokens.path"):
         policy(path=str(tmp_path / "missing"))
+
+
+def test_lora_adapters_train_and_fold_into_the_saved_vlm(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    pol = policy(lora={"rank": 4, "alpha": 8.0})
+    trainable = {n for n, p in pol.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and not any("embed_tokens" in n for n in trainable)
+    assert {"state_proj.weight", "value_head.0.weight"} <= trainable
+    obs = observations(TEXTS)
+    bins, logp, _ = pol.act(obs, generator=torch.Generator().manual_seed(1))
+    assert (pol.evaluate(obs, bins)[0] - logp).abs().max() < 1e-5
+    pol.save_pretrained(str(tmp_path))
+    plain = AutoModelForImageTextToText.from_pretrained(str(tmp_path), local_files_only=True)
+    assert not any("lora" in k for k in plain.state_dict())

@@ -120,13 +120,15 @@ def gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).sum(-1)
 
 
-def with_lora(model: nn.Module, cfg: Any) -> nn.Module:
-    """LoRA adapters (peft) on ``cfg.targets``; only they train, the base weights stay frozen. Rollout backends
-    build the same wrapped model, so a published version carries base and adapters under the same names."""
+def with_lora(model: nn.Module, cfg: Any, targets: str | None = None, train: tuple[str, ...] = ()) -> nn.Module:
+    """LoRA adapters (peft) on ``cfg.targets`` (or ``targets``, a regex of module paths); only they and the
+    modules named in ``train`` train, the base weights stay frozen. Rollout backends build the same wrapped model,
+    so a published version carries base and adapters under the same names."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets),
-                                            lora_dropout=0.0, bias="none"))
+    return get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
+                                            target_modules=targets or list(cfg.targets),
+                                            modules_to_save=list(train) or None))
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
