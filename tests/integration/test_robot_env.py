@@ -198,3 +198,31 @@ def test_camera_frames_come_over_the_data_plane_and_show_the_arm_move(gateway_ad
             auth.configure(TOKEN)
     finally:
         env.close()
+
+
+def test_pi0_drives_the_robot_env_from_its_camera_with_realtime_chunks(gateway_address):
+    """What the vla policy does on a robot, pi0 does: the gateway's camera frame and the arm's state in, a chunk of
+    joint moves out (a Flow-SDE chain), executed with real-time chunking while pi0 computes the next one."""
+    pytest.importorskip("transformers.models.pi0")
+    import torch
+
+    from services.core.config import PolicyConfig
+    from services.core.models import build_policy
+    from services.env.adapters.gymnasium import describe_space
+
+    env = robot_env(gateway_address, hz=20, horizon=4, episode_steps=10_000, camera=32, realtime_chunks=True)
+    try:
+        obs, _ = env.reset(seed=0)
+        spec = {"observation_space": describe_space(env.single_observation_space),
+                "action_space": describe_space(env.single_action_space)}
+        torch.manual_seed(0)
+        pol = build_policy("pi0", spec, PolicyConfig(name="pi0", pi0={"patch": 8}))
+        start = env.commanded[0].copy()
+        for _ in range(6):
+            chain, logp, value = pol.act({k: torch.as_tensor(v) for k, v in obs.items()})
+            obs, _, _, _, info = env.step(pol.env_actions(chain))
+        assert chain.shape == (1, pol.steps + 1, 4, 3) and torch.isfinite(logp).all() and torch.isfinite(value).all()
+        assert info["lead_ticks"][0] >= 1  # the observation came back before the chunk ended
+        assert np.abs(env.commanded[0] - start).sum() > 1e-3  # pi0's chunks moved the arm
+    finally:
+        env.close()
