@@ -479,7 +479,8 @@ class WarmStartConfig(_Strict):
     """Stages ``rlfabric train`` runs before this run when ``policy.init_checkpoint`` is empty (RLinf's
     supervised-then-RL recipe as one command): demonstrations by the env's scripted expert, then a supervised run on
     them, whose checkpoint this run starts from. Each stage leaves its own run directory under
-    ``<run dir>/warm_start``."""
+    ``<run dir>/warm_start``; the supervised stage keeps the run's env, policy and train sections (its evaluations
+    follow train.eval_every_iterations) on the default plan."""
 
     demos: int = Field(0, ge=0, le=1_000_000, description="episodes of the env's scripted expert to record (as "
                                                            "rlfabric collect --expert); 0: no demonstrations")
