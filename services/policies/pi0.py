@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.core.models.encoders import box_bound
 from services.policies import flow_sde
+from services.policies.chunk_policy import ChunkPolicy
 from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
 
 
@@ -58,24 +58,15 @@ def load_pretrained(path: str):
     return PI0ForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 
-class PI0Policy(nn.Module):
-    has_value = True
-    serves = "actor_critic"
+class PI0Policy(ChunkPolicy):
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
         from transformers import PI0ForConditionalGeneration
 
         p = cfg.pi0
-        if action_space["kind"] != "box" or len(action_space["shape"]) not in (1, 2):
-            raise ValueError(f"policy.name=pi0 acts in Box action spaces of shape [A] or [H, A] (a chunk of H "
-                             f"actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
-        self.discrete = False
-        self.action_shape = tuple(action_space["shape"])
-        self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
-        self.steps, self.sigma, self.level = p.flow_steps, p.flow_noise, p.logprob_level
-        self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
-        self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
+        self.init_chunks(action_space, "pi0", p.logprob_level)
+        self.steps, self.sigma = p.flow_steps, p.flow_noise
         self.read = VLMInputs(obs_space, "pi0")
         if p.path:
             self.model = load_pretrained(p.path)
@@ -133,14 +124,6 @@ class PI0Policy(nn.Module):
         out = self.pi0(state=state, noise=noise, timestep=1.0 - tau, attention_mask=mask, past_key_values=cache)
         return -out.logits[:, :self.H, :self.A]
 
-    def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
-        """[B, H, A] -> the configured log-prob level."""
-        if self.level == "token":
-            return per_token
-        if self.level == "action":
-            return per_token.sum(-1)
-        return per_token.sum((-1, -2))
-
     # -- actor-critic interface ----------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Any, deterministic: bool = False, generator: torch.Generator | None = None):
@@ -169,7 +152,7 @@ class PI0Policy(nn.Module):
             chain.append(x)
         chain_t = torch.stack(chain, 1)
         logp = flow_sde.chain_logp(chain_t, torch.stack(means, 1), self.sigma, K)
-        return chain_t, self._reduce(logp), value
+        return chain_t, self.reduce(logp), value
 
     def evaluate(self, obs: Any, actions: torch.Tensor):
         """Log-probs (at the configured level), entropies and values of recorded chains [B, K+1, H, A]: the prefix
@@ -187,7 +170,7 @@ class PI0Policy(nn.Module):
         means = flow_sde.step_mean(x, v, tau, self.sigma, K).reshape(B, K, self.H, self.A)
         logp = flow_sde.chain_logp(chain, means, self.sigma, K)
         entropy = torch.full_like(logp, flow_sde.chain_entropy(self.sigma, K))
-        return self._reduce(logp), self._reduce(entropy), value
+        return self.reduce(logp), self.reduce(entropy), value
 
     def value(self, obs: Any) -> torch.Tensor:
         return self.value_head(self.prefix(self.inputs(obs))[1]).squeeze(-1)
@@ -196,17 +179,14 @@ class PI0Policy(nn.Module):
         """pi0's own flow-matching loss on demonstrated env actions [B, H, A] (supervised): mapped onto [-1, 1] and
         zero-padded as pi0 trains."""
         x_in = self.inputs(obs)
-        B = actions.shape[0]
-        unit = 2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0
         c = self.pi0.config
-        target = F.pad(unit.clamp(-1.0, 1.0), (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
+        target = F.pad(self.to_unit(actions), (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
         return self.pi0(actions=target, **x_in).loss
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """The chunk the env executes: the chain's last point, clipped to [-1, 1], mapped onto the bounds."""
         unit = actions[:, -1].clamp(-1.0, 1.0)
-        chunk = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
-        return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
+        return self.to_env(unit)
 
     def save_pretrained(self, directory: str) -> None:
         """The pi0 model alone (LoRA adapters folded in), loadable by plain transformers (the value head is ours,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.core.models.encoders import box_bound
+from services.policies.chunk_policy import ChunkPolicy
 from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
 
 
@@ -38,25 +38,16 @@ def load_pretrained(path: str, trust_remote_code: bool):
                                                        trust_remote_code=trust_remote_code)
 
 
-class VLATokensPolicy(nn.Module):
-    has_value = True
-    serves = "actor_critic"
+class VLATokensPolicy(ChunkPolicy):
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
         from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
         v = cfg.vla_tokens
-        if action_space["kind"] != "box" or len(action_space["shape"]) not in (1, 2):
-            raise ValueError(f"policy.name=vla_tokens acts in Box action spaces of shape [A] or [H, A] (a chunk of "
-                             f"H actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
-        self.discrete = False
-        self.action_shape = tuple(action_space["shape"])
-        self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
+        self.init_chunks(action_space, "vla_tokens", v.logprob_level)
         self.n = self.H * self.A
-        self.bins, self.parallel, self.level = v.bins, v.parallel, v.logprob_level
-        self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
-        self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
+        self.bins, self.parallel = v.bins, v.parallel
         self.read = VLMInputs(obs_space, "vla_tokens")
         if v.path:
             self.model = load_pretrained(v.path, v.trust_remote_code)
@@ -129,14 +120,6 @@ class VLATokensPolicy(nn.Module):
         m = mask[:, :prefix_len].unsqueeze(-1).to(hidden.dtype)
         return (hidden[:, :prefix_len] * m).sum(1) / m.sum(1).clamp(min=1.0)
 
-    def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
-        """[B, H, A] -> the configured log-prob level."""
-        if self.level == "token":
-            return per_token
-        if self.level == "action":
-            return per_token.sum(-1)
-        return per_token.sum((-1, -2))
-
     def _score(self, obs: Any, bins: torch.Tensor | None):
         """Bin log-probs [B, n, bins] of every action position and the value, teacher-forced on ``bins`` [B, n]
         (autoregressive) or from the action queries (parallel, ``bins`` unused): one forward pass."""
@@ -166,7 +149,7 @@ class VLATokensPolicy(nn.Module):
             idx = log_probs.argmax(-1) if deterministic else torch.multinomial(
                 log_probs.exp().reshape(-1, self.bins), 1, generator=generator).reshape(log_probs.shape[:2])
             logp = log_probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-            return idx.reshape(-1, self.H, self.A), self._reduce(logp.reshape(-1, self.H, self.A)), value
+            return idx.reshape(-1, self.H, self.A), self.reduce(logp.reshape(-1, self.H, self.A)), value
         emb, mask = self._prefix(obs)
         B, P = mask.shape
         out = self._run(emb, mask, P, use_cache=True)
@@ -186,7 +169,7 @@ class VLATokensPolicy(nn.Module):
                 out = self._run(self._embed(self.bin_ids[idx]).unsqueeze(1), mask, P, cache, position)
                 cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
         idx = torch.stack(chosen, 1).reshape(B, self.H, self.A)
-        return idx, self._reduce(torch.stack(logps, 1).reshape(B, self.H, self.A)), value
+        return idx, self.reduce(torch.stack(logps, 1).reshape(B, self.H, self.A)), value
 
     def evaluate(self, obs: Any, actions: torch.Tensor):
         """Log-probs, entropies (at the configured level) and values of recorded bin ids [B, H, A]."""
@@ -195,7 +178,7 @@ class VLATokensPolicy(nn.Module):
         log_probs, value = self._score(obs, bins)
         logp = log_probs.gather(-1, bins.unsqueeze(-1)).squeeze(-1).reshape(B, self.H, self.A)
         entropy = -(log_probs.exp() * log_probs).sum(-1).reshape(B, self.H, self.A)
-        return self._reduce(logp), self._reduce(entropy), value
+        return self.reduce(logp), self.reduce(entropy), value
 
     def value(self, obs: Any) -> torch.Tensor:
         if self.parallel:  # the prefix attends to the action queries too: the value is the one pass's
@@ -207,16 +190,14 @@ class VLATokensPolicy(nn.Module):
     def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
         """The bins' cross-entropy of demonstrated env actions [B, H, A] (their nearest bins), teacher-forced."""
         B = actions.shape[0]
-        unit = 2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0
-        bins = torch.round((unit.clamp(-1.0, 1.0) + 1.0) * 0.5 * (self.bins - 1)).long().reshape(B, self.n)
+        bins = torch.round((self.to_unit(actions) + 1.0) * 0.5 * (self.bins - 1)).long().reshape(B, self.n)
         log_probs, _ = self._score(obs, bins)
         return F.nll_loss(log_probs.reshape(B * self.n, self.bins), bins.reshape(-1))
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """Bin centres mapped from [-1, 1] onto the bounds."""
         unit = self.centers[actions.long()]
-        chunk = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
-        return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
+        return self.to_env(unit)
 
     def save_pretrained(self, directory: str) -> None:
         """The VLM alone (LoRA adapters folded in), loadable by plain transformers (the proprio projection and the

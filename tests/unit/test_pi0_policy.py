@@ -10,19 +10,12 @@ import torch
 
 from services.core.config import PolicyConfig, RunConfig
 from services.core.models import build_policy
-from services.env.sims import instructions
 from services.policies.pi0 import PI0Policy
+from tests.vla_support import OBS_SPACE, TEXTS, chunk_space, observations
 
 pytest.importorskip("transformers.models.pi0")
 
-VOCAB = instructions.vocab_size()
-OBS_SPACE = {"kind": "dict", "spaces": {
-    "image": {"kind": "box", "dtype": "uint8", "shape": [32, 32, 3], "low": 0, "high": 255},
-    "proprio": {"kind": "box", "dtype": "float32", "shape": [8], "low": -np.inf, "high": np.inf},
-    "instruction": {"kind": "box", "dtype": "int64", "shape": [instructions.MAX_TOKENS],
-                    "low": np.zeros(instructions.MAX_TOKENS), "high": np.full(instructions.MAX_TOKENS, VOCAB - 1)}}}
-ACT_SPACE = {"kind": "box", "dtype": "float32", "shape": [3, 2], "low": np.full((3, 2), -2.0),
-             "high": np.full((3, 2), 2.0)}
+ACT_SPACE = chunk_space(3, 2)
 
 
 def policy(**pi0) -> PI0Policy:
@@ -31,15 +24,12 @@ def policy(**pi0) -> PI0Policy:
     return build_policy("pi0", {"observation_space": OBS_SPACE, "action_space": ACT_SPACE}, cfg)
 
 
-def observations(texts: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    B = len(texts)
-    return {"image": torch.randint(0, 256, (B, 32, 32, 3), generator=g, dtype=torch.uint8),
-            "proprio": torch.randn(B, 8, generator=g),
-            "instruction": torch.as_tensor(np.stack([instructions.encode(t) for t in texts]))}
-
-
-TEXTS = ["reach the red ball", "touch the blue one", "go to the green target", "reach the red ball"]
+def plain_sample(plain, pol: PI0Policy, obs) -> torch.Tensor:
+    """Plain transformers' sample_actions from zero noise on the policy's own inputs."""
+    x = pol.inputs(obs)
+    return plain.sample_actions(state=x["state"], input_ids=x["input_ids"], pixel_values=x["pixel_values"],
+                                attention_mask=x["attention_mask"], pixel_attention_mask=x["pixel_attention_mask"],
+                                noise=torch.zeros(len(x["state"]), pol.H, pol.A), num_steps=pol.steps)
 
 
 def test_the_cached_prefix_gives_the_expert_what_recomputing_it_gives():
@@ -127,11 +117,7 @@ def test_save_pretrained_reloads_in_plain_transformers_to_the_same_deterministic
     chain, _, _ = pol.act(obs, deterministic=True)
     pol.save_pretrained(str(tmp_path))
     plain = PI0ForConditionalGeneration.from_pretrained(str(tmp_path), local_files_only=True).eval()
-    x = pol.inputs(obs)
-    actions = plain.sample_actions(state=x["state"], input_ids=x["input_ids"], pixel_values=x["pixel_values"],
-                                   attention_mask=x["attention_mask"],
-                                   pixel_attention_mask=x["pixel_attention_mask"], noise=torch.zeros(4, 3, 2),
-                                   num_steps=3)
+    actions = plain_sample(plain, pol, obs)
     assert torch.allclose(actions, chain[:, -1], atol=1e-5)
     again = build_policy("pi0", {"observation_space": OBS_SPACE, "action_space": ACT_SPACE},
                          PolicyConfig(name="pi0", pi0={"path": str(tmp_path), "flow_steps": 3}))
@@ -208,9 +194,5 @@ def test_lora_trains_adapters_where_asked_and_exports_a_plain_model(tmp_path, wh
     pol.save_pretrained(str(tmp_path))
     plain = PI0ForConditionalGeneration.from_pretrained(str(tmp_path), local_files_only=True)
     assert not any("lora" in k for k in plain.state_dict())
-    x = pol.inputs(obs)
-    actions = plain.sample_actions(state=x["state"], input_ids=x["input_ids"], pixel_values=x["pixel_values"],
-                                   attention_mask=x["attention_mask"],
-                                   pixel_attention_mask=x["pixel_attention_mask"], noise=torch.zeros(4, 3, 2),
-                                   num_steps=3)
+    actions = plain_sample(plain, pol, obs)
     assert torch.allclose(actions, moved[:, -1], atol=1e-5)

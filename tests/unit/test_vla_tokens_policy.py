@@ -10,33 +10,17 @@ import torch
 
 from services.core.config import PolicyConfig
 from services.core.models import build_policy
-from services.env.sims import instructions
+from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, observations
 
 pytest.importorskip("transformers.models.paligemma")
 
-VOCAB = instructions.vocab_size()
-OBS_SPACE = {"kind": "dict", "spaces": {
-    "image": {"kind": "box", "dtype": "uint8", "shape": [32, 32, 3], "low": 0, "high": 255},
-    "proprio": {"kind": "box", "dtype": "float32", "shape": [8], "low": -np.inf, "high": np.inf},
-    "instruction": {"kind": "box", "dtype": "int64", "shape": [instructions.MAX_TOKENS],
-                    "low": np.zeros(instructions.MAX_TOKENS), "high": np.full(instructions.MAX_TOKENS, VOCAB - 1)}}}
-ACT_SPACE = {"kind": "box", "dtype": "float32", "shape": [2, 2], "low": np.full((2, 2), -2.0),
-             "high": np.full((2, 2), 2.0)}
-TEXTS = ["reach the red ball", "touch the blue one", "go to the green target", "reach the red ball"]
+ACT_SPACE = chunk_space(2, 2)
 
 
 def policy(**section):
     torch.manual_seed(0)
     cfg = PolicyConfig(name="vla_tokens", vla_tokens={"patch": 8, "bins": 16, **section})
     return build_policy("vla_tokens", {"observation_space": OBS_SPACE, "action_space": ACT_SPACE}, cfg)
-
-
-def observations(texts: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    B = len(texts)
-    return {"image": torch.randint(0, 256, (B, 32, 32, 3), generator=g, dtype=torch.uint8),
-            "proprio": torch.randn(B, 8, generator=g),
-            "instruction": torch.as_tensor(np.stack([instructions.encode(t) for t in texts]))}
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -32,27 +32,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import CNN, box_bound, is_image
+from services.core.models.encoders import CNN, is_image
 from services.policies import flow_sde
+from services.policies.chunk_policy import ChunkPolicy
 
 
-class VLAPolicy(nn.Module):
-    has_value = True
-    serves = "actor_critic"
-
+class VLAPolicy(ChunkPolicy):
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
         v = cfg.vla
-        if action_space["kind"] != "box" or len(action_space["shape"]) not in (1, 2):
-            raise ValueError(f"the vla policy acts in Box action spaces of shape [A] or [H, A] (a chunk of H "
-                             f"actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
-        self.discrete = False
-        self.action_shape = tuple(action_space["shape"])
-        self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
+        self.init_chunks(action_space, "vla", v.logprob_level)
         self.act_dim = self.H * self.A
-        self.head, self.level = v.head, v.logprob_level
-        self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
-        self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))
+        self.head = v.head
         self._inputs(obs_space, v, cfg)
         layer = nn.TransformerEncoderLayer(v.width, v.heads, 4 * v.width, dropout=0.0, batch_first=True,
                                            norm_first=True, activation="gelu")
@@ -178,14 +169,6 @@ class VLAPolicy(nn.Module):
         value_in = y[:, 0] if feats is None else torch.cat([y[:, 0], feats], -1)
         return y[:, 0], (y[:, -self.act_dim:] if self.head == "tokens" else None), value_in
 
-    def _reduce(self, per_token: torch.Tensor) -> torch.Tensor:
-        """[B, H, A] -> the configured log-prob level."""
-        if self.level == "token":
-            return per_token
-        if self.level == "action":
-            return per_token.sum(-1)
-        return per_token.sum((-1, -2))
-
     # -- the flow expert -----------------------------------------------------------------------------------
     def velocity(self, x: torch.Tensor, tau: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """v(x, tau | context) for flat chunks x [N, H*A] at times tau [N]."""
@@ -222,7 +205,7 @@ class VLAPolicy(nn.Module):
                 idx = torch.multinomial(log_probs.exp().reshape(-1, self.bins), 1, generator=generator)
                 idx = idx.reshape(B, self.act_dim)
             logp = log_probs.gather(-1, idx.unsqueeze(-1)).reshape(B, self.H, self.A)
-            return idx.reshape(B, self.H, self.A), self._reduce(logp), value
+            return idx.reshape(B, self.H, self.A), self.reduce(logp), value
         if deterministic:  # the ODE from x_0 = 0
             x = torch.zeros(B, self.act_dim, device=context.device)
             chain = [x]
@@ -236,7 +219,7 @@ class VLAPolicy(nn.Module):
                 mu = self.step_mean(x, k, context)
                 chain.append(x := mu + std * torch.randn(mu.shape, generator=generator, device=mu.device))
         chain_t = torch.stack(chain, 1).reshape(B, self.steps + 1, self.H, self.A)
-        return chain_t, self._reduce(self._chain_logp(chain_t, context)), value
+        return chain_t, self.reduce(self._chain_logp(chain_t, context)), value
 
     def evaluate(self, obs: Any, actions: torch.Tensor):
         """Log-probs (at the configured level), entropies (same shape) and values of recorded raw actions: bin
@@ -248,10 +231,10 @@ class VLAPolicy(nn.Module):
             log_probs = torch.log_softmax(self.bin_head(queries), -1)
             logp = log_probs.gather(-1, actions.reshape(B, self.act_dim, 1).long()).reshape(B, self.H, self.A)
             entropy = -(log_probs.exp() * log_probs).sum(-1).reshape(B, self.H, self.A)
-            return self._reduce(logp), self._reduce(entropy), value
+            return self.reduce(logp), self.reduce(entropy), value
         logp = self._chain_logp(actions.reshape(B, self.steps + 1, self.H, self.A), context)
         entropy = torch.full_like(logp, flow_sde.chain_entropy(self.sigma, self.steps))
-        return self._reduce(logp), self._reduce(entropy), value
+        return self.reduce(logp), self.reduce(entropy), value
 
     def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
         """Imitation of demonstrated env actions [B, H, A]: the cross-entropy of each dimension's nearest bin (tokens
@@ -259,8 +242,7 @@ class VLAPolicy(nn.Module):
         target velocity chunk - noise)."""
         context, queries, _ = self._run(obs)
         B = context.shape[0]
-        unit = (2.0 * (actions.reshape(B, self.H, self.A).float() - self.low) / (self.high - self.low) - 1.0)
-        unit = unit.clamp(-1.0, 1.0)
+        unit = self.to_unit(actions)
         if self.head == "tokens":
             target = torch.round((unit + 1.0) * 0.5 * (self.bins - 1)).long().reshape(B * self.act_dim)
             return nn.functional.cross_entropy(self.bin_head(queries).reshape(B * self.act_dim, self.bins), target)
@@ -279,5 +261,4 @@ class VLAPolicy(nn.Module):
             unit = self.centers[actions.long()]
         else:
             unit = actions[:, -1].clamp(-1.0, 1.0)
-        chunk = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
-        return chunk.reshape(actions.shape[0], *self.action_shape).cpu().numpy()
+        return self.to_env(unit)
