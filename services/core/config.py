@@ -155,22 +155,30 @@ class VLAConfig(_Strict):
         return self
 
 
-class PI0PolicyConfig(_Strict):
+class TinyVLMSizes(_Strict):
+    """The sizes a tiny PaliGemma is built from (random init) when a VLM policy loads no checkpoint: a Gemma
+    language model with one KV head per layer and a SigLIP image encoder."""
+
+    width: int = Field(64, ge=8, le=8192, description="hidden size of the VLM's language model")
+    layers: int = Field(2, ge=1, le=64, description="layers of the language model (pi0: and of its expert, which "
+                                                    "reads the VLM's KV cache layer by layer)")
+    heads: int = Field(2, ge=1, le=128, description="attention heads of the language model (pi0: and its expert)")
+    head_dim: int = Field(32, ge=4, le=512, description="width of one attention head (one KV head, as pi0)")
+    vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
+    vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
+    patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
+    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the VLM's pooled "
+                                                             "prefix features")
+
+
+class PI0PolicyConfig(TinyVLMSizes):
     """transformers' pi0 (``policy.name: pi0``): a PaliGemma VLM reads the camera images and the instruction, and a
     flow-matching action expert reads its KV cache and denoises an action chunk. Built from the sizes below with
     random init, or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded)."""
 
     path: str = Field("", max_length=4096, description="a local save_pretrained directory of a "
                                                        "PI0ForConditionalGeneration; empty: build from the sizes below")
-    width: int = Field(64, ge=8, le=8192, description="hidden size of the VLM's language model")
     expert_width: int = Field(64, ge=8, le=8192, description="hidden size of the action expert")
-    layers: int = Field(2, ge=1, le=64, description="layers of the language model and of the expert (the expert "
-                                                    "reads the VLM's KV cache layer by layer, so they match)")
-    heads: int = Field(2, ge=1, le=128, description="attention heads of the language model and of the expert")
-    head_dim: int = Field(32, ge=4, le=512, description="width of one attention head (one KV head, as pi0)")
-    vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
-    vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
-    patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
     image_size: int = Field(0, ge=0, le=1024, description="the size images are resized to; 0: the env's own")
     flow_steps: int = Field(4, ge=1, le=64, description="denoising steps per chunk (each one an expert call)")
     flow_noise: float = Field(0.5, gt=0, le=5, allow_inf_nan=False,
@@ -178,8 +186,6 @@ class PI0PolicyConfig(_Strict):
     logprob_level: Literal["chunk", "action", "token"] = Field(
         "chunk", description="what one log-prob covers in the update: the whole chunk, one action of it, or one "
                              "action dimension")
-    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the VLM's "
-                                                             "pooled prefix features")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the attention "
                              "projections named in lora.targets; rank 0 trains every parameter")
     lora_on: Literal["vlm", "expert", "both"] = Field("both", description="where the adapters go: the VLM's language "
@@ -190,7 +196,7 @@ class PI0PolicyConfig(_Strict):
                                                    "fine-tuned policy cannot disturb what the policy sees")
 
 
-class VLATokensConfig(_Strict):
+class VLATokensConfig(TinyVLMSizes):
     """An OpenVLA-style policy (``policy.name: vla_tokens``): a transformers image-text-to-text VLM whose action
     dimensions are tokens, ``bins`` bins mapped onto the vocabulary's last ids. Built as a tiny PaliGemma from the
     sizes below (random init), or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded)."""
@@ -198,20 +204,12 @@ class VLATokensConfig(_Strict):
     path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma-style "
                                                        "VLM; empty: build a tiny one from the sizes below")
     trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")
-    width: int = Field(64, ge=8, le=8192, description="hidden size of the language model")
-    layers: int = Field(2, ge=1, le=64, description="layers of the language model")
-    heads: int = Field(2, ge=1, le=128, description="attention heads of the language model")
-    head_dim: int = Field(32, ge=4, le=512, description="width of one attention head")
-    vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
-    vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
-    patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
     bins: int = Field(256, ge=2, le=4096, description="bins per action dimension over [low, high], mapped onto "
                                                      "the vocabulary's last ids (OpenVLA: 256)")
     parallel: bool = Field(False, description="decode the whole chunk in one forward pass from learned action "
                                               "queries (OFT-style) instead of token by token")
     logprob_level: Literal["chunk", "action", "token"] = Field(
         "token", description="what one log-prob covers in the update: the whole chunk, one action, or one token")
-    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the pooled prefix")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
                              "lora.targets, vision tower included; rank 0 trains every parameter")
 
