@@ -15,6 +15,7 @@ import pytest
 from services.core.config import EnvConfig
 from services.env.adapters import adapter
 from services.env.adapters import metaworld as mw_adapter
+from services.env.adapters.instruction import decode_instruction, encode_instruction
 from services.env.pool import EnvPool
 
 
@@ -171,11 +172,13 @@ def test_franka_kitchen_goal_dicts_become_vectors_and_report_success():
 
 
 # -- metaworld ----------------------------------------------------------------------------------------------------
-def test_metaworld_instruction_bytes_round_trip():
+def test_instruction_bytes_round_trip():
     assert mw_adapter.instruction_of("pick-place-v3") == "pick place"
-    tokens = mw_adapter.encode_instruction("pick place")
+    tokens = encode_instruction("pick place", mw_adapter.INSTRUCTION_BYTES)
     assert tokens.dtype == np.int64 and tokens.shape == (mw_adapter.INSTRUCTION_BYTES,)
-    assert bytes((tokens[tokens > 0] - 1).astype(np.uint8)).decode() == "pick place" and tokens[10:].max() == 0
+    assert decode_instruction(tokens) == "pick place" and tokens[10:].max() == 0
+    with pytest.raises(ValueError, match="more than the 4"):
+        encode_instruction("pick place", 4)
 
 
 @pytest.mark.parametrize("options, names", [

@@ -26,6 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from services.env.adapters.gymnasium import vectorize_fns
+from services.env.adapters.instruction import Instruction
 from services.env.adapters.mujoco_pixels import SuccessFrom, check_options, headless, image_shape, pixel_env
 from services.env.chunking import ActionChunk
 
@@ -71,15 +72,6 @@ def instruction_of(task_name: str) -> str:
     return " ".join(task_name.removesuffix("-v3").split("-"))
 
 
-def encode_instruction(text: str) -> np.ndarray:
-    raw = text.encode()
-    if len(raw) > INSTRUCTION_BYTES:
-        raise ValueError(f"instruction {text!r} has {len(raw)} bytes, more than {INSTRUCTION_BYTES}")
-    out = np.zeros(INSTRUCTION_BYTES, np.int64)
-    out[:len(raw)] = np.frombuffer(raw, np.uint8).astype(np.int64) + 1
-    return out
-
-
 def succeeded(info: dict) -> bool:
     """MetaWorld's ``info["success"]`` is 0.0 or 1.0."""
     return info.get("success", 0.0) >= 1.0
@@ -104,23 +96,6 @@ class Upright(gym.ObservationWrapper):
         if isinstance(obs, dict):
             return {**obs, "image": np.ascontiguousarray(obs["image"][::-1, ::-1])}
         return np.ascontiguousarray(obs[::-1, ::-1])
-
-
-class Instruction(gym.ObservationWrapper):
-    """The task's instruction as an int64 ``instruction`` entry (the same every step of the sub-env's task)."""
-
-    def __init__(self, env: gym.Env, text: str):
-        super().__init__(env)
-        self.tokens = encode_instruction(text)
-        space = env.observation_space
-        spaces = dict(space.spaces) if isinstance(space, gym.spaces.Dict) else {"image": space}
-        spaces["instruction"] = gym.spaces.Box(0, 256, (INSTRUCTION_BYTES,), np.int64)
-        self.observation_space = gym.spaces.Dict(spaces)
-
-    def observation(self, obs: Any) -> dict[str, Any]:
-        out = dict(obs) if isinstance(obs, dict) else {"image": obs}
-        out["instruction"] = self.tokens.copy()
-        return out
 
 
 def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") -> gym.vector.VectorEnv:
@@ -149,7 +124,7 @@ def make_vector_env(env_cfg: Any, num_envs: int, vectorization: str = "sync") ->
             if camera.startswith("corner"):
                 env = Upright(env)
             if options.get("instruction", False):
-                env = Instruction(env, instruction_of(name))
+                env = Instruction(env, instruction_of(name), INSTRUCTION_BYTES)
             return ActionChunk(env, chunk) if chunk > 1 else env
 
         return make
