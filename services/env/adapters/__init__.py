@@ -30,6 +30,8 @@ ENV_ADAPTERS = Registry("env_adapters", "env.adapter", {
     "mujoco_pixels": "services.env.adapters.mujoco_pixels",  # gymnasium MuJoCo tasks seen as rendered images (+ state)
     "robotics": "services.env.adapters.robotics",  # gymnasium-robotics Fetch/FrankaKitchen: images, goals, is_success
     "metaworld": "services.env.adapters.metaworld",  # MetaWorld MT1/MT10/MT50: images, state, instruction, is_success
+    "franka_sim": "services.env.adapters.franka_sim",  # gym-hil's MuJoCo Franka: front/wrist cameras, is_success
+    "libero": "services.env.adapters.libero",  # LIBERO suites: two cameras, proprio, instruction, init states
     "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
     "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
     "robot": "services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
