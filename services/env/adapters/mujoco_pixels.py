@@ -15,15 +15,14 @@ Needs ``gymnasium[mujoco]`` (mujoco and imageio) and, headless, Debian's libosme
 
 from __future__ import annotations
 
-import ctypes.util
 import os
-import sys
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from services.env.adapters.gymnasium import check_env_id, vectorize
+from services.env.sims.offscreen import use_osmesa
 
 collector = "gym"  # rollout.collector auto: gym stepping (images and state are ordinary observations)
 OPTIONS = ("image_size", "state")
@@ -32,10 +31,8 @@ RENDER_KWARGS = ("render_mode", "width", "height")  # the adapter sets these; en
 
 
 def headless() -> None:
-    """Pick OSMesa (CPU) rendering for this process if it has not imported mujoco yet: MuJoCo and PyOpenGL fix
-    their GL backend on first import, and only processes that render should get OSMesa (see sims/arm_reach.py)."""
-    if "mujoco" not in sys.modules and ctypes.util.find_library("OSMesa"):
-        os.environ.setdefault("MUJOCO_GL", "osmesa")
+    """Pick OSMesa (CPU) rendering for this process if it has not imported mujoco yet (see sims/offscreen.py)."""
+    use_osmesa()
 
 
 def image_shape(options: dict[str, Any]) -> tuple[int, int]:

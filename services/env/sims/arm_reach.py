@@ -16,15 +16,14 @@ with the defaults.
 
 from __future__ import annotations
 
-import ctypes.util
 import os
-import sys
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from services.env.sims import instructions
+from services.env.sims.offscreen import use_osmesa
 
 RGBA = {"red": "0.9 0.1 0.1 1", "blue": "0.1 0.2 0.9 1", "green": "0.1 0.8 0.2 1", "yellow": "0.9 0.8 0.1 1"}
 LINKS = (0.2, 0.15)
@@ -69,10 +68,8 @@ class ArmReach(gym.Env):
     def __init__(self, colors: tuple[str, ...] = ("red",), instruction: bool = False, observation: str = "pixels",
                  image_size: int = 64, frame_skip: int = 5, max_move: float = 0.03, success_radius: float = 0.04,
                  render_mode: str | None = None):
-        if observation == "pixels" and "mujoco" not in sys.modules and ctypes.util.find_library("OSMesa"):
-            # MuJoCo picks its OpenGL backend once, on import. Only processes that render pick OSMesa: its LLVM
-            # crashes transformers code that runs later in the same process.
-            os.environ.setdefault("MUJOCO_GL", "osmesa")
+        if observation == "pixels":
+            use_osmesa()
         import mujoco
 
         unknown = sorted(set(colors) - set(RGBA))
