@@ -46,3 +46,11 @@ class ChunkPolicy(nn.Module):
         """Chunks in [-1, 1] [B, H, A] onto the bounds, in the env's action shape."""
         chunk = self.low + (unit.reshape(-1, self.H, self.A) + 1.0) * 0.5 * (self.high - self.low)
         return chunk.reshape(-1, *self.action_shape).cpu().numpy()
+
+    def random_actions(self, n: int, generator: torch.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` uniform chunks over the bounds (``rlfabric collect --random``), as (recorded, executed) actions:
+        both the chunk the env executes, as the scripted expert's are recorded, since a chunk policy's own form (a
+        denoising chain, token ids) has no uniform counterpart."""
+        unit = torch.rand((n, self.H, self.A), generator=generator, device=self.low.device) * 2 - 1
+        chunk = self.to_env(unit)
+        return chunk, chunk

@@ -52,6 +52,19 @@ def test_collecting_with_the_expert_from_a_spec_needs_an_env_that_has_one(tmp_pa
 
 
 @pytest.mark.parametrize("head", ["flow", "tokens"])
+def test_random_collection_with_a_chunk_policy_records_uniform_chunks(tmp_path, head):
+    """A chunk policy's own action form (a denoising chain, bin ids) has no uniform counterpart: --random draws
+    the env's chunks, recorded as the expert's are (this once failed reshaping flat actions into chunks)."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(SPEC + f"policy: {{name: vla, vla: {{head: {head}}}}}\n")
+    batch, returns = collect_dataset(path, episodes=8, seed=1, random=True)
+    actions = batch["actions"]
+    assert len(returns) == 8 and actions.shape[1:] == (4, 2) and actions.dtype == np.float32
+    assert np.abs(actions).max() <= 1.0 and actions.std() > 0.4  # uniform on [-1, 1]: std 0.58
+    assert np.mean(np.asarray(returns) > 1.0) < 0.5  # random chunks rarely reach the named ball
+
+
+@pytest.mark.parametrize("head", ["flow", "tokens"])
 def test_vla_sft_clones_the_expert(demos, head):
     batch, _ = demos
     cfg = RunConfig.model_validate({

@@ -41,7 +41,10 @@ class TorchBackend:
                 values.cpu().numpy())
 
     def random_actions(self, n: int):
-        """Uniform actions in the policy's action space (off-policy warm-up)."""
+        """Uniform actions in the policy's action space (off-policy warm-up), as (recorded, executed) actions; a
+        policy whose own action form is not a flat vector (a chunk policy) draws them itself."""
+        if hasattr(self.policy, "random_actions"):
+            return self.policy.random_actions(n, self.generator)
         if self.policy.discrete:
             raw = torch.randint(0, self.policy.act_dim, (n,), generator=self.generator, device=self.device)
         else:
