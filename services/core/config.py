@@ -167,8 +167,11 @@ class TinyVLMSizes(_Strict):
     vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
     vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
     patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
-    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head on the VLM's pooled "
-                                                             "prefix features")
+    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head (either critic)")
+    critic: Literal["prefix", "own"] = Field(
+        "prefix", description="what the value head reads: the mean of the VLM prefix's hidden states, or an encoder "
+                              "of its own (policy.cnn per camera, the state, the instruction's ids; "
+                              "services/policies/obs_critic.py), which localises what pooling loses")
 
 
 class PI0PolicyConfig(TinyVLMSizes):

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from services.policies import flow_sde
 from services.policies.chunk_policy import ChunkPolicy
+from services.policies.obs_critic import VLMCritic
 from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
 
 
@@ -87,8 +87,7 @@ class PI0Policy(ChunkPolicy):
             scope = {"vlm": r"vlm\.language_model", "expert": r"dit", "both": r"(vlm\.language_model|dit)"}[p.lora_on]
             targets = rf".*model\.{scope}\.layers\.\d+\.self_attn\.({'|'.join(p.lora.targets)})"
             self.model = with_lora(self.model, p.lora, targets, train=("embed_action_time", "action_out_proj"))
-        width = c.vlm_config.text_config.hidden_size
-        self.value_head = nn.Sequential(nn.Linear(width, p.value_hidden), nn.Tanh(), nn.Linear(p.value_hidden, 1))
+        self.value_head = VLMCritic(obs_space, cfg.cnn, p, c.vlm_config.text_config.hidden_size)
         self.value_detach = p.value_detach
 
     @property
@@ -131,7 +130,7 @@ class PI0Policy(ChunkPolicy):
         each step's velocity gives both the step taken and its Flow-SDE mean, so scoring costs no extra call."""
         x_in = self.inputs(obs)
         cache, pooled = self.prefix(x_in)
-        value = self.value_head(pooled).squeeze(-1)
+        value = self.value_head(obs, pooled)
         B, K, device = pooled.shape[0], self.steps, pooled.device
         length = cache.get_seq_length()
         if deterministic:  # pi0's ODE from zero noise: plain transformers' sample_actions(noise=0)
@@ -159,7 +158,7 @@ class PI0Policy(ChunkPolicy):
         once, then all K steps of every row in one expert call over the cache repeated K times."""
         x_in = self.inputs(obs)
         cache, pooled = self.prefix(x_in)
-        value = self.value_head(pooled).squeeze(-1)
+        value = self.value_head(obs, pooled)
         B, K = pooled.shape[0], self.steps
         chain = actions.reshape(B, K + 1, self.H, self.A).float()
         cache.batch_repeat_interleave(K)
@@ -173,7 +172,9 @@ class PI0Policy(ChunkPolicy):
         return self.reduce(logp), self.reduce(entropy), value
 
     def value(self, obs: Any) -> torch.Tensor:
-        return self.value_head(self.prefix(self.inputs(obs))[1]).squeeze(-1)
+        if not self.value_head.reads_prefix:  # its own encoder: no VLM pass needed
+            return self.value_head(obs)
+        return self.value_head(obs, self.prefix(self.inputs(obs))[1])
 
     def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
         """pi0's own flow-matching loss on demonstrated env actions [B, H, A] (supervised): mapped onto [-1, 1] and

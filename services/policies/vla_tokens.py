@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.policies.chunk_policy import ChunkPolicy
+from services.policies.obs_critic import VLMCritic
 from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
 
 
@@ -72,7 +73,7 @@ class VLATokensPolicy(ChunkPolicy):
         self.state_proj = nn.Linear(max(self.read.state_dim, 1), width)
         if self.parallel:
             self.queries = nn.Parameter(0.02 * torch.randn(1, self.n, width))
-        self.value_head = nn.Sequential(nn.Linear(width, v.value_hidden), nn.Tanh(), nn.Linear(v.value_hidden, 1))
+        self.value_head = VLMCritic(obs_space, cfg.cnn, v, width)
 
     @property
     def vlm(self):
@@ -136,7 +137,7 @@ class VLATokensPolicy(ChunkPolicy):
             mask = torch.cat([mask, mask.new_ones(B, self.n - 1)], 1)
             out = self._run(emb, mask, P)
             hidden = out.last_hidden_state[:, P - 1:]
-        value = self.value_head(self._pooled(out.last_hidden_state, mask, P)).squeeze(-1)
+        value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
         return self._bin_logits(hidden), value
 
     # -- actor-critic interface ----------------------------------------------------------------------------
@@ -153,7 +154,7 @@ class VLATokensPolicy(ChunkPolicy):
         emb, mask = self._prefix(obs)
         B, P = mask.shape
         out = self._run(emb, mask, P, use_cache=True)
-        value = self.value_head(self._pooled(out.last_hidden_state, mask, P)).squeeze(-1)
+        value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
         cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
         position = mask.sum(-1)
         chosen, logps = [], []
@@ -181,11 +182,13 @@ class VLATokensPolicy(ChunkPolicy):
         return self.reduce(logp), self.reduce(entropy), value
 
     def value(self, obs: Any) -> torch.Tensor:
+        if not self.value_head.reads_prefix:  # its own encoder: no VLM pass needed
+            return self.value_head(obs)
         if self.parallel:  # the prefix attends to the action queries too: the value is the one pass's
             return self._score(obs, None)[1]
         emb, mask = self._prefix(obs)
         out = self._run(emb, mask, mask.shape[1])
-        return self.value_head(self._pooled(out.last_hidden_state, mask, mask.shape[1])).squeeze(-1)
+        return self.value_head(obs, self._pooled(out.last_hidden_state, mask, mask.shape[1]))
 
     def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
         """The bins' cross-entropy of demonstrated env actions [B, H, A] (their nearest bins), teacher-forced."""

@@ -87,7 +87,7 @@ def test_lora_adapters_train_and_fold_into_the_saved_vlm(tmp_path):
     pol = policy(lora={"rank": 4, "alpha": 8.0})
     trainable = {n for n, p in pol.named_parameters() if p.requires_grad}
     assert any("lora_" in n for n in trainable) and not any("embed_tokens" in n for n in trainable)
-    assert {"state_proj.weight", "value_head.0.weight"} <= trainable
+    assert {"state_proj.weight", "value_head.net.0.weight"} <= trainable
     obs = observations(TEXTS)
     bins, logp, _ = pol.act(obs, generator=torch.Generator().manual_seed(1))
     assert (pol.evaluate(obs, bins)[0] - logp).abs().max() < 1e-5
