@@ -32,6 +32,7 @@ ENV_ADAPTERS = Registry("env_adapters", "env.adapter", {
     "metaworld": "services.env.adapters.metaworld",  # MetaWorld MT1/MT10/MT50: images, state, instruction, is_success
     "franka_sim": "services.env.adapters.franka_sim",  # gym-hil's MuJoCo Franka: front/wrist cameras, is_success
     "libero": "services.env.adapters.libero",  # LIBERO suites: two cameras, proprio, instruction, init states
+    "maniskill": "services.env.adapters.maniskill",  # ManiSkill3 (SAPIEN): cameras, state, is_success; needs Vulkan
     "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
     "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
     "robot": "services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
