@@ -1,11 +1,11 @@
 """A critic with an encoder of its own (``critic: own`` on a VLM policy), beside the VLM rather than on it.
 
-The default critic (``critic: prefix``) is a value head on the mean of the VLM prefix's hidden states. Pooling over
-image patches and words keeps what is in the scene but loses where: on ArmReachLang its explained variance stayed ~0
-through every PPO run, so the advantages were noise. This critic reads the raw observation the way the CNN
-actor-critic does (which learns the pixel task's values from scratch): a conv stack per camera (``policy.cnn``),
-the state vector, and the instruction as the mean of learned embeddings of its ids, then an MLP. It shares no weight
-with the policy, so its loss cannot disturb the supervised features the actor starts from.
+The default critic (``critic: prefix``) is a value head on the mean of the VLM prefix's hidden states: pooling over
+image patches and words keeps what is in the scene but not where, and its loss flows into the VLM the actor shares
+(unless ``value_detach``). This critic reads the raw observation the way the CNN actor-critic does: a conv stack per
+camera (``policy.cnn``), the state vector, and the instruction as the mean of learned embeddings of its ids, then an
+MLP. It shares no weight with the actor, so its loss cannot disturb the supervised features the actor starts from.
+On ArmReachLang its explained variance stayed as low as the prefix critic's (docs/benchmarks.md).
 """
 
 from __future__ import annotations
