@@ -47,3 +47,11 @@ def test_one_mlp_builder_and_no_global_distribution_switch():
     builders = [str(p) for p in _sources() if re.search(r"^def _?mlp\(", p.read_text(), re.MULTILINE)]
     assert builders == [str(SERVICES / "core" / "models" / "mlp.py")]
     assert not [p for p in _sources() if "set_default_validate_args" in p.read_text()]
+
+
+def test_every_algorithm_hyper_parameter_is_documented_where_it_is_declared():
+    """What a user reads in the schema (and `rlfabric` errors quote): each field of every algorithm's config says
+    what it does, inherited fields included."""
+    missing = [f"{name}.{field}" for name, algo in sorted(load_algorithms().items())
+               for field, info in algo.Config.model_fields.items() if field != "name" and not info.description]
+    assert not missing, f"algorithm fields without a description: {missing}"

@@ -20,7 +20,7 @@ nn = lazy_import("torch.nn")
 
 class BCConfig(OfflineConfig):
     name: Literal["bc"] = "bc"
-    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False)
+    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False, description="Adam's step size")
 
 
 @register

@@ -28,9 +28,11 @@ torch = lazy_import("torch")
 
 class DAPOConfig(GRPOConfig):
     name: Literal["dapo"] = "dapo"  # type: ignore[assignment]
-    clip_high: float = Field(0.28, gt=0, allow_inf_nan=False)
-    loss_agg: Literal["sequence", "token"] = "token"
-    scale_rewards: Literal["group", "none"] = "group"
+    clip_high: float = Field(0.28, gt=0, allow_inf_nan=False, description="eps_high: clip-higher, above clip_low, "
+                                                                          "so rare tokens can gain probability")
+    loss_agg: Literal["sequence", "token"] = Field("token", description="token-level averaging over the batch")
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="divide each advantage by its group's reward std (none: only subtract the mean)")
     train_groups: int = Field(8, ge=1, le=1 << 16, description="groups with signal per update")
     max_refills: int = Field(4, ge=0, le=1000, description="iterations to wait for them before training on fewer")
     overlong_max: int = Field(0, ge=0, le=1 << 20, description="L_max in tokens; 0: no overlong shaping")

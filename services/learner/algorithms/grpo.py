@@ -31,7 +31,7 @@ nn = lazy_import("torch.nn")
 
 class GRPOConfig(AlgorithmConfig):
     name: Literal["grpo"] = "grpo"
-    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)
+    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False, description="AdamW's step size")
     epochs: int = Field(1, ge=1, le=100, description="passes over each batch")
     minibatch_size: int = Field(64, ge=1, le=1 << 16, description="responses per gradient step")
     micro_batch_size: int = Field(
@@ -46,14 +46,19 @@ class GRPOConfig(AlgorithmConfig):
     clip_low: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="eps_low of the ratio clip")
     clip_high: float = Field(0.2, gt=0, allow_inf_nan=False, description="eps_high (DAPO's clip-higher: > eps_low)")
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="beta; > 0 keeps a frozen reference policy")
-    scale_rewards: Literal["group", "none"] = "group"
-    loss_agg: Literal["sequence", "token"] = "sequence"
-    behaviour: Literal["engine", "proximal"] = "engine"
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="divide each advantage by its group's reward std (none: only subtract the mean)")
+    loss_agg: Literal["sequence", "token"] = Field(
+        "sequence", description="average the loss per response, then over responses (sequence), or over all "
+                                "response tokens of the batch (token: long responses weigh more)")
+    behaviour: Literal["engine", "proximal"] = Field(
+        "engine", description="pi_old of the ratio: the engine's sampling log-probs, or the learner's own "
+                              "recomputation before the update (decoupled PPO, with tis_cap)")
     tis_cap: float | None = Field(None, gt=0, allow_inf_nan=False,
                                   description="truncated importance weight cap (behaviour: proximal); None: no "
                                               "weight")
-    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="clip of the gradient's global norm")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW's decoupled weight decay")
 
 
 def take(batch: dict, rows: torch.Tensor) -> dict:

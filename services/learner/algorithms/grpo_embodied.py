@@ -35,11 +35,12 @@ class EmbodiedGRPOConfig(AlgorithmConfig):
                                                            "episode length")
     epochs: int = Field(4, ge=1, le=100, description="passes over each batch")
     minibatch_size: int = Field(256, ge=1, le=1 << 20, description="decisions per gradient step")
-    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False)
+    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False, description="Adam's step size")
     clip_low: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="eps_low of the ratio clip")
     clip_high: float = Field(0.28, gt=0, allow_inf_nan=False, description="eps_high (clip-higher: > eps_low)")
-    scale_rewards: Literal["group", "none"] = "group"
-    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="divide each advantage by its group's return std (none: only subtract the mean)")
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="clip of the gradient's global norm")
 
 
 def first_episode_mask(dones: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ class HGDAggerConfig(AlgorithmConfig):
     batch_size: int = Field(128, ge=1, le=1 << 16, description="intervention rows per gradient step")
     updates_per_iteration: int = Field(50, ge=1, le=100_000, description="gradient steps per iteration (once "
                                                                          "there is any intervention)")
-    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False)
+    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False, description="Adam's step size")
     label_clip: float = Field(0.95, gt=0, lt=1, description="human actions are cloned within +-label_clip")
 
 

@@ -29,8 +29,8 @@ critics = lazy_import("services.core.models.critics")
 
 class IQLConfig(OfflineConfig):
     name: Literal["iql"] = "iql"
-    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False)
-    gamma: float = Field(0.99, gt=0, le=1)
+    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False, description="Adam's step size (critics and actor)")
+    gamma: float = Field(0.99, gt=0, le=1, description="discount of the TD target")
     polyak: float = Field(0.005, gt=0, le=1, description="Polyak factor of the target critics")
     expectile: float = Field(0.7, gt=0, lt=1, description="tau: the upper expectile V fits (0.5 = the mean)")
     beta: float = Field(3.0, ge=0, allow_inf_nan=False, description="inverse temperature of the advantage weights")

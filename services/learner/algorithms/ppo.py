@@ -35,19 +35,20 @@ class PPOConfig(AlgorithmConfig):
     name: Literal["ppo"] = "ppo"
     n_steps: int = Field(32, ge=1, le=1_000_000, description="steps per env per batch")
     batch_size: int = Field(256, ge=1, description="minibatch size")
-    n_epochs: int = Field(20, ge=1, le=10_000)
-    gamma: float = Field(0.98, gt=0, le=1)
-    gae_lambda: float = Field(0.8, ge=0, le=1)
-    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False)
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    clip_range: float = Field(0.2, gt=0, allow_inf_nan=False)
-    clip_schedule: Literal["constant", "linear"] = "linear"
+    n_epochs: int = Field(20, ge=1, le=10_000, description="passes over each batch")
+    gamma: float = Field(0.98, gt=0, le=1, description="discount per decision (reward_level: action, per step)")
+    gae_lambda: float = Field(0.8, ge=0, le=1, description="GAE's lambda: bias (0) against variance (1)")
+    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False, description="Adam's step size")
+    lr_schedule: Literal["constant", "linear"] = Field("linear", description="linear: decays to 0 over the run")
+    clip_range: float = Field(0.2, gt=0, allow_inf_nan=False, description="eps of the ratio clip [1 - eps, 1 + eps]")
+    clip_schedule: Literal["constant", "linear"] = Field("linear", description="linear: decays to 0 over the run")
     clip_range_vf: float | None = Field(None, gt=0, allow_inf_nan=False, description="None disables value clipping")
-    ent_coef: float = Field(0.0, allow_inf_nan=False)
-    vf_coef: float = Field(0.5, ge=0, allow_inf_nan=False)
-    max_grad_norm: float = Field(0.5, gt=0, allow_inf_nan=False)
-    normalize_advantage: bool = True
-    target_kl: float | None = Field(None, gt=0, allow_inf_nan=False)
+    ent_coef: float = Field(0.0, allow_inf_nan=False, description="weight of the entropy bonus")
+    vf_coef: float = Field(0.5, ge=0, allow_inf_nan=False, description="weight of the value loss")
+    max_grad_norm: float = Field(0.5, gt=0, allow_inf_nan=False, description="clip of the gradient's global norm")
+    normalize_advantage: bool = Field(True, description="whiten the advantages of each minibatch")
+    target_kl: float | None = Field(None, gt=0, allow_inf_nan=False, description="stop the update's epochs once the "
+                                                                                "approximate KL passes this; None: never")
     reward_level: Literal["chunk", "action"] = Field(
         "chunk", description="with action chunks: sum a chunk's rewards (chunk) or discount them per step (action)")
     critic_warmup: int = Field(0, ge=0, le=1_000_000, description="the first N updates train the value function "

@@ -28,12 +28,13 @@ torch = lazy_import("torch")
 
 class PPOLMConfig(GRPOConfig):
     name: Literal["ppo_lm"] = "ppo_lm"  # type: ignore[assignment]
-    gamma: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    gae_lambda: float = Field(0.95, ge=0, le=1, allow_inf_nan=False)
+    gamma: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="discount per response token")
+    gae_lambda: float = Field(0.95, ge=0, le=1, allow_inf_nan=False, description="GAE's lambda: bias (0) against "
+                                                                                "variance (1) of the advantages")
     vf_coef: float = Field(0.1, ge=0, allow_inf_nan=False, description="weight of the value loss")
     value_clip: float = Field(0.2, gt=0, allow_inf_nan=False, description="how far V may move from V_old")
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="beta of the per-token KL reward")
-    loss_agg: Literal["sequence", "token"] = "token"
+    loss_agg: Literal["sequence", "token"] = Field("token", description="token-level averaging over the batch")
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,

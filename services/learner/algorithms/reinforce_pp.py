@@ -23,7 +23,7 @@ torch = lazy_import("torch")
 class ReinforcePPConfig(GRPOConfig):
     name: Literal["reinforce_pp"] = "reinforce_pp"  # type: ignore[assignment]
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="beta of the per-token KL reward")
-    loss_agg: Literal["sequence", "token"] = "token"
+    loss_agg: Literal["sequence", "token"] = Field("token", description="token-level averaging over the batch")
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

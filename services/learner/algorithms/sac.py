@@ -33,8 +33,8 @@ class SACConfig(AlgorithmConfig):
     n_steps: int = Field(32, ge=1, le=1_000_000,
                          description="steps per env per iteration (one epoch: collect, then update)")
     batch_size: int = Field(256, ge=1, description="minibatch size sampled from the replay window")
-    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False)
-    gamma: float = Field(0.99, gt=0, le=1)
+    learning_rate: float = Field(3e-4, gt=0, allow_inf_nan=False, description="Adam's step size (critics, actor, temperature)")
+    gamma: float = Field(0.99, gt=0, le=1, description="discount of the TD target")
     tau: float = Field(0.005, gt=0, le=1, description="Polyak factor of the target critics")
     learning_starts: int = Field(1000, ge=0, description="env steps of uniform random actions before updates")
     updates_per_env_step: float = Field(1.0, gt=0, le=64, description="gradient steps per env step collected")

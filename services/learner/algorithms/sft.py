@@ -24,9 +24,9 @@ nn = lazy_import("torch.nn")
 class SFTConfig(OfflineConfig):
     name: Literal["sft"] = "sft"
     batch_size: int = Field(64, ge=1, le=1 << 16, description="sequences per gradient step")
-    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
-    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False, description="AdamW's step size")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW's decoupled weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="clip of the gradient's global norm")
 
 
 def model_token_mask(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
