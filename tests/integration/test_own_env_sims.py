@@ -2,8 +2,11 @@
 (``env.adapter: franka_sim``) and LIBERO (``env.adapter: libero``). Each is smoke-tested through the env pool (reset,
 step, both cameras, the instruction, a success the sim is put into) and through every service in its own process.
 
-The main venv has neither package, so these skip there; ``tests/own_env.sh gym-hil`` and ``tests/own_env.sh
-libero`` build the environment and run this file in it."""
+ManiSkill (``env.adapter: maniskill``) needs a Vulkan device besides: without one, its adapter's error must name
+the fix, and the smoke test skips.
+
+The main venv has none of these packages, so these skip there; ``bash tests/own_env.sh gym-hil`` (or ``libero``,
+``maniskill``) builds that environment and runs this file's cases for it."""
 
 from __future__ import annotations
 
