@@ -23,23 +23,11 @@ from torch import nn
 
 from services.policies.chunk_policy import ChunkPolicy
 from services.policies.obs_critic import VLMCritic
-from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config, unwrapped
+from services.policies.paligemma_body import PaliGemmaBody, load_pretrained
+from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config
 
 
-def load_pretrained(path: str, trust_remote_code: bool):
-    """A local save_pretrained directory (``policy.vla_tokens.path``); never a hub id."""
-    from pathlib import Path
-
-    from transformers import AutoModelForImageTextToText
-
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"policy.vla_tokens.path={path!r} is not a save_pretrained directory (no config.json). "
-                         f"Fix: a local directory written by save_pretrained; nothing is downloaded")
-    return AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32,
-                                                       trust_remote_code=trust_remote_code)
-
-
-class VLATokensPolicy(ChunkPolicy):
+class VLATokensPolicy(ChunkPolicy, PaliGemmaBody):
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
@@ -51,7 +39,7 @@ class VLATokensPolicy(ChunkPolicy):
         self.bins, self.parallel = v.bins, v.parallel
         self.read = VLMInputs(obs_space, "vla_tokens")
         if v.path:
-            self.model = load_pretrained(v.path, v.trust_remote_code)
+            self.model = load_pretrained(v.path, v.trust_remote_code, "policy.vla_tokens.path")
         else:  # the env's instruction ids, then the bins: the vocabulary's last ids
             size = self.read.env_image_size
             config = PaliGemmaConfig(**{k: val for k, val in siglip_paligemma_config(
@@ -75,51 +63,11 @@ class VLATokensPolicy(ChunkPolicy):
             self.queries = nn.Parameter(0.02 * torch.randn(1, self.n, width))
         self.value_head = VLMCritic(obs_space, cfg.cnn, v, width)
 
-    @property
-    def vlm(self):
-        """The transformers model (inside peft's wrapper when LoRA is on)."""
-        return unwrapped(self.model)
-
-    # -- the VLM -------------------------------------------------------------------------------------------
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.vlm.get_input_embeddings()(ids)
-
-    def _prefix(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings [B, P, W] and mask [B, P] of images, instruction and the proprioception token."""
-        x = self.read(obs, max(self.read.state_dim, 1))
-        ids, mask = x["input_ids"], x["attention_mask"]
-        placeholders = ids == self.read.image_token_id
-        emb = self._embed(ids.masked_fill(placeholders, 0))
-        pixels = x["pixel_values"].flatten(0, 1)
-        image = self.vlm.model.get_image_features(pixels).pooler_output
-        emb = emb.masked_scatter(placeholders.unsqueeze(-1), image.to(emb.dtype))
-        emb = torch.cat([emb, self.state_proj(x["state"]).unsqueeze(1)], 1)
-        return emb, torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-
-    def _run(self, emb: torch.Tensor, mask: torch.Tensor, prefix_len: int, cache: Any = None,
-             offset: torch.Tensor | None = None, use_cache: bool = False):
-        """The language model over embeddings: the first ``prefix_len`` positions bidirectional (PaliGemma's
-        prefix), the rest causal; positions count unmasked tokens (1-based, as PaliGemma's)."""
-        B, L = emb.shape[:2]
-        if cache is None:
-            position = mask.cumsum(-1)
-            token_type = torch.ones(B, L, dtype=torch.long, device=emb.device)
-            token_type[:, :prefix_len] = 0
-        else:  # one decoded token after the cached ones
-            position = offset.unsqueeze(1)
-            token_type = None
-        return self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=position, past_key_values=cache,
-                              token_type_ids=token_type, use_cache=use_cache or cache is not None,
-                              return_dict=True)
-
+    # -- the VLM (the prefix and its runs: PaliGemmaBody) ---------------------------------------------------
     def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """log-softmax over the bins (the LM head's rows of the bin ids) at each hidden state [..., W]."""
         weight = self.vlm.lm_head.weight[self.bin_ids]
         return torch.log_softmax(hidden @ weight.T, -1)
-
-    def _pooled(self, hidden: torch.Tensor, mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
-        m = mask[:, :prefix_len].unsqueeze(-1).to(hidden.dtype)
-        return (hidden[:, :prefix_len] * m).sum(1) / m.sum(1).clamp(min=1.0)
 
     def _score(self, obs: Any, bins: torch.Tensor | None):
         """Bin log-probs [B, n, bins] of every action position and the value, teacher-forced on ``bins`` [B, n]
