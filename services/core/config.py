@@ -199,22 +199,28 @@ class PI0PolicyConfig(TinyVLMSizes):
                                                    "fine-tuned policy cannot disturb what the policy sees")
 
 
-class VLATokensConfig(TinyVLMSizes):
-    """An OpenVLA-style policy (``policy.name: vla_tokens``): a transformers image-text-to-text VLM whose action
-    dimensions are tokens, ``bins`` bins mapped onto the vocabulary's last ids. Built as a tiny PaliGemma from the
-    sizes below (random init), or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded)."""
+class PaliGemmaPolicyConfig(TinyVLMSizes):
+    """A policy on a transformers image-text-to-text VLM (PaliGemma-shaped): built as a tiny PaliGemma from the sizes
+    (random init), or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded). As
+    ``policy.vlm`` (``policy.name: vlm``) it writes text: captions or answers about its images."""
 
     path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma-style "
-                                                       "VLM; empty: build a tiny one from the sizes below")
+                                                       "VLM; empty: build a tiny one from the sizes")
     trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
+                             "lora.targets, vision tower included; rank 0 trains every parameter")
+
+
+class VLATokensConfig(PaliGemmaPolicyConfig):
+    """An OpenVLA-style policy (``policy.name: vla_tokens``): a VLM whose action dimensions are tokens, ``bins``
+    bins mapped onto the vocabulary's last ids."""
+
     bins: int = Field(256, ge=2, le=4096, description="bins per action dimension over [low, high], mapped onto "
                                                      "the vocabulary's last ids (OpenVLA: 256)")
     parallel: bool = Field(False, description="decode the whole chunk in one forward pass from learned action "
                                               "queries (OFT-style) instead of token by token")
     logprob_level: Literal["chunk", "action", "token"] = Field(
         "token", description="what one log-prob covers in the update: the whole chunk, one action, or one token")
-    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
-                             "lora.targets, vision tower included; rank 0 trains every parameter")
 
 
 class PolicyConfig(_Strict):
@@ -230,6 +236,8 @@ class PolicyConfig(_Strict):
     pi0: PI0PolicyConfig = Field(default_factory=PI0PolicyConfig, description="transformers' pi0 (policy.name: pi0)")
     vla_tokens: VLATokensConfig = Field(default_factory=VLATokensConfig, description="a VLM with action tokens "
                                                                                      "(policy.name: vla_tokens)")
+    vlm: PaliGemmaPolicyConfig = Field(default_factory=PaliGemmaPolicyConfig, description="a VLM that writes text "
+                                                                                          "(policy.name: vlm)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")
 

@@ -23,6 +23,7 @@ POLICIES = Registry("policies", "policy.name", {
     "vla": "services.core.models.vla:VLAPolicy",
     "pi0": "services.policies.pi0:PI0Policy",  # transformers' PI0ForConditionalGeneration
     "vla_tokens": "services.policies.vla_tokens:VLATokensPolicy",  # a transformers VLM, actions as tokens
+    "vlm": "services.policies.vlm_text:VLMTextPolicy",  # a transformers VLM writing text about its images
 }, home="services/core/models", noun="policy")
 
 

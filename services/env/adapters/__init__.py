@@ -30,6 +30,7 @@ ENV_ADAPTERS = Registry("env_adapters", "env.adapter", {
     "mujoco_pixels": "services.env.adapters.mujoco_pixels",  # gymnasium MuJoCo tasks seen as rendered images (+ state)
     "robotics": "services.env.adapters.robotics",  # gymnasium-robotics Fetch/FrankaKitchen: images, goals, is_success
     "metaworld": "services.env.adapters.metaworld",  # MetaWorld MT1/MT10/MT50: images, state, instruction, is_success
+    "captions": "services.env.adapters.captions",  # image-to-text rows (JSONL/Parquet naming images) for VLMs
     "franka_sim": "services.env.adapters.franka_sim",  # gym-hil's MuJoCo Franka: front/wrist cameras, is_success
     "libero": "services.env.adapters.libero",  # LIBERO suites: two cameras, proprio, instruction, init states
     "maniskill": "services.env.adapters.maniskill",  # ManiSkill3 (SAPIEN): cameras, state, is_success; needs Vulkan

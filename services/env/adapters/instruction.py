@@ -21,10 +21,10 @@ def encode_instruction(text: str, length: int = 32) -> np.ndarray:
     return out
 
 
-def decode_instruction(ids: np.ndarray) -> str:
-    """The text back from an ``instruction`` entry (padding dropped)."""
+def decode_instruction(ids: np.ndarray, errors: str = "strict") -> str:
+    """The text back from an ``instruction`` entry (padding dropped); ``errors`` as bytes.decode takes it."""
     ids = np.asarray(ids).reshape(-1)
-    return bytes(int(i) - 1 for i in ids if i > 0).decode()
+    return bytes(int(i) - 1 for i in ids if 0 < i <= VOCAB_HIGH).decode(errors=errors)
 
 
 class Instruction(gym.ObservationWrapper):
