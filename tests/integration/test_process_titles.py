@@ -3,16 +3,11 @@ process showed the same ``python -c from multiprocessing.forkserver ...`` line).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import setproctitle
-
-from services.core.runtime import ServiceOptions, ServiceRuntime
 
 
 def test_a_served_process_is_titled_with_its_role_and_port(tmp_path):
@@ -35,18 +30,27 @@ def test_a_served_process_is_titled_with_its_role_and_port(tmp_path):
         proc.wait(timeout=10)
 
 
-def test_the_title_names_the_run_a_service_works_for():
-    async def titles() -> None:  # a runtime is built inside its event loop, as run_service builds it (grpc.aio needs
-        runtime = ServiceRuntime(ServiceOptions(role="learner"))  # one; an earlier asyncio.run leaves none set)
-        assert setproctitle.getproctitle() == "rlfabric-learner"
-        runtime.port = 50123
-        runtime.state = "busy:run-7f3a"
-        assert setproctitle.getproctitle() == "rlfabric-learner run=run-7f3a grpc=:50123"
-        runtime.state = "idle"
-        assert setproctitle.getproctitle() == "rlfabric-learner grpc=:50123"
+TITLES = """
+import asyncio, setproctitle
+from services.core.runtime import ServiceOptions, ServiceRuntime
 
-    before = setproctitle.getproctitle()
-    try:
-        asyncio.run(titles())
-    finally:
-        setproctitle.setproctitle(before)
+async def titles():  # a runtime is built inside its event loop, as run_service builds it (grpc.aio needs one)
+    runtime = ServiceRuntime(ServiceOptions(role="learner"))
+    print(setproctitle.getproctitle())
+    runtime.port = 50123
+    runtime.state = "busy:run-7f3a"
+    print(setproctitle.getproctitle())
+    runtime.state = "idle"
+    print(setproctitle.getproctitle())
+
+asyncio.run(titles())
+"""
+
+
+def test_the_title_names_the_run_a_service_works_for():
+    """In a fresh interpreter, as a service starts: setproctitle takes over argv's memory on its first call, which
+    fails (an empty title) in a process whose environment grew before it, such as a test runner that ran others."""
+    proc = subprocess.run([sys.executable, "-c", TITLES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["rlfabric-learner", "rlfabric-learner run=run-7f3a grpc=:50123",
+                                        "rlfabric-learner grpc=:50123"]
