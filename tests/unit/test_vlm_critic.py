@@ -17,6 +17,8 @@ SECTIONS = {"pi0": {"patch": 8, "flow_steps": 3}, "vla_tokens": {"patch": 8, "bi
 
 
 def policy(name: str, critic: str):
+    if name == "pi0":
+        pytest.importorskip("transformers.models.pi0")
     torch.manual_seed(0)
     cfg = PolicyConfig(name=name, cnn={"channels": [8, 16], "kernels": [4, 3], "strides": [2, 1], "features": 32},
                        **{name: {**SECTIONS[name], "critic": critic}})
@@ -25,8 +27,6 @@ def policy(name: str, critic: str):
 
 @pytest.mark.parametrize("name", sorted(SECTIONS))
 def test_the_own_critic_values_alike_acting_rescoring_and_alone(name):
-    if name == "pi0":
-        pytest.importorskip("transformers.models.pi0")
     pol = policy(name, "own")
     obs = observations(TEXTS)
     actions, _, value = pol.act(obs, generator=torch.Generator().manual_seed(1))
@@ -37,8 +37,6 @@ def test_the_own_critic_values_alike_acting_rescoring_and_alone(name):
 
 @pytest.mark.parametrize("name", sorted(SECTIONS))
 def test_the_own_critic_reads_the_image_and_the_words_and_trains_alone(name):
-    if name == "pi0":
-        pytest.importorskip("transformers.models.pi0")
     pol = policy(name, "own")
     obs = observations(TEXTS)
     base = pol.value(obs)
@@ -51,7 +49,6 @@ def test_the_own_critic_reads_the_image_and_the_words_and_trains_alone(name):
 
 
 def test_the_prefix_critic_shares_the_vlm():
-    pytest.importorskip("transformers.models.pi0")
     pol = policy("pi0", "prefix")
     pol.value(observations(TEXTS)).sum().backward()
     assert any(".vlm." in n and p.grad is not None for n, p in pol.named_parameters())
