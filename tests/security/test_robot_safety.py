@@ -307,6 +307,9 @@ def test_a_takeover_belongs_to_the_stream_that_began_it(gateway):
     stopper = stub.Teleop(iter([pb.TeleopEvent(robot_id="arm", kind=kinds.INTERVENE_STOP)]), timeout=10)
     next(stopper)
     stopper.cancel()
+    deadline = time.monotonic() + 3.0  # the first reply can precede the loop's handling of the stop (CI once saw it)
+    while stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).intervening and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).intervening
 
 
