@@ -33,11 +33,15 @@ class Instruction(gym.ObservationWrapper):
 
     def __init__(self, env: gym.Env, text: str, length: int = 32):
         super().__init__(env)
-        self.tokens = encode_instruction(text, length)
+        self.tokens, self.length = encode_instruction(text, length), length
         space = env.observation_space
         spaces = dict(space.spaces) if isinstance(space, gym.spaces.Dict) else {"image": space}
         spaces["instruction"] = gym.spaces.Box(0, VOCAB_HIGH, (length,), np.int64)
         self.observation_space = gym.spaces.Dict(spaces)
+
+    def encode_instruction(self, text: str) -> np.ndarray:
+        """Any task's words as this env's ``instruction`` entry (a data set's task text, for one)."""
+        return encode_instruction(text, self.length)
 
     def observation(self, obs: Any) -> dict[str, Any]:
         out = dict(obs) if isinstance(obs, dict) else {"image": obs}

@@ -158,6 +158,11 @@ class ArmReach(gym.Env):
         move = move / max(1.0, float(np.abs(move).max()))
         return np.repeat(move[None].astype(np.float32), max(horizon, 1), 0)
 
+    def encode_instruction(self, text: str) -> np.ndarray:
+        """An instruction as this task's ``instruction`` entry (its BPE ids): what a data set's task text becomes
+        (services/env/lerobot_data.py)."""
+        return instructions.encode(text)
+
     # -- observation ---------------------------------------------------------------------------------------
     def _ee(self) -> np.ndarray:
         return self.data.site_xpos[self.site][:2].copy()
