@@ -122,9 +122,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _warm_start(args: argparse.Namespace) -> int | None:
     """A spec's ``warm_start`` stages, before its own run (when ``policy.init_checkpoint`` is empty): the env's
-    scripted expert records demonstrations, a supervised run learns from them, and the run itself then starts from
-    that run's checkpoint (``--set policy.init_checkpoint=...``, kept in its config.yaml, so a resume does not warm
-    up again). Stages already done in the run directory are kept. None to go on, or an exit code."""
+    scripted expert records demonstrations and/or a LeRobot data set is imported, a supervised run learns from
+    them, and the run itself then starts from that run's checkpoint (``--set policy.init_checkpoint=...``, kept in
+    its config.yaml, so a resume does not warm up again). Stages already done in the run directory are kept. None to go on, or an exit code."""
     from services.core.spec_yaml import ConfigError, read_spec_file
 
     try:  # the cheap read first: a spec without stages costs the CLI no torch import
@@ -137,8 +137,8 @@ def _warm_start(args: argparse.Namespace) -> int | None:
     import yaml
 
     from services.core.batch import TensorBatch
-    from services.replay.datasets import DatasetError, save_dataset
-    from services.rollout.evaluate import collect_dataset
+    from services.replay.datasets import DatasetError, load_dataset, save_dataset
+    from services.rollout.evaluate import collect_dataset, merge_datasets
 
     try:
         config = _load(args.config, args.set)
@@ -151,19 +151,35 @@ def _warm_start(args: argparse.Namespace) -> int | None:
         f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir = str(run_dir)  # the run itself goes there, its stages under warm_start/
     stage = run_dir / "warm_start"
-    demos = stage / "demos.npz"
-    if not demos.exists():
-        try:
-            with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
-                batch, returns = collect_dataset(args.config, warm.demos, warm.demos_seed, expert=True,
-                                                 overrides=args.set)
-            # the supervised stage reads obs and actions: next_obs would double every sample replay sends it
-            save_dataset(demos, TensorBatch({k: v for k, v in batch.tensors.items() if not k.startswith("next_obs")},
-                                            version=0, dims=("sample",)))
-        except (ValueError, DatasetError) as exc:
-            return _fail(f"warm_start.demos: {exc}", 2)
-        console.print(f"warm start: {len(returns)} expert episodes (mean return {sum(returns) / len(returns):.2f}), "
-                      f"{batch.rows} transitions -> {demos}")
+    files = []
+    if warm.demos:
+        demos = stage / "demos.npz"
+        files.append(demos)
+        if not demos.exists():
+            try:
+                with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
+                    batch, returns = collect_dataset(args.config, warm.demos, warm.demos_seed, expert=True,
+                                                     overrides=args.set)
+                # the supervised stage reads obs and actions: next_obs would double every sample replay sends it
+                save_dataset(demos, TensorBatch({k: v for k, v in batch.tensors.items()
+                                                 if not k.startswith("next_obs")}, version=0, dims=("sample",)))
+            except (ValueError, DatasetError) as exc:
+                return _fail(f"warm_start.demos: {exc}", 2)
+            console.print(f"warm start: {len(returns)} expert episodes (mean return "
+                          f"{sum(returns) / len(returns):.2f}), {batch.rows} transitions -> {demos}")
+    if warm.dataset:
+        imported = stage / "lerobot.npz"
+        files.append(imported)
+        if not imported.exists():
+            try:
+                _import_lerobot(warm.dataset, config, warm.dataset_keys, warm.dataset_episodes, imported)
+            except ValueError as exc:
+                return _fail(f"warm_start.dataset: {exc}", 2)
+    demos = files[0]
+    if len(files) > 1:  # both sources: one data set, the imported episodes numbered after the expert's
+        demos = stage / "demonstrations.npz"
+        if not demos.exists():
+            save_dataset(demos, merge_datasets([load_dataset(f, max_rows=1 << 40) for f in files]))
     spec = json.loads(config.to_json())
     spec.pop("warm_start")
     spec.pop("scheduling")  # the supervised stage is offline: the default plan
@@ -561,6 +577,54 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _key_map(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        env_key, sep, feature = pair.partition("=")
+        if not sep or not env_key or not feature:
+            raise ValueError(f"--key {pair!r}: give <env observation key>=<LeRobot feature>, e.g. "
+                             f"image=observation.images.top")
+        out[env_key] = feature
+    return out
+
+
+def _import_lerobot(root: str, config, keys: dict[str, str], episodes: int, out: Path) -> Path:
+    """A LeRobot data set as the env's demonstrations (services/env/lerobot_data.py), written as an .npz data set,
+    with the videos' decoding shown."""
+    from services.env.lerobot_data import import_for_run
+    from services.replay.datasets import save_dataset
+
+    with Progress(TextColumn("decoding {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(f"{what} (video files)", total=total)
+            bar.update(tasks[what], completed=done)
+
+        batch, summary = import_for_run(root, config, keys, episodes, progress)
+    path = save_dataset(out, batch)
+    outside = summary["actions_out_of_bounds"]
+    console.print(f"{summary['episodes']} LeRobot episodes ({summary['frames']} frames, {summary['tasks']} tasks) -> "
+                  f"{summary['transitions']} chunks of {summary['chunk']} -> {path}; features: {summary['keys']}"
+                  + (f"; {outside:.1%} of action values lie outside the env's bounds" if outside else ""))
+    return path
+
+
+def cmd_import_lerobot(args: argparse.Namespace) -> int:
+    """Write a LeRobot data set's episodes as an .npz data set of a run's env (its observation format, its
+    action chunks, its instruction encoding), for replay.datasets or a supervised stage."""
+    from services.core.config import ConfigError
+
+    try:
+        config = _load(args.spec, args.set)
+        _import_lerobot(args.dataset, config, _key_map(args.key), args.episodes, Path(args.out))
+    except (ConfigError, ValueError) as exc:
+        return _fail(str(exc), 2)
+    return 0
+
+
 def cmd_teleop(args: argparse.Namespace) -> int:
     """A human (keyboard) or the scripted reach expert takes over robots on a gateway (see
     services/robot_gateway/teleop.py)."""
@@ -721,6 +785,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert", action="store_true", help="the env's scripted expert (demonstrations to imitate)")
     p.add_argument("--deterministic", action="store_true", help="the policy's mode instead of sampling")
     p.add_argument("--append", action="store_true", help="add to an existing data set (episodes numbered on)")
+    p = sub.add_parser("import-lerobot", help="write a LeRobot data set's episodes as demonstrations in a run's env "
+                                              "format (an .npz data set)")
+    p.add_argument("dataset", help="the LeRobot data set's directory (format v3.0: meta/, data/, videos/)")
+    p.add_argument("spec", help="the run spec whose env the demonstrations are for")
+    p.add_argument("--out", required=True, help="the .npz data set to write (replay.datasets reads it)")
+    p.add_argument("--key", action="append", default=[], help="ENV_KEY=FEATURE: which LeRobot feature feeds an "
+                                                              "env observation entry (default: matched by name)")
+    p.add_argument("--episodes", type=int, default=0, help="import the first N episodes (0: all)")
+    p.add_argument("--set", action="append", default=[], help="override a field of the spec (KEY=VALUE)")
     p = sub.add_parser("teleop", help="take over robots on a gateway: keyboard, or the scripted reach expert")
     p.add_argument("--gateway", required=True, help="the robot gateway's HOST:PORT")
     p.add_argument("--robot", default="", help="keyboard teleop of this robot id")
@@ -749,6 +822,7 @@ def main(argv: list[str] | None = None) -> None:
     _apply_client_tls(args)
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
                 "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect,
+                "import-lerobot": cmd_import_lerobot,
                 "teleop": cmd_teleop, "certs": cmd_certs, "scrape-token": cmd_scrape_token}
     sys.exit(handlers[args.command](args))
 

@@ -486,15 +486,23 @@ class RuntimeConfig(_Strict):
 
 class WarmStartConfig(_Strict):
     """Stages ``rlfabric train`` runs before this run when ``policy.init_checkpoint`` is empty (RLinf's
-    supervised-then-RL recipe as one command): demonstrations by the env's scripted expert, then a supervised run on
-    them, whose checkpoint this run starts from. Each stage leaves its own run directory under
-    ``<run dir>/warm_start``; the supervised stage keeps the run's env, policy and train sections (its evaluations
-    follow train.eval_every_iterations) on the default plan."""
+    supervised-then-RL recipe as one command): demonstrations by the env's scripted expert and/or from a LeRobot data
+    set, then a supervised run on them, whose checkpoint this run starts from. Each stage leaves its own run
+    directory under ``<run dir>/warm_start``; the supervised stage keeps the run's env, policy and train sections
+    (its evaluations follow train.eval_every_iterations) on the default plan."""
 
     demos: int = Field(0, ge=0, le=1_000_000, description="episodes of the env's scripted expert to record (as "
                                                            "rlfabric collect --expert); 0: no demonstrations")
     demos_seed: int = Field(100_000, ge=0, le=2**32 - 1, description="env seed of the first demonstration (apart "
                                                                      "from the run's evaluation seeds)")
+    dataset: str = Field("", max_length=4096, description="a LeRobot data set's directory (format v3.0) whose "
+                         "episodes the supervised stage learns from too, turned into the env's observations and "
+                         "action chunks (as rlfabric import-lerobot); empty: none")
+    dataset_keys: dict[str, str] = Field(default_factory=dict, description="which LeRobot feature feeds which env "
+                                         "observation entry ({image: observation.images.top}); unnamed entries are "
+                                         "matched by name")
+    dataset_episodes: int = Field(0, ge=0, le=10_000_000, description="import the data set's first N episodes; "
+                                                                      "0: all")
     supervised: dict[str, Any] = Field(default_factory=dict, description="the supervised stage's algorithm section "
                                        "(an offline algorithm that imitates, with its fields); it learns from the "
                                        "demonstrations. Empty: no warm start")
@@ -502,13 +510,14 @@ class WarmStartConfig(_Strict):
     @model_validator(mode="after")
     def _offline_stage(self) -> WarmStartConfig:
         if not self.supervised:
-            if self.demos:
-                raise ValueError("warm_start.demos records demonstrations for a supervised stage, and "
-                                 "warm_start.supervised is empty. Fix: add warm_start.supervised: {name: ..., ...} "
-                                 "(an offline algorithm that imitates), or set demos: 0")
+            if self.demos or self.dataset:
+                raise ValueError("warm_start.demos and warm_start.dataset are demonstrations for a supervised stage, "
+                                 "and warm_start.supervised is empty. Fix: add warm_start.supervised: {name: ..., "
+                                 "...} (an offline algorithm that imitates), or set demos: 0 and dataset: ''")
             return self
-        if not self.demos:
-            raise ValueError("warm_start.supervised learns from demonstrations. Fix: warm_start.demos: N episodes")
+        if not self.demos and not self.dataset:
+            raise ValueError("warm_start.supervised learns from demonstrations. Fix: warm_start.demos: N episodes "
+                             "of the env's scripted expert, or warm_start.dataset: a LeRobot data set's directory")
         from pydantic import TypeAdapter
 
         try:

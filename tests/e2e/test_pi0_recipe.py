@@ -60,3 +60,30 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
 
     model = PI0ForConditionalGeneration.from_pretrained(str(run_dir / "checkpoints" / "hf"), local_files_only=True)
     assert model.config.chunk_size == 4 and model.config.max_action_dim == 2
+
+
+@pytest.mark.slow
+def test_a_lerobot_data_set_and_expert_demos_warm_start_pi0(tmp_path):
+    """warm_start.dataset: a LeRobot data set (tests/data/lerobot_arm_reach, written by LeRobot's own library) is
+    imported into the env's format beside 20 expert episodes, and the supervised stage learns from both."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
+         "--quiet", "--set", "warm_start.demos=20", "--set", "warm_start.dataset=tests/data/lerobot_arm_reach",
+         "--set", "warm_start.supervised.total_updates=200", "--set", "warm_start.supervised.updates_per_iteration=50",
+         "--set", "train.eval_every_iterations=100", "--set", "train.eval_episodes=16",
+         "--set", "algorithm.n_steps=8", "--set", "train.total_env_steps=128"],
+        capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stage = run_dir / "warm_start"
+    with np.load(stage / "demos.npz") as demos, np.load(stage / "lerobot.npz") as imported, \
+            np.load(stage / "demonstrations.npz") as both:
+        assert len(imported["actions"]) == 147 and imported["episode"].max() == 7  # 171 frames, 8 episodes
+        assert len(both["actions"]) == len(demos["actions"]) + 147
+        assert both["episode"].max() == demos["episode"].max() + 8  # the imported episodes numbered after
+        np.testing.assert_array_equal(both["obs/image"][-147:], imported["obs/image"])
+    assert "demonstrations.npz" in (stage / "supervised.yaml").read_text()
+    losses = [float(r["sft_loss"]) for r in rows(stage / "supervised" / "metrics.csv")]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert str((stage / "supervised" / "checkpoints" / "final.pt").resolve()) in (run_dir / "config.yaml").read_text()
+    assert rows(run_dir / "metrics.csv"), "the RL run after the warm start left no metrics"

@@ -106,7 +106,8 @@ def test_vla_sft_refuses_a_policy_without_an_imitation_loss():
 
 @pytest.mark.parametrize("warm_start, message", [
     ({"demos": 10}, "warm_start.supervised is empty"),
-    ({"supervised": {"name": "vla_sft"}}, "warm_start.demos: N episodes"),
+    ({"dataset": "data/lerobot"}, "warm_start.supervised is empty"),
+    ({"supervised": {"name": "vla_sft"}}, "warm_start.demos: N episodes .* or warm_start.dataset"),
     ({"demos": 10, "supervised": {"name": "ppo"}}, "collects with a rollout"),
     ({"demos": 10, "supervised": {"name": "vla_sft", "total_updates": 0}}, "at vla_sft.total_updates"),
 ])
@@ -115,3 +116,5 @@ def test_a_warm_start_names_demonstrations_and_an_offline_stage(warm_start, mess
         RunConfig.model_validate({"warm_start": warm_start})
     ok = RunConfig.model_validate({"warm_start": {"demos": 10, "supervised": {"name": "vla_sft"}}})
     assert ok.warm_start.enabled and not RunConfig().warm_start.enabled
+    lerobot = RunConfig.model_validate({"warm_start": {"dataset": "data/lerobot", "supervised": {"name": "vla_sft"}}})
+    assert lerobot.warm_start.enabled and lerobot.warm_start.demos == 0
