@@ -199,19 +199,24 @@ class PI0PolicyConfig(TinyVLMSizes):
                                                    "fine-tuned policy cannot disturb what the policy sees")
 
 
-class PaliGemmaPolicyConfig(TinyVLMSizes):
-    """A policy on a transformers image-text-to-text VLM (PaliGemma-shaped): built as a tiny PaliGemma from the sizes
-    (random init), or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded). As
-    ``policy.vlm`` (``policy.name: vlm``) it writes text: captions or answers about its images."""
+class VLMPolicyConfig(TinyVLMSizes):
+    """A policy on a transformers image-text-to-text VLM (PaliGemma or SmolVLM/Idefics3): built tiny from the sizes
+    (random init, of ``family``), or loaded from ``path`` (a local ``save_pretrained`` directory, whose config says
+    its family; never downloaded). As ``policy.vlm`` (``policy.name: vlm``) it writes text: captions or answers
+    about its images."""
 
-    path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma-style "
+    family: Literal["paligemma", "smolvlm"] = Field(
+        "paligemma", description="the family a tiny model is built as: paligemma (SigLIP patches, a Gemma whose "
+                                 "prefix attends both ways) or smolvlm (pixel-shuffled SigLIP patches, a causal "
+                                 "Llama); a loaded path's own config decides")
+    path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma or SmolVLM "
                                                        "VLM; empty: build a tiny one from the sizes")
     trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
                              "lora.targets, vision tower included; rank 0 trains every parameter")
 
 
-class VLATokensConfig(PaliGemmaPolicyConfig):
+class VLATokensConfig(VLMPolicyConfig):
     """An OpenVLA-style policy (``policy.name: vla_tokens``): a VLM whose action dimensions are tokens, ``bins``
     bins mapped onto the vocabulary's last ids."""
 
@@ -236,7 +241,7 @@ class PolicyConfig(_Strict):
     pi0: PI0PolicyConfig = Field(default_factory=PI0PolicyConfig, description="transformers' pi0 (policy.name: pi0)")
     vla_tokens: VLATokensConfig = Field(default_factory=VLATokensConfig, description="a VLM with action tokens "
                                                                                      "(policy.name: vla_tokens)")
-    vlm: PaliGemmaPolicyConfig = Field(default_factory=PaliGemmaPolicyConfig, description="a VLM that writes text "
+    vlm: VLMPolicyConfig = Field(default_factory=VLMPolicyConfig, description="a VLM that writes text "
                                                                                           "(policy.name: vlm)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")

@@ -1,9 +1,9 @@
 """VLATokensPolicy (``policy.name: vla_tokens``): an OpenVLA-style policy on a transformers image-text-to-text VLM
-(PaliGemma): each action dimension of each step of the chunk is one token, ``bins`` bins over [low, high] mapped
+(PaliGemma or SmolVLM: services/policies/vlm_families.py): each action dimension of each step of the chunk is one token, ``bins`` bins over [low, high] mapped
 onto the vocabulary's last ids, as OpenVLA maps its 256 bins.
 
     prefix   the camera images (SigLIP), the instruction's ids and one proprioception embedding (a linear
-             projection, as OFT feeds proprio), attended bidirectionally (PaliGemma's prefix)
+             projection, as OFT feeds proprio), attended as the family attends (both ways in PaliGemma's prefix)
     tokens   autoregressive: H*A action tokens decoded one by one with the prefix's KV cache (OpenVLA); or
              parallel: H*A learned action queries appended to the prefix, decoded in one forward pass (OFT)
 
@@ -23,34 +23,26 @@ from torch import nn
 
 from services.policies.chunk_policy import ChunkPolicy
 from services.policies.obs_critic import VLMCritic
-from services.policies.paligemma_body import PaliGemmaBody, load_pretrained
-from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config
+from services.policies.vlm_body import VLMBody, build_vlm
+from services.policies.vlm_inputs import VLMInputs, save_merged
 
 
-class VLATokensPolicy(ChunkPolicy, PaliGemmaBody):
+class VLATokensPolicy(ChunkPolicy, VLMBody):
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
-        from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
-
         v = cfg.vla_tokens
         self.init_chunks(action_space, "vla_tokens", v.logprob_level)
         self.n = self.H * self.A
         self.bins, self.parallel = v.bins, v.parallel
         self.read = VLMInputs(obs_space, "vla_tokens")
-        if v.path:
-            self.model = load_pretrained(v.path, v.trust_remote_code, "policy.vla_tokens.path")
-        else:  # the env's instruction ids, then the bins: the vocabulary's last ids
-            size = self.read.env_image_size
-            config = PaliGemmaConfig(**{k: val for k, val in siglip_paligemma_config(
-                v, self.read.text_vocab + v.bins, size).items() if k != "model_type"})
-            self.model = PaliGemmaForConditionalGeneration(config)
+        # tiny: the env's instruction ids, then the bins (the vocabulary's last ids)
+        self.model, self.family = build_vlm(v, self.read, self.read.text_vocab + v.bins, "policy.vla_tokens")
         c = self.model.config
         vocab = c.text_config.vocab_size
         if vocab < self.read.text_vocab + v.bins:
             raise ValueError(f"the VLM's vocabulary ({vocab} ids) cannot hold the instruction's {self.read.text_vocab} "
                              f"ids and policy.vla_tokens.bins={v.bins} action bins after them. Fix: fewer bins")
-        self.read.bind(c.vision_config, c.image_token_id, vocab)
         if v.lora.rank:
             from services.core.models.lm import with_lora
 
@@ -63,7 +55,7 @@ class VLATokensPolicy(ChunkPolicy, PaliGemmaBody):
             self.queries = nn.Parameter(0.02 * torch.randn(1, self.n, width))
         self.value_head = VLMCritic(obs_space, cfg.cnn, v, width)
 
-    # -- the VLM (the prefix and its runs: PaliGemmaBody) ---------------------------------------------------
+    # -- the VLM (the prefix and its runs: VLMBody) ---------------------------------------------------------
     def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """log-softmax over the bins (the LM head's rows of the bin ids) at each hidden state [..., W]."""
         weight = self.vlm.lm_head.weight[self.bin_ids]
@@ -77,8 +69,7 @@ class VLATokensPolicy(ChunkPolicy, PaliGemmaBody):
         if self.parallel:
             emb = torch.cat([emb, self.queries.expand(B, -1, -1)], 1)
             mask = torch.cat([mask, mask.new_ones(B, self.n)], 1)
-            out = self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=mask.cumsum(-1),
-                                 token_type_ids=torch.zeros_like(mask), use_cache=False, return_dict=True)
+            out = self._lm(emb, mask, self._positions(mask), None)
             hidden = out.last_hidden_state[:, P:]
         else:  # the last prefix position predicts token 1, token i predicts token i + 1
             emb = torch.cat([emb, self._embed(self.bin_ids[bins[:, :-1]])], 1)
@@ -104,7 +95,7 @@ class VLATokensPolicy(ChunkPolicy, PaliGemmaBody):
         out = self._run(emb, mask, P, use_cache=True)
         value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
         cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
-        position = mask.sum(-1)
+        position = self._positions(mask)[:, -1]
         chosen, logps = [], []
         for i in range(self.n):
             log_probs = self._bin_logits(hidden)

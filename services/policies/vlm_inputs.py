@@ -36,10 +36,10 @@ class VLMInputs:
         self.cameras = len(self.image_keys)
         self.image_size = self.image_tokens = self.image_token_id = self.vocab = 0
 
-    def bind(self, vision_config: Any, image_token_id: int, vocab: int) -> None:
-        """The model's image size and patch, its image placeholder id and its text vocabulary."""
-        self.image_size = vision_config.image_size
-        self.image_tokens = (vision_config.image_size // vision_config.patch_size) ** 2
+    def bind(self, image_size: int, image_tokens: int, image_token_id: int, vocab: int) -> None:
+        """The size the model reads images at, the tokens each becomes, its image placeholder id and its text
+        vocabulary."""
+        self.image_size, self.image_tokens = image_size, image_tokens
         self.image_token_id, self.vocab = image_token_id, vocab
 
     def __call__(self, obs: Any, state_dim: int | None = None) -> dict[str, torch.Tensor]:

@@ -1,10 +1,9 @@
-"""VLMTextPolicy (``policy.name: vlm``): a transformers image-text-to-text VLM (PaliGemma) that writes text about
+"""VLMTextPolicy (``policy.name: vlm``): a transformers image-text-to-text VLM (PaliGemma or SmolVLM) that writes text about
 its images, as an actor-critic over token sequences. Supervised training of a VLM is its imitation loss on
 demonstrated texts; RL scores whole texts.
 
     prefix   the images (SigLIP), the prompt's ids (the env's ``instruction`` entry) and the proprioception token
-             when the env has state, attended bidirectionally (PaliGemma's prefix; services/policies/
-             paligemma_body.py)
+             when the env has state, attended as the family attends (services/policies/vlm_body.py)
     text     L tokens decoded one by one with the prefix's KV cache; id 0 ends the text (every later position is
              0 and carries no log-prob)
 
@@ -23,8 +22,8 @@ import torch
 from torch import nn
 
 from services.policies.obs_critic import VLMCritic
-from services.policies.paligemma_body import PaliGemmaBody, load_pretrained
-from services.policies.vlm_inputs import VLMInputs, save_merged, siglip_paligemma_config
+from services.policies.vlm_body import VLMBody, build_vlm
+from services.policies.vlm_inputs import VLMInputs, save_merged
 
 
 def live_tokens(ids: torch.Tensor) -> torch.Tensor:
@@ -33,15 +32,13 @@ def live_tokens(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(before[:, :1]), before[:, :-1]], -1).float()
 
 
-class VLMTextPolicy(PaliGemmaBody):
+class VLMTextPolicy(VLMBody):
     has_value = True
     serves = "actor_critic"
     discrete = False
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
-        from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
-
         p = cfg.vlm
         shape = list(action_space.get("shape", []))
         if action_space["kind"] != "box" or not str(action_space.get("dtype", "")).startswith("int") or \
@@ -53,17 +50,11 @@ class VLMTextPolicy(PaliGemmaBody):
         self.V = int(np.max(action_space["high"])) + 1
         self.read = VLMInputs(obs_space, "vlm")
         vocab = max(self.read.text_vocab, self.V)
-        if p.path:
-            self.model = load_pretrained(p.path, p.trust_remote_code, "policy.vlm.path")
-        else:
-            config = PaliGemmaConfig(**{k: v for k, v in siglip_paligemma_config(
-                p, vocab, self.read.env_image_size).items() if k != "model_type"})
-            self.model = PaliGemmaForConditionalGeneration(config)
+        self.model, self.family = build_vlm(p, self.read, vocab, "policy.vlm")
         c = self.model.config
         if c.text_config.vocab_size < vocab:
             raise ValueError(f"the VLM's vocabulary ({c.text_config.vocab_size} ids) cannot hold the env's {vocab} "
                              f"text ids. Fix: a model whose tokenizer the env's ids come from")
-        self.read.bind(c.vision_config, c.image_token_id, c.text_config.vocab_size)
         if p.lora.rank:
             from services.core.models.lm import with_lora
 
@@ -95,7 +86,7 @@ class VLMTextPolicy(PaliGemmaBody):
         B, P = mask.shape
         out = self._run(emb, mask, P, use_cache=True)
         value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
-        cache, hidden, position = out.past_key_values, out.last_hidden_state[:, -1], mask.sum(-1)
+        cache, hidden, position = out.past_key_values, out.last_hidden_state[:, -1], self._positions(mask)[:, -1]
         alive = torch.ones(B, dtype=torch.bool, device=emb.device)
         ids = torch.zeros(B, self.L, dtype=torch.long, device=emb.device)
         logp = torch.zeros(B, device=emb.device)

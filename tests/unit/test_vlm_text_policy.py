@@ -1,4 +1,4 @@
-"""policy.name vlm: a PaliGemma that writes text about its images. What it decodes with its KV cache the learner
+"""policy.name vlm: a PaliGemma (or a SmolVLM) that writes text about its images. What it decodes with its KV cache the learner
 re-scores to the same log-prob; a text ends at its first 0; next-token SFT makes it write what it was shown; an env
 whose actions are not token ids is refused naming the fix."""
 
@@ -42,8 +42,9 @@ def texts() -> torch.Tensor:
     return torch.as_tensor(np.stack([encode_instruction(t, L) for t in TEXTS]))
 
 
-def test_decoded_texts_end_at_their_first_zero_and_rescore_to_1e_4():
-    pol = policy()
+@pytest.mark.parametrize("family", ["paligemma", "smolvlm"])
+def test_decoded_texts_end_at_their_first_zero_and_rescore_to_1e_4(family):
+    pol = policy(family=family)
     obs = observations()
     ids, logp, value = pol.act(obs, generator=torch.Generator().manual_seed(1))
     assert ids.shape == (4, L) and logp.shape == (4,) and value.shape == (4,)
@@ -56,8 +57,9 @@ def test_decoded_texts_end_at_their_first_zero_and_rescore_to_1e_4():
     assert torch.equal(greedy, pol.act(obs, deterministic=True)[0])
 
 
-def test_next_token_sft_makes_it_write_what_each_image_shows():
-    pol = policy()
+@pytest.mark.parametrize("family", ["paligemma", "smolvlm"])
+def test_next_token_sft_makes_it_write_what_each_image_shows(family):
+    pol = policy(family=family)
     obs, target = observations(), texts()
     optimizer = torch.optim.AdamW(pol.parameters(), lr=3e-3)
     start = float(pol.imitation_loss(obs, target).detach())
