@@ -200,15 +200,16 @@ class PI0PolicyConfig(TinyVLMSizes):
 
 
 class VLMPolicyConfig(TinyVLMSizes):
-    """A policy on a transformers image-text-to-text VLM (PaliGemma or SmolVLM/Idefics3): built tiny from the sizes
-    (random init, of ``family``), or loaded from ``path`` (a local ``save_pretrained`` directory, whose config says
-    its family; never downloaded). As ``policy.vlm`` (``policy.name: vlm``) it writes text: captions or answers
-    about its images."""
+    """A policy on a transformers image-text-to-text VLM (PaliGemma, SmolVLM/Idefics3 or Qwen2.5-VL): built tiny
+    from the sizes (random init, of ``family``), or loaded from ``path`` (a local ``save_pretrained`` directory,
+    whose config says its family; never downloaded). As ``policy.vlm`` (``policy.name: vlm``) it writes text:
+    captions or answers about its images."""
 
-    family: Literal["paligemma", "smolvlm"] = Field(
+    family: Literal["paligemma", "smolvlm", "qwen2_5_vl"] = Field(
         "paligemma", description="the family a tiny model is built as: paligemma (SigLIP patches, a Gemma whose "
-                                 "prefix attends both ways) or smolvlm (pixel-shuffled SigLIP patches, a causal "
-                                 "Llama); a loaded path's own config decides")
+                                 "prefix attends both ways), smolvlm (pixel-shuffled SigLIP patches, a causal Llama) "
+                                 "or qwen2_5_vl (merged ViT patches, a causal Qwen2 with M-RoPE); a loaded path's own "
+                                 "config decides")
     path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma or SmolVLM "
                                                        "VLM; empty: build a tiny one from the sizes")
     trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")

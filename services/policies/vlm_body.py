@@ -39,8 +39,8 @@ def build_vlm(p: Any, read: VLMInputs, vocab: int, field: str) -> tuple[Any, Fam
     else:
         family = FAMILIES[p.family]
         model = family.tiny(p, vocab, read.env_image_size)
-    size, tokens = family.vision(model.config)
-    read.bind(size, tokens, model.config.image_token_id, model.config.text_config.vocab_size)
+    size, grid = family.vision(model.config, read.env_image_size)
+    read.bind(size, grid, model.config.image_token_id, model.config.text_config.vocab_size)
     return model, family
 
 
@@ -70,8 +70,8 @@ class VLMBody(nn.Module):
         return emb, torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
 
     def _positions(self, mask: torch.Tensor) -> torch.Tensor:
-        """Position ids that count unmasked tokens from the family's first position."""
-        return mask.cumsum(-1) - 1 + self.family.first_position
+        """Each token's position [B, L] (images first, then text), as the family counts them."""
+        return self.family.positions(mask, self.read.cameras, self.read.grid)
 
     def _lm(self, emb: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, prefix_len: int | None,
             cache: Any = None, use_cache: bool = False):
@@ -82,6 +82,7 @@ class VLMBody(nn.Module):
             token_type = torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device)
             token_type[:, :emb.shape[1] if prefix_len is None else prefix_len] = 0
             extra["token_type_ids"] = token_type
+        position = self.family.model_positions(position, self.read.cameras, self.read.grid, images=cache is None)
         return self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=position, past_key_values=cache,
                               use_cache=use_cache or cache is not None, return_dict=True, **extra)
 

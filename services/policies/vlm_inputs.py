@@ -35,11 +35,12 @@ class VLMInputs:
         self.text_vocab = int(np.max(spaces[self.text_key]["high"])) + 1 if self.text_key else 2
         self.cameras = len(self.image_keys)
         self.image_size = self.image_tokens = self.image_token_id = self.vocab = 0
+        self.grid = (0, 0)
 
-    def bind(self, image_size: int, image_tokens: int, image_token_id: int, vocab: int) -> None:
-        """The size the model reads images at, the tokens each becomes, its image placeholder id and its text
-        vocabulary."""
-        self.image_size, self.image_tokens = image_size, image_tokens
+    def bind(self, image_size: int, grid: tuple[int, int], image_token_id: int, vocab: int) -> None:
+        """The size the model reads images at, the grid of tokens each becomes, its image placeholder id and its
+        text vocabulary."""
+        self.image_size, self.grid, self.image_tokens = image_size, grid, grid[0] * grid[1]
         self.image_token_id, self.vocab = image_token_id, vocab
 
     def __call__(self, obs: Any, state_dim: int | None = None) -> dict[str, torch.Tensor]:

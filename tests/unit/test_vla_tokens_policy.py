@@ -17,7 +17,7 @@ pytest.importorskip("transformers.models.paligemma")
 ACT_SPACE = chunk_space(2, 2)
 
 
-FAMILIES = pytest.mark.parametrize("family", ["paligemma", "smolvlm"])
+FAMILIES = pytest.mark.parametrize("family", ["paligemma", "smolvlm", "qwen2_5_vl"])
 
 
 def policy(**section):
@@ -110,6 +110,38 @@ def test_a_model_of_another_family_is_refused_with_the_supported_ones():
     from services.policies.vlm_families import family_of
 
     assert family_of(SimpleNamespace(model_type="idefics3"), "x").name == "smolvlm"
-    with pytest.raises(ValueError, match=r"x: a qwen2_5_vl model; the VLM policies run on \['idefics3', "
-                                         r"'paligemma', 'smolvlm'\]"):
-        family_of(SimpleNamespace(model_type="qwen2_5_vl"), "x")
+    with pytest.raises(ValueError, match=r"x: a llava model; the VLM policies run on \['idefics3', "
+                                         r"'paligemma', 'qwen2_5_vl', 'smolvlm'\]"):
+        family_of(SimpleNamespace(model_type="llava"), "x")
+
+
+def test_qwen_positions_and_patches_are_the_models_own():
+    """Qwen2.5-VL's M-RoPE positions of a camera, padded words and the state token, and its image patches, as the
+    model's get_rope_index and the image processor compute them."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from services.policies.vlm_families import FAMILIES, qwen_patches
+
+    qwen = FAMILIES["qwen2_5_vl"]
+    pol = policy(family="qwen2_5_vl")
+    model, grid = pol.vlm, pol.read.grid
+    image_id = model.config.image_token_id
+    words = torch.tensor([[5, 6, 7, 0, 0, 8], [9, 0, 0, 0, 0, 8]])  # padded words, then a state token's slot
+    ids = torch.cat([torch.full((2, grid[0] * grid[1]), image_id), words], 1)
+    mask = (ids != 0).long()
+    theirs, _ = model.model.get_rope_index(ids, (ids == image_id).int(), image_grid_thw=torch.tensor(
+        [[1, 2 * grid[0], 2 * grid[1]]] * 2), attention_mask=mask)
+    ours = qwen.model_positions(qwen.positions(mask, 1, grid), 1, grid, images=True)
+    live = mask.bool().unsqueeze(0).expand(3, -1, -1)
+    assert torch.equal(ours[live], theirs[live])
+    assert ours[0, 0, -1] == max(grid) + 3  # the image advanced the position by its side, then a word each
+    pixels = torch.rand(2, 3, 64, 64) * 2 - 1
+    flat, thw = qwen_patches(pixels, model.config.vision_config)
+    v = model.config.vision_config
+    normalised = (((pixels[1] + 1) / 2) - torch.tensor(OPENAI_CLIP_MEAN).view(3, 1, 1)) / torch.tensor(
+        OPENAI_CLIP_STD).view(3, 1, 1)
+    expected, gh, gw = Qwen2VLImageProcessorPil().patchify(normalised.numpy(), v.patch_size, v.spatial_merge_size,
+                                                           v.temporal_patch_size)
+    assert thw.tolist() == [[1, gh, gw]] * 2
+    np.testing.assert_allclose(flat[gh * gw:].numpy(), expected, atol=1e-6)

@@ -1,4 +1,4 @@
-"""policy.name vlm: a PaliGemma (or a SmolVLM) that writes text about its images. What it decodes with its KV cache the learner
+"""policy.name vlm: a PaliGemma (or SmolVLM, Qwen2.5-VL) that writes text about its images. What it decodes with its KV cache the learner
 re-scores to the same log-prob; a text ends at its first 0; next-token SFT makes it write what it was shown; an env
 whose actions are not token ids is refused naming the fix."""
 
@@ -42,7 +42,7 @@ def texts() -> torch.Tensor:
     return torch.as_tensor(np.stack([encode_instruction(t, L) for t in TEXTS]))
 
 
-@pytest.mark.parametrize("family", ["paligemma", "smolvlm"])
+@pytest.mark.parametrize("family", ["paligemma", "smolvlm", "qwen2_5_vl"])
 def test_decoded_texts_end_at_their_first_zero_and_rescore_to_1e_4(family):
     pol = policy(family=family)
     obs = observations()
@@ -57,13 +57,16 @@ def test_decoded_texts_end_at_their_first_zero_and_rescore_to_1e_4(family):
     assert torch.equal(greedy, pol.act(obs, deterministic=True)[0])
 
 
-@pytest.mark.parametrize("family", ["paligemma", "smolvlm"])
-def test_next_token_sft_makes_it_write_what_each_image_shows(family):
+# Qwen2.5-VL's M-RoPE turns rows and columns slowly (services/policies/vlm_families.py), so where the square is
+# takes it longer to learn, and 3e-3 oscillates
+@pytest.mark.parametrize("family, lr, steps", [("paligemma", 3e-3, 150), ("smolvlm", 3e-3, 150),
+                                               ("qwen2_5_vl", 1e-3, 300)])
+def test_next_token_sft_makes_it_write_what_each_image_shows(family, lr, steps):
     pol = policy(family=family)
     obs, target = observations(), texts()
-    optimizer = torch.optim.AdamW(pol.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(pol.parameters(), lr=lr)
     start = float(pol.imitation_loss(obs, target).detach())
-    for _ in range(150):
+    for _ in range(steps):
         loss = pol.imitation_loss(obs, target)
         optimizer.zero_grad()
         loss.backward()
