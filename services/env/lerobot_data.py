@@ -105,8 +105,9 @@ def read_tasks(root: Path) -> dict[int, str]:
 
 
 def match_keys(obs_spec: dict[str, Any], features: dict[str, Any], keys: dict[str, str] | None) -> dict[str, str]:
-    """{env observation key: feature} for every env entry but the instruction (which comes from the tasks)."""
-    spaces = obs_spec["spaces"] if obs_spec["kind"] == "dict" else {"image": obs_spec}
+    """{env observation key: feature} for every env entry but the instruction (which comes from the tasks); an env
+    whose observation is not a Dict has the one entry ``obs``."""
+    spaces = obs_spec["spaces"] if obs_spec["kind"] == "dict" else {"obs": obs_spec}
     keys = dict(keys or {})
     unknown = sorted(set(keys) - set(spaces))
     if unknown:
@@ -189,7 +190,8 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
     root = Path(root)
     info = read_info(root)
     features, fps = info["features"], float(info["fps"])
-    spaces = obs_spec["spaces"] if obs_spec["kind"] == "dict" else {"image": obs_spec}
+    spaces = obs_spec["spaces"] if obs_spec["kind"] == "dict" else {"obs": obs_spec}
+    name = (lambda k: f"obs/{k}") if obs_spec["kind"] == "dict" else (lambda k: "obs")  # as collect names them
     mapping = match_keys(obs_spec, features, keys)
     if "action" not in features:
         raise LeRobotDataError(f"{root}: no 'action' feature; demonstrations need the actions taken")
@@ -247,7 +249,7 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
     for k, f in mapping.items():
         if features[f].get("dtype") in ("video", "image"):
             continue
-        tensors[f"obs/{k}"] = column[f][first].reshape(N, *spaces[k]["shape"]).astype(spaces[k]["dtype"])
+        tensors[name(k)] = column[f][first].reshape(N, *spaces[k]["shape"]).astype(spaces[k]["dtype"])
     if "instruction" in spaces:
         codes = {i: np.asarray(encode(t)) for i, t in tasks.items()}
         task_index = column["task_index"].reshape(-1)[first]
@@ -278,7 +280,7 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
             decode_frames(path, wanted, fps, size, out)
             if progress is not None:
                 progress(f"{f}", i + 1, len(per_file))
-        tensors[f"obs/{k}"] = out
+        tensors[name(k)] = out
     low, high = float(act_spec.get("low", -np.inf)), float(act_spec.get("high", np.inf))
     actions = tensors["actions"]
     summary = {"episodes": len(wanted_eps), "frames": int(sum(len(by_episode[e]) for e in wanted_eps)),

@@ -94,6 +94,12 @@ def test_what_the_env_cannot_take_is_refused_with_the_fix(tmp_path, imported):
                                   keys={"front": "observation.images.top", "wrist": "observation.images.top"})
     assert out.tensors["obs/front"].shape == (171, 32, 32, 3) and out.tensors["actions"].shape == (171, 2)
     np.testing.assert_array_equal(out.tensors["obs/front"], out.tensors["obs/wrist"])
+    # an env whose observation is one Box (state): the data set's observation.state, stored as collect names it
+    box = {"kind": "box", "shape": [8], "dtype": "float32", "low": -1.0, "high": 1.0}
+    flat, _ = import_dataset(copy, box, act_spec, None)
+    assert set(flat.tensors) >= {"obs", "actions"} and flat.tensors["obs"].shape == (171, 8)
+    np.testing.assert_array_equal(flat.tensors["obs"][:len(batch.tensors["obs/proprio"])][:4],
+                                  batch.tensors["obs/proprio"][:4])
     with pytest.raises(LeRobotDataError, match="no feature 'observation.images.side'"):
         import_dataset(copy, obs_spec, act_spec, None, keys={"front": "observation.images.side",
                                                              "wrist": "observation.images.top"})
