@@ -787,7 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--append", action="store_true", help="add to an existing data set (episodes numbered on)")
     p = sub.add_parser("import-lerobot", help="write a LeRobot data set's episodes as demonstrations in a run's env "
                                               "format (an .npz data set)")
-    p.add_argument("dataset", help="the LeRobot data set's directory (format v3.0: meta/, data/, videos/)")
+    p.add_argument("dataset", help="the LeRobot data set's directory (format v2.x or v3.0: meta/, data/, videos/)")
     p.add_argument("spec", help="the run spec whose env the demonstrations are for")
     p.add_argument("--out", required=True, help="the .npz data set to write (replay.datasets reads it)")
     p.add_argument("--key", action="append", default=[], help="ENV_KEY=FEATURE: which LeRobot feature feeds an "

@@ -501,9 +501,9 @@ class WarmStartConfig(_Strict):
                                                            "rlfabric collect --expert); 0: no demonstrations")
     demos_seed: int = Field(100_000, ge=0, le=2**32 - 1, description="env seed of the first demonstration (apart "
                                                                      "from the run's evaluation seeds)")
-    dataset: str = Field("", max_length=4096, description="a LeRobot data set's directory (format v3.0) whose "
-                         "episodes the supervised stage learns from too, turned into the env's observations and "
-                         "action chunks (as rlfabric import-lerobot); empty: none")
+    dataset: str = Field("", max_length=4096, description="a LeRobot data set's directory (format v2.x or v3.0) "
+                         "whose episodes the supervised stage learns from too, turned into the env's observations "
+                         "and action chunks (as rlfabric import-lerobot); empty: none")
     dataset_keys: dict[str, str] = Field(default_factory=dict, description="which LeRobot feature feeds which env "
                                          "observation entry ({image: observation.images.top}); unnamed entries are "
                                          "matched by name")

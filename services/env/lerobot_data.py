@@ -1,11 +1,14 @@
 """LeRobot data sets on disk as demonstrations for a run's env (``rlfabric import-lerobot``, ``warm_start.dataset``).
 
-A LeRobot data set (format v3.0, what LeRobot writes today: ``meta/info.json``, ``meta/episodes/*.parquet``,
-``meta/tasks.parquet``, frames in ``data/*.parquet``, cameras as AV1/H.264 videos holding many episodes each) becomes
+A LeRobot data set (format v3.0, what LeRobot >= 0.4 writes: ``meta/info.json``, ``meta/episodes/*.parquet``,
+``meta/tasks.parquet``, frames in ``data/*.parquet``, cameras as AV1/H.264 videos holding many episodes each; or
+v2.x, as LeRobot 0.1-0.3 wrote and most published sets are: ``meta/episodes.jsonl``, ``meta/tasks.jsonl``, one
+parquet file and one video per episode) becomes
 the ``.npz`` transitions ``rlfabric collect --expert`` writes, in the env's own observation format, so a supervised
 stage trains on it exactly as on our demonstrations:
 
-    obs/<camera>       the camera's frame (decoded with PyAV at the frame's timestamp, resized to the env's size)
+    obs/<camera>       the camera's frame (decoded with PyAV at the frame's timestamp, or a PNG in the parquet
+                       files when the data set keeps images there; resized to the env's size)
     obs/<state>        a state feature, reshaped to the env's entry
     obs/instruction    the frame's task, encoded by the env itself (its ``encode_instruction``)
     actions            [N, H, A]: the frame's action and the next H-1 (H = env.action_chunk); a frame without H
@@ -22,15 +25,17 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from services.core.batch import TensorBatch
+from services.env.adapters.gymnasium import bounds
 
-CONVERT = ("LeRobot's own converter, where lerobot imports: python -m lerobot.datasets.v30.convert_dataset_v21_to_v30 "
-           "--repo-id=<id> --root=<dir>")
+CONVERT = ("LeRobot 0.3.x's python -m lerobot.datasets.v2.convert_dataset_v1_to_v2, where that lerobot imports "
+           "(v1.x to v2.0)")
 MAX_FILE_BYTES = 8 << 30
 
 
@@ -49,12 +54,12 @@ def read_info(root: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise LeRobotDataError(f"{path}: not readable JSON ({exc})") from None
     version = str(info.get("codebase_version", ""))
-    if not version.startswith("v3."):
-        raise LeRobotDataError(f"{root}: LeRobot format {version or '(none)'}; this reads v3.x, what LeRobot >= 0.4 "
-                               f"writes. Fix: convert it with {CONVERT}")
-    for field in ("fps", "features", "data_path"):
+    if not version.startswith(("v2.", "v3.")):
+        raise LeRobotDataError(f"{root}: LeRobot format {version or '(none)'}; this reads v2.x and v3.x. Fix: "
+                               f"convert it with {CONVERT}")
+    for field in ("fps", "features", "data_path") + (("chunks_size",) if version.startswith("v2.") else ()):
         if field not in info:
-            raise LeRobotDataError(f"{path}: no {field!r}; a v3.0 info.json has fps, features and data_path")
+            raise LeRobotDataError(f"{path}: no {field!r}; a {version} info.json has fps, features and data_path")
     return info
 
 
@@ -78,20 +83,61 @@ def _parquet(files: list[Path], columns: list[str] | None = None):
     return data
 
 
-def read_episodes(root: Path) -> list[dict[str, Any]]:
-    """Each episode's row of ``meta/episodes``: its length, data file, and per video its file and time span."""
+@dataclass
+class Episode:
+    """Where one episode's frames are: its data file, and per video feature the file and the time it starts at
+    (v3.0 puts many episodes in one file of each; v2.x one episode per file, starting at 0)."""
+
+    index: int
+    data: Path
+    videos: dict[str, tuple[Path, float]]
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """A v2.x metadata file (meta/episodes.jsonl, meta/tasks.jsonl): one JSON object per line."""
+    if not path.is_file():
+        raise LeRobotDataError(f"{path}: missing. Fix: the data set is incomplete; copy it whole")
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except ValueError as exc:
+        raise LeRobotDataError(f"{path}: not JSON lines ({exc})") from None
+
+
+def read_episodes(root: Path, info: dict[str, Any]) -> list[Episode]:
+    """The data set's episodes in order (v3.0: ``meta/episodes/*.parquet``; v2.x: ``meta/episodes.jsonl``)."""
+    video_keys = [f for f, spec in info["features"].items() if spec.get("dtype") == "video"]
+    if str(info["codebase_version"]).startswith("v2."):
+        out = []
+        for r in sorted(_json_lines(root / "meta" / "episodes.jsonl"), key=lambda r: r["episode_index"]):
+            e, chunk = int(r["episode_index"]), int(r["episode_index"]) // int(info["chunks_size"])
+            out.append(Episode(e, root / info["data_path"].format(episode_chunk=chunk, episode_index=e), {
+                f: (root / info["video_path"].format(episode_chunk=chunk, video_key=f, episode_index=e), 0.0)
+                for f in video_keys}))
+        return out
     files = sorted((root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
     if not files:
         raise LeRobotDataError(f"{root}: no meta/episodes/chunk-*/file-*.parquet. Fix: a data set LeRobot finalized "
                                f"(LeRobotDataset.finalize() writes the episodes' metadata)")
     data = _parquet(files)
-    keep = [c for c in data.column_names if not c.startswith("stats/")]
-    rows = sorted(data.select_columns(keep).to_list(), key=lambda r: r["episode_index"])
-    return rows
+    data = data.select_columns([c for c in data.column_names if not c.startswith("stats/")])
+    return [Episode(int(r["episode_index"]),
+                    root / info["data_path"].format(chunk_index=r["data/chunk_index"],
+                                                    file_index=r["data/file_index"]),
+                    {f: (root / info["video_path"].format(video_key=f, chunk_index=r[f"videos/{f}/chunk_index"],
+                                                          file_index=r[f"videos/{f}/file_index"]),
+                         float(r[f"videos/{f}/from_timestamp"])) for f in video_keys})
+            for r in sorted(data.to_list(), key=lambda r: r["episode_index"])]
 
 
-def read_tasks(root: Path) -> dict[int, str]:
-    """task_index -> the task's text (meta/tasks.parquet keeps the text as its pandas index)."""
+def read_tasks(root: Path, info: dict[str, Any]) -> dict[int, str]:
+    """task_index -> the task's text (v3.0: meta/tasks.parquet, the text as its pandas index; v2.x:
+    meta/tasks.jsonl)."""
+    if str(info["codebase_version"]).startswith("v2."):
+        path = root / "meta" / "tasks.jsonl"
+        try:
+            return {int(r["task_index"]): str(r["task"]) for r in _json_lines(path)}
+        except (ValueError, KeyError) as exc:
+            raise LeRobotDataError(f"{path}: each line needs task_index and task ({exc})") from None
     import pandas as pd
 
     path = root / "meta" / "tasks.parquet"
@@ -147,12 +193,18 @@ def match_keys(obs_spec: dict[str, Any], features: dict[str, Any], keys: dict[st
     return out
 
 
+def fit_image(image: Any, size: tuple[int, int]) -> Any:
+    """A PIL image at the env's (height, width), resized bilinearly when it differs."""
+    from PIL import Image
+
+    return image if image.size == (size[1], size[0]) else image.resize((size[1], size[0]), Image.BILINEAR)
+
+
 def decode_frames(path: Path, wanted: dict[int, list[int]], fps: float, size: tuple[int, int],
                   out: np.ndarray) -> None:
     """Frames of one video file into ``out`` rows: ``wanted`` maps a frame number (time x fps, rounded) to the rows
     that take it. The file is decoded once, in order (a seek per frame would decode from the keyframe each time)."""
     import av
-    from PIL import Image
 
     if not path.is_file():
         raise LeRobotDataError(f"{path}: missing. Fix: the data set is incomplete; copy it whole (videos/ too)")
@@ -167,10 +219,7 @@ def decode_frames(path: Path, wanted: dict[int, list[int]], fps: float, size: tu
                 n = round(frame.time * fps)
                 if n not in wanted:
                     continue
-                image = frame.to_image()  # RGB
-                if image.size != (size[1], size[0]):
-                    image = image.resize((size[1], size[0]), Image.BILINEAR)
-                out[wanted[n]] = np.asarray(image, dtype=np.uint8)
+                out[wanted[n]] = np.asarray(fit_image(frame.to_image(), size), dtype=np.uint8)  # RGB
                 found.add(n)
     except av.error.FFmpegError as exc:
         raise LeRobotDataError(f"{path}: cannot decode ({exc}). Fix: re-encode it, or check the file is whole") from None
@@ -193,6 +242,9 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
     spaces = obs_spec["spaces"] if obs_spec["kind"] == "dict" else {"obs": obs_spec}
     name = (lambda k: f"obs/{k}") if obs_spec["kind"] == "dict" else (lambda k: "obs")  # as collect names them
     mapping = match_keys(obs_spec, features, keys)
+    if act_spec.get("kind") != "box":
+        raise LeRobotDataError(f"the env's actions are {act_spec.get('kind')}; a LeRobot data set's are vectors of "
+                               f"numbers. Fix: an env with continuous (Box) actions")
     if "action" not in features:
         raise LeRobotDataError(f"{root}: no 'action' feature; demonstrations need the actions taken")
     shape = list(act_spec["shape"])
@@ -200,18 +252,17 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
     if int(np.prod(features["action"]["shape"])) != A:
         raise LeRobotDataError(f"{root}: actions of {features['action']['shape']} values, and the env acts with {A} "
                                f"per step. Fix: a data set recorded with this env's action space")
-    episodes = read_episodes(root)
+    episodes = read_episodes(root, info)
     if max_episodes:
         episodes = episodes[:max_episodes]
-    tasks = read_tasks(root)
-    data_files = sorted({(e["data/chunk_index"], e["data/file_index"]) for e in episodes})
-    files = [root / info["data_path"].format(chunk_index=c, file_index=f) for c, f in data_files]
+    tasks = read_tasks(root, info)
+    files = sorted({e.data for e in episodes})
     vectors = [f for f in mapping.values() if features[f].get("dtype") != "video"]
     extras = [c for c in ("next.reward", "next.done") if c in features]
     data = _parquet(files, ["episode_index", "frame_index", "timestamp", "task_index", "action", *vectors, *extras])
-    data = data.with_format("numpy")
+    raw, data = data, data.with_format("numpy")  # raw: images stored in the parquet files decode to PIL
     column = {c: np.asarray(data[c]) for c in data.column_names if features.get(c, {}).get("dtype") != "image"}
-    wanted_eps = {int(e["episode_index"]) for e in episodes}
+    wanted_eps = {e.index for e in episodes}
     by_episode: dict[int, np.ndarray] = {}
     order = np.lexsort((column["frame_index"], column["episode_index"]))
     ep_sorted = column["episode_index"][order]
@@ -259,30 +310,30 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
         tensors["obs/instruction"] = np.stack([codes[int(i)] for i in task_index]).astype(
             spaces["instruction"]["dtype"])
     timestamp = column["timestamp"].reshape(-1)
-    episode_meta = {int(e["episode_index"]): e for e in episodes}
+    episode_meta = {e.index: e for e in episodes}
     for k, f in mapping.items():
         kind = features[f].get("dtype")
-        if kind == "image":
-            raise LeRobotDataError(f"{root}: feature {f!r} holds images in the parquet files; this reads cameras "
-                                   f"stored as videos (LeRobot's default, use_videos=True). Fix: re-export with "
-                                   f"videos")
-        if kind != "video":
+        if kind not in ("video", "image"):
             continue
         size = tuple(spaces[k]["shape"][:2])
         out = np.zeros((N, *spaces[k]["shape"]), np.uint8)
+        if kind == "image":  # PNGs inside the parquet files (LeRobot's use_videos=False), decoded by datasets
+            for row, image in enumerate(raw.select(first.tolist())[f]):
+                out[row] = np.asarray(fit_image(image.convert("RGB"), size), dtype=np.uint8)
+            tensors[name(k)] = out
+            continue
         per_file: dict[Path, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         for row, ((e, _), r) in enumerate(zip(starts, first, strict=True)):
-            ep = episode_meta[e]
-            path = root / info["video_path"].format(video_key=f, chunk_index=ep[f"videos/{f}/chunk_index"],
-                                                    file_index=ep[f"videos/{f}/file_index"])
-            per_file[path][round((ep[f"videos/{f}/from_timestamp"] + float(timestamp[r])) * fps)].append(row)
+            path, start = episode_meta[e].videos[f]
+            per_file[path][round((start + float(timestamp[r])) * fps)].append(row)
         for i, (path, wanted) in enumerate(sorted(per_file.items())):
             decode_frames(path, wanted, fps, size, out)
             if progress is not None:
                 progress(f"{f}", i + 1, len(per_file))
         tensors[name(k)] = out
-    low, high = float(act_spec.get("low", -np.inf)), float(act_spec.get("high", np.inf))
     actions = tensors["actions"]
+    low = np.asarray(bounds(act_spec, "low"), np.float64).reshape(actions.shape[1:])
+    high = np.asarray(bounds(act_spec, "high"), np.float64).reshape(actions.shape[1:])
     summary = {"episodes": len(wanted_eps), "frames": int(sum(len(by_episode[e]) for e in wanted_eps)),
                "transitions": N, "keys": mapping, "chunk": H, "tasks": len(tasks),
                "actions_out_of_bounds": float(((actions < low) | (actions > high)).mean())}

@@ -77,6 +77,41 @@ def test_every_frame_state_instruction_and_chunk_lands_where_the_env_puts_it(imp
     assert summary["transitions"] == len(t["actions"]) and summary["actions_out_of_bounds"] == 0.0
 
 
+def test_images_kept_in_the_parquet_files_import_exactly(imported):
+    """tests/data/lerobot_arm_reach_images: the same first two episodes with the camera as PNGs inside the parquet
+    files (LeRobot's use_videos=False): lossless, so every frame is the env's own render."""
+    config = load_config(SPEC, ["env.eval_envs=1"])
+    batch, summary = import_for_run(FIXTURE.with_name("lerobot_arm_reach_images"), config)
+    video = imported[0].tensors
+    first2 = video["episode"] < 2
+    assert summary["episodes"] == 2 and batch.rows == int(first2.sum())
+    for k in ("obs/proprio", "obs/instruction", "actions"):
+        np.testing.assert_array_equal(batch.tensors[k], video[k][first2])
+    for e in range(2):
+        steps = replay(SEED + e)
+        rows = np.flatnonzero(batch.tensors["episode"] == e)
+        for k, row in enumerate(rows):
+            np.testing.assert_array_equal(batch.tensors["obs/image"][row], steps[k][0]["image"])
+
+
+def test_the_older_format_v2_1_imports_the_same_episodes(imported):
+    """tests/data/lerobot_arm_reach_v21: the first three episodes as LeRobot 0.3.3 wrote them (format v2.1: one
+    parquet file and one video per episode, meta/*.jsonl)."""
+    config = load_config(SPEC, ["env.eval_envs=1"])
+    batch, summary = import_for_run(FIXTURE.with_name("lerobot_arm_reach_v21"), config)
+    video = imported[0].tensors
+    first3 = video["episode"] < 3
+    assert summary["episodes"] == 3 and batch.rows == int(first3.sum())
+    for k in ("obs/proprio", "obs/instruction", "actions", "episode"):
+        np.testing.assert_array_equal(batch.tensors[k], video[k][first3])
+    for e in range(3):
+        steps = replay(SEED + e)
+        rows = np.flatnonzero(batch.tensors["episode"] == e)
+        diffs = [np.abs(batch.tensors["obs/image"][row].astype(int) - steps[k][0]["image"].astype(int)).mean()
+                 for k, row in enumerate(rows)]
+        assert max(diffs) < 8, diffs
+
+
 def test_what_the_env_cannot_take_is_refused_with_the_fix(tmp_path, imported):
     batch, _ = imported
     config = load_config(SPEC, ["env.eval_envs=1"])
@@ -93,6 +128,12 @@ def test_what_the_env_cannot_take_is_refused_with_the_fix(tmp_path, imported):
     out, summary = import_dataset(copy, obs_spec, act_spec, None,
                                   keys={"front": "observation.images.top", "wrist": "observation.images.top"})
     assert out.tensors["obs/front"].shape == (171, 32, 32, 3) and out.tensors["actions"].shape == (171, 2)
+    narrow = act_spec | {"low": [-1.0, -0.5], "high": [1.0, 0.5]}  # per dimension; the 2nd narrower than the moves
+    _, outside = import_dataset(copy, obs_spec, narrow, None, keys={"front": "observation.images.top",
+                                                                    "wrist": "observation.images.top"})
+    moves = out.tensors["actions"]
+    assert outside["actions_out_of_bounds"] == pytest.approx((np.abs(moves[:, 1]) > 0.5).mean() / 2)
+    assert 0 < outside["actions_out_of_bounds"] and summary["actions_out_of_bounds"] == 0.0
     np.testing.assert_array_equal(out.tensors["obs/front"], out.tensors["obs/wrist"])
     # an env whose observation is one Box (state): the data set's observation.state, stored as collect names it
     box = {"kind": "box", "shape": [8], "dtype": "float32", "low": -1.0, "high": 1.0}
@@ -103,6 +144,9 @@ def test_what_the_env_cannot_take_is_refused_with_the_fix(tmp_path, imported):
     with pytest.raises(LeRobotDataError, match="no feature 'observation.images.side'"):
         import_dataset(copy, obs_spec, act_spec, None, keys={"front": "observation.images.side",
                                                              "wrist": "observation.images.top"})
+    with pytest.raises(LeRobotDataError, match="continuous \\(Box\\) actions"):
+        import_dataset(copy, obs_spec, {"kind": "discrete", "shape": [], "dtype": "int64", "n": 3}, None,
+                       keys={"front": "observation.images.top", "wrist": "observation.images.top"})
     with pytest.raises(LeRobotDataError, match="acts with 3 per step"):
         import_dataset(copy, obs_spec, act_spec | {"shape": [3]}, None, keys={"front": "observation.images.top",
                                                                              "wrist": "observation.images.top"})
@@ -116,9 +160,9 @@ def test_what_the_env_cannot_take_is_refused_with_the_fix(tmp_path, imported):
     with pytest.raises(LeRobotDataError, match="file-000.mp4"):
         import_dataset(copy, obs_spec, act_spec, None, keys={"front": "observation.images.top",
                                                              "wrist": "observation.images.top"})
-    info["codebase_version"] = "v2.1"
+    info["codebase_version"] = "v1.6"
     (copy / "meta" / "info.json").write_text(json.dumps(info))
-    with pytest.raises(LeRobotDataError, match="convert_dataset_v21_to_v30"):
+    with pytest.raises(LeRobotDataError, match="format v1.6; this reads v2.x and v3.x.*convert_dataset_v1_to_v2"):
         import_for_run(copy, config)
     with pytest.raises(LeRobotDataError, match="not a LeRobot data set"):
         import_for_run(tmp_path, config)
