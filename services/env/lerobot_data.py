@@ -222,7 +222,8 @@ def decode_frames(path: Path, wanted: dict[int, list[int]], fps: float, size: tu
                 out[wanted[n]] = np.asarray(fit_image(frame.to_image(), size), dtype=np.uint8)  # RGB
                 found.add(n)
     except av.error.FFmpegError as exc:
-        raise LeRobotDataError(f"{path}: cannot decode ({exc}). Fix: re-encode it, or check the file is whole") from None
+        raise LeRobotDataError(f"{path}: cannot decode ({exc}). Fix: re-encode it, or check the file is "
+                               f"whole") from None
     missing = sorted(set(wanted) - found)
     if missing:
         raise LeRobotDataError(f"{path}: no frame at {len(missing)} of the timestamps the episodes name (first: "
@@ -234,7 +235,7 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
                    keys: dict[str, str] | None = None, max_episodes: int = 0, max_rows: int = 1 << 24,
                    progress: Any = None) -> tuple[TensorBatch, dict[str, Any]]:
     """The data set's episodes as this env's transitions (see the module's docstring) and a summary. ``encode``:
-    the env's instruction encoder (text -> its ``instruction`` entry), or None when the env takes no words.
+    the env's instruction encoder (text -> its ``instruction`` entry); None serves an env that takes no words.
     ``progress(what, done, total)`` is told as videos decode."""
     root = Path(root)
     info = read_info(root)
@@ -302,11 +303,15 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
             continue
         tensors[name(k)] = column[f][first].reshape(N, *spaces[k]["shape"]).astype(spaces[k]["dtype"])
     if "instruction" in spaces:
-        codes = {i: np.asarray(encode(t)) for i, t in tasks.items()}
         task_index = column["task_index"].reshape(-1)[first]
-        unknown = sorted(set(task_index.tolist()) - set(codes))
+        used = sorted(set(task_index.tolist()))
+        unknown = [i for i in used if i not in tasks]
         if unknown:
-            raise LeRobotDataError(f"{root}: frames name task_index {unknown[:5]}, which meta/tasks.parquet lacks")
+            raise LeRobotDataError(f"{root}: frames name task_index {unknown[:5]}, which the data set's tasks lack")
+        if encode is None:
+            raise LeRobotDataError("the env observes an instruction and no encoder came with it. Fix: pass the env's "
+                                   "encode_instruction (import_for_run does)")
+        codes = {i: np.asarray(encode(tasks[i])) for i in used}  # the tasks these episodes do
         tensors["obs/instruction"] = np.stack([codes[int(i)] for i in task_index]).astype(
             spaces["instruction"]["dtype"])
     timestamp = column["timestamp"].reshape(-1)
