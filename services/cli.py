@@ -124,7 +124,8 @@ def _warm_start(args: argparse.Namespace) -> int | None:
     """A spec's ``warm_start`` stages, before its own run (when ``policy.init_checkpoint`` is empty): the env's
     scripted expert records demonstrations and/or a LeRobot data set is imported, a supervised run learns from
     them, and the run itself then starts from that run's checkpoint (``--set policy.init_checkpoint=...``, kept in
-    its config.yaml, so a resume does not warm up again). Stages already done in the run directory are kept. None to go on, or an exit code."""
+    its config.yaml, so a resume does not warm up again). Stages already done in the run directory are kept. None
+    to go on, or an exit code."""
     from services.core.spec_yaml import ConfigError, read_spec_file
 
     try:  # the cheap read first: a spec without stages costs the CLI no torch import

@@ -243,7 +243,7 @@ class PolicyConfig(_Strict):
     vla_tokens: VLATokensConfig = Field(default_factory=VLATokensConfig, description="a VLM with action tokens "
                                                                                      "(policy.name: vla_tokens)")
     vlm: VLMPolicyConfig = Field(default_factory=VLMPolicyConfig, description="a VLM that writes text "
-                                                                                          "(policy.name: vlm)")
+                                                                              "(policy.name: vlm)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")
 

@@ -82,7 +82,8 @@ class PI0Policy(ChunkPolicy):
                              f"chunk_size/max_action_dim")
         vision = c.vlm_config.vision_config
         grid = vision.image_size // vision.patch_size
-        self.read.bind(vision.image_size, (grid, grid), c.vlm_config.image_token_id, c.vlm_config.text_config.vocab_size)
+        self.read.bind(vision.image_size, (grid, grid), c.vlm_config.image_token_id,
+                       c.vlm_config.text_config.vocab_size)
         if p.lora.rank:  # adapters on the attention of the VLM's language model, the expert or both
             from services.core.models.lm import with_lora
 

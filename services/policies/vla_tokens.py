@@ -1,6 +1,7 @@
 """VLATokensPolicy (``policy.name: vla_tokens``): an OpenVLA-style policy on a transformers image-text-to-text VLM
-(PaliGemma or SmolVLM: services/policies/vlm_families.py): each action dimension of each step of the chunk is one token, ``bins`` bins over [low, high] mapped
-onto the vocabulary's last ids, as OpenVLA maps its 256 bins.
+(PaliGemma, SmolVLM or Qwen2.5-VL: services/policies/vlm_families.py): each action dimension of each step of the
+chunk is one token, ``bins`` bins over [low, high] mapped onto the vocabulary's last ids, as OpenVLA maps its 256
+bins.
 
     prefix   the camera images (SigLIP), the instruction's ids and one proprioception embedding (a linear
              projection, as OFT feeds proprio), attended as the family attends (both ways in PaliGemma's prefix)

@@ -1,6 +1,6 @@
-"""VLMTextPolicy (``policy.name: vlm``): a transformers image-text-to-text VLM (PaliGemma or SmolVLM) that writes text about
-its images, as an actor-critic over token sequences. Supervised training of a VLM is its imitation loss on
-demonstrated texts; RL scores whole texts.
+"""VLMTextPolicy (``policy.name: vlm``): a transformers image-text-to-text VLM (PaliGemma, SmolVLM or Qwen2.5-VL)
+that writes text about its images, as an actor-critic over token sequences. Supervised training of a VLM is its
+imitation loss on demonstrated texts; RL scores whole texts.
 
     prefix   the images (SigLIP), the prompt's ids (the env's ``instruction`` entry) and the proprioception token
              when the env has state, attended as the family attends (services/policies/vlm_body.py)

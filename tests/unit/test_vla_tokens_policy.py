@@ -1,6 +1,7 @@
-"""policy.name vla_tokens: a transformers VLM (PaliGemma, or SmolVLM with a causal prefix) whose action dimensions
-are tokens over the vocabulary's last ids. Token-by-token decoding with the prefix's KV cache and the learner's teacher-forced pass score the same
-tokens; imitation makes the words steer the chunk; OFT-style parallel decoding does the same in one pass."""
+"""policy.name vla_tokens: a transformers VLM (PaliGemma; SmolVLM and Qwen2.5-VL with a causal prefix) whose action
+dimensions are tokens over the vocabulary's last ids. Token-by-token decoding with the prefix's KV cache and the
+learner's teacher-forced pass score the same tokens; imitation makes the words steer the chunk; OFT-style parallel
+decoding does the same in one pass."""
 
 from __future__ import annotations
 

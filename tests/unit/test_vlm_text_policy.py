@@ -1,6 +1,6 @@
-"""policy.name vlm: a PaliGemma (or SmolVLM, Qwen2.5-VL) that writes text about its images. What it decodes with its KV cache the learner
-re-scores to the same log-prob; a text ends at its first 0; next-token SFT makes it write what it was shown; an env
-whose actions are not token ids is refused naming the fix."""
+"""policy.name vlm: a PaliGemma (or SmolVLM, Qwen2.5-VL) that writes text about its images. What it decodes with
+its KV cache the learner re-scores to the same log-prob; a text ends at its first 0; next-token SFT makes it write
+what it was shown; an env whose actions are not token ids is refused naming the fix."""
 
 from __future__ import annotations
 
