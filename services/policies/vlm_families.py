@@ -23,44 +23,87 @@ import torch
 
 @dataclass(frozen=True)
 class Family:
+    """A family's facts, and PaliGemma's ways where a family keeps them: image features straight from the vision
+    tower, positions counting unmasked tokens. A family that differs overrides the method."""
+
     name: str
     model_types: tuple[str, ...]
     bidirectional_prefix: bool  # the prefix attends both ways (PaliGemma's token_type_ids)
     first_position: int  # the position id of the first token
-    mrope: bool = False  # images take (t, row, column) rotary positions (Qwen2.5-VL)
 
     def tiny(self, p: Any, vocab: int, image_size: int):
         """A randomly initialised model from a policy section's sizes: ``vocab`` text ids (the env's, then any the
         policy adds), the image placeholder id just past them, 0 pads, no bos/eos."""
-        if self.name == "paligemma":
-            from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+        from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
-            from services.policies.vlm_inputs import siglip_paligemma_config
+        from services.policies.vlm_inputs import siglip_paligemma_config
 
-            config = siglip_paligemma_config(p, vocab, image_size)
-            return PaliGemmaForConditionalGeneration(PaliGemmaConfig(**{k: v for k, v in config.items()
-                                                                        if k != "model_type"}))
-        grid = image_size // p.patch
-        if grid * p.patch != image_size or (self.name == "qwen2_5_vl" and grid % 2):
+        config = siglip_paligemma_config(p, vocab, image_size)
+        return PaliGemmaForConditionalGeneration(PaliGemmaConfig(**{k: v for k, v in config.items()
+                                                                    if k != "model_type"}))
+
+    def vision(self, config: Any, env_size: int) -> tuple[int, tuple[int, int]]:
+        """(the square size the model reads images at, its grid of tokens per image) for a model's config."""
+        grid = config.vision_config.image_size // config.vision_config.patch_size
+        return config.vision_config.image_size, (grid, grid)
+
+    def image_features(self, model: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, tokens, width] of images [N, 3, S, S] in [-1, 1] (the transformers model, unwrapped)."""
+        return model.model.get_image_features(pixels).pooler_output
+
+    def positions(self, mask: torch.Tensor, cameras: int, grid: tuple[int, int]) -> torch.Tensor:
+        """Each token's (text) position [B, L] in a sequence of ``cameras`` images first, then text: unmasked tokens
+        counted from the first position."""
+        return mask.cumsum(-1) - 1 + self.first_position
+
+    def model_positions(self, position: torch.Tensor, cameras: int, grid: tuple[int, int],
+                        images: bool) -> torch.Tensor:
+        """What the language model takes as position_ids (``images``: the sequence starts with the images)."""
+        return position
+
+    def check_grid(self, image_size: int, patch: int, merge: int = 1) -> int:
+        """Patches per side of a tiny model's image; an error naming the fix unless they tile it (and its merge)."""
+        grid = image_size // patch
+        if grid * patch != image_size or grid % merge:
             raise ValueError(f"policy family {self.name}: the image size {image_size} is not a multiple of "
-                             f"{p.patch * (2 if self.name == 'qwen2_5_vl' else 1)} (the patch"
-                             f"{' times the 2 x 2 merge' if self.name == 'qwen2_5_vl' else ''}). Fix: a patch that "
-                             f"divides it (or set the policy's image size)")
-        if self.name == "smolvlm":
-            from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+                             f"{patch * merge} (the patch{' times the merge' if merge > 1 else ''}). Fix: a patch "
+                             f"that divides it (or set the policy's image size)")
+        return grid
 
-            llama = {"model_type": "llama", "hidden_size": p.width, "intermediate_size": 4 * p.width,
-                     "num_hidden_layers": p.layers, "num_attention_heads": p.heads, "num_key_value_heads": 1,
-                     "head_dim": p.head_dim, "vocab_size": vocab, "pad_token_id": 0, "bos_token_id": None,
-                     "eos_token_id": None}
-            vision = {"model_type": "smolvlm_vision", "hidden_size": p.vision_width,
-                      "intermediate_size": 4 * p.vision_width, "num_hidden_layers": p.vision_layers,
-                      "num_attention_heads": p.heads, "patch_size": p.patch, "image_size": image_size}
-            return SmolVLMForConditionalGeneration(SmolVLMConfig(
-                text_config=llama, vision_config=vision, scale_factor=2 if grid % 2 == 0 else 1,
-                image_token_id=vocab, pad_token_id=0))
+
+class SmolVLMFamily(Family):
+    """SigLIP patches pixel-shuffled through a connector; a Llama, causal throughout."""
+
+    def tiny(self, p: Any, vocab: int, image_size: int):
+        from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+        grid = self.check_grid(image_size, p.patch)
+        llama = {"model_type": "llama", "hidden_size": p.width, "intermediate_size": 4 * p.width,
+                 "num_hidden_layers": p.layers, "num_attention_heads": p.heads, "num_key_value_heads": 1,
+                 "head_dim": p.head_dim, "vocab_size": vocab, "pad_token_id": 0, "bos_token_id": None,
+                 "eos_token_id": None}
+        vision = {"model_type": "smolvlm_vision", "hidden_size": p.vision_width,
+                  "intermediate_size": 4 * p.vision_width, "num_hidden_layers": p.vision_layers,
+                  "num_attention_heads": p.heads, "patch_size": p.patch, "image_size": image_size}
+        return SmolVLMForConditionalGeneration(SmolVLMConfig(
+            text_config=llama, vision_config=vision, scale_factor=2 if grid % 2 == 0 else 1,
+            image_token_id=vocab, pad_token_id=0))
+
+    def vision(self, config: Any, env_size: int) -> tuple[int, tuple[int, int]]:
+        size, (grid, _) = super().vision(config, env_size)
+        return size, (grid // config.scale_factor, grid // config.scale_factor)
+
+    def image_features(self, model: Any, pixels: torch.Tensor) -> torch.Tensor:
+        return model.model.get_image_features(pixels.unsqueeze(1)).pooler_output  # images per sample on a dim
+
+
+class QwenVLFamily(Family):
+    """Qwen2.5-VL: merged ViT patches; a causal Qwen2 whose image tokens take M-RoPE (t, row, column) positions."""
+
+    def tiny(self, p: Any, vocab: int, image_size: int):
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+        self.check_grid(image_size, p.patch, merge=2)
         if p.head_dim * p.heads != p.width or p.head_dim % 8:
             raise ValueError(f"policy family qwen2_5_vl: a Qwen2's head is width / heads = {p.width}/{p.heads}, and "
                              f"head_dim is {p.head_dim} (it must match, and be a multiple of 8 for M-RoPE's three "
@@ -84,41 +127,26 @@ class Family:
             vision_start_token_id=vocab, vision_end_token_id=vocab))
 
     def vision(self, config: Any, env_size: int) -> tuple[int, tuple[int, int]]:
-        """(the square size the model reads images at, its grid of tokens per image) for a model's config; Qwen2.5-VL
-        reads any multiple of its patch x merge, so the env's size is rounded to one."""
-        v = config.vision_config
-        if self.name == "qwen2_5_vl":
-            unit = v.patch_size * v.spatial_merge_size
-            size = max(unit, round(env_size / unit) * unit)
-            return size, (size // unit, size // unit)
-        grid = v.image_size // v.patch_size
-        if self.name == "smolvlm":
-            grid //= config.scale_factor
-        return v.image_size, (grid, grid)
+        """Qwen2.5-VL reads any multiple of its patch x merge: the env's size rounded to one."""
+        unit = config.vision_config.patch_size * config.vision_config.spatial_merge_size
+        size = max(unit, round(env_size / unit) * unit)
+        return size, (size // unit, size // unit)
 
     def image_features(self, model: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """[N, tokens, width] of images [N, 3, S, S] in [-1, 1] (the transformers model, unwrapped)."""
-        if self.name == "smolvlm":  # images per sample on a dim of their own
-            return model.model.get_image_features(pixels.unsqueeze(1)).pooler_output
-        if self.name == "qwen2_5_vl":
-            return torch.stack(model.model.get_image_features(*qwen_patches(pixels, model.config.vision_config))
-                               .pooler_output)
-        return model.model.get_image_features(pixels).pooler_output
+        return torch.stack(model.model.get_image_features(*qwen_patches(pixels, model.config.vision_config))
+                           .pooler_output)
 
     def positions(self, mask: torch.Tensor, cameras: int, grid: tuple[int, int]) -> torch.Tensor:
-        """Each token's (text) position [B, L] in a sequence of ``cameras`` images first, then text: unmasked tokens
-        counted from the first position; with M-RoPE an image advances it by its larger side, not its tokens."""
-        position = mask.cumsum(-1) - 1 + self.first_position
-        if self.mrope:
-            images = cameras * grid[0] * grid[1]
-            position[:, images:] -= cameras * (grid[0] * grid[1] - max(grid))
+        """An image advances the position by its larger side, not by its tokens."""
+        position = super().positions(mask, cameras, grid)
+        position[:, cameras * grid[0] * grid[1]:] -= cameras * (grid[0] * grid[1] - max(grid))
         return position
 
     def model_positions(self, position: torch.Tensor, cameras: int, grid: tuple[int, int],
                         images: bool) -> torch.Tensor:
-        """What the language model takes as position_ids: ``position`` itself, or with M-RoPE [3, B, L] where the
-        sequence starts with the images (``images``), each image token at (start, start + row, start + column)."""
-        if not (self.mrope and images):
+        """[3, B, L]: each image token at (start, start + row, start + column), text at its position thrice (a
+        decoded token's [B, 1] the model repeats itself)."""
+        if not images:
             return position
         out = position.unsqueeze(0).repeat(3, 1, 1)
         rows, cols = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing="ij")
@@ -150,8 +178,8 @@ def qwen_patches(pixels: torch.Tensor, vision: Any) -> tuple[torch.Tensor, torch
 
 FAMILIES = {f.name: f for f in (
     Family("paligemma", ("paligemma",), bidirectional_prefix=True, first_position=1),
-    Family("smolvlm", ("smolvlm", "idefics3"), bidirectional_prefix=False, first_position=0),
-    Family("qwen2_5_vl", ("qwen2_5_vl",), bidirectional_prefix=False, first_position=0, mrope=True),
+    SmolVLMFamily("smolvlm", ("smolvlm", "idefics3"), bidirectional_prefix=False, first_position=0),
+    QwenVLFamily("qwen2_5_vl", ("qwen2_5_vl",), bidirectional_prefix=False, first_position=0),
 )}
 
 
