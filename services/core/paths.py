@@ -206,14 +206,22 @@ def confine_storage(storage, run_dir: str, roots: DataRoots, endpoints: Endpoint
     return storage, confined_dir
 
 
+MODEL_PATHS = {"lm": ("path", "tokenizer_corpus"), "pi0": ("path", "vlm_path"), "vla_tokens": ("path",),
+               "vlm": ("path",)}
+
+
 def confine_model(config, roots: DataRoots):
-    """``config`` with ``policy.lm.path`` (a saved model directory its libraries open themselves) and
-    ``policy.lm.tokenizer_corpus`` (the data file a built model's tokenizer is trained on) resolved under the data
-    roots, else PathRefused naming the field."""
-    lm = config.policy.lm
-    update = {name: str(roots.confine(getattr(lm, name), f"policy.lm.{name}"))
-              for name in ("path", "tokenizer_corpus") if getattr(lm, name)}
-    if not update:
+    """``config`` with the files and saved model directories its policy sections name (``policy.lm.path`` and
+    ``tokenizer_corpus``, ``policy.pi0.path`` and ``vlm_path``, ``policy.vla_tokens.path``, ``policy.vlm.path``:
+    read by the libraries themselves, a VLM's modeling code too when trust_remote_code is on) resolved under the
+    data roots, else PathRefused naming the field."""
+    sections = {}
+    for name, fields in MODEL_PATHS.items():
+        section = getattr(config.policy, name)
+        update = {f: str(roots.confine(getattr(section, f), f"policy.{name}.{f}")) for f in fields
+                  if getattr(section, f)}
+        if update:
+            sections[name] = section.model_copy(update=update)
+    if not sections:
         return config
-    policy = config.policy.model_copy(update={"lm": lm.model_copy(update=update)})
-    return config.model_copy(update={"policy": policy})
+    return config.model_copy(update={"policy": config.policy.model_copy(update=sections)})

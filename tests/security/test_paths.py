@@ -157,6 +157,19 @@ def test_a_saved_model_directory_is_confined_too(layout):
         confine_model(short_config(policy={"lm": {"path": str(layout.outside.parent)}}), layout.roots)
 
 
+@pytest.mark.parametrize("section,field", [("pi0", "path"), ("pi0", "vlm_path"), ("vla_tokens", "path"),
+                                           ("vlm", "path")])
+def test_a_vlm_policys_model_directory_is_confined_too(layout, section, field):
+    """A VLM directory is read by transformers itself (its modeling code too, with trust_remote_code): it must lie
+    under the roots like any other file a spec names."""
+    from services.core.paths import confine_model
+
+    inside = confine_model(short_config(policy={section: {field: "models/vlm"}}), layout.roots)
+    assert getattr(getattr(inside.policy, section), field) == str(layout.root / "models" / "vlm")
+    with pytest.raises(PathRefused, match=rf"policy.{section}.{field}.*--data-root"):
+        confine_model(short_config(policy={section: {field: str(layout.outside.parent)}}), layout.roots)
+
+
 def test_learner_configure_answers_a_run_directory_that_is_a_fifo_with_a_status(layout):
     """A run directory inside the roots that is not a directory (here a FIFO) is the host's refusal, answered as
     FAILED_PRECONDITION naming the path, not an unhandled exception (UNKNOWN) the fuzz suite counts as a crash."""
