@@ -168,6 +168,15 @@ class TinyVLMSizes(_Strict):
     vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
     patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
     value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head (either critic)")
+    freeze_vision: bool = Field(False, description="keep the image encoder's weights as they start (pretrained: "
+                                                   "policy.pi0.vlm_path, warm_start.vision or a checkpoint): "
+                                                   "imitation and RL train the rest, and a fresh action head's "
+                                                   "gradients cannot overwrite what the encoder localises")
+    def shape(self) -> dict[str, int]:
+        """The sizes that shape the model: what another VLM must share for its weights to carry over."""
+        return {k: getattr(self, k) for k in ("width", "layers", "heads", "head_dim", "vision_width",
+                                              "vision_layers", "patch")}
+
     critic: Literal["prefix", "own"] = Field(
         "prefix", description="what the value head reads: the mean of the VLM prefix's hidden states, or an encoder "
                               "of its own (policy.cnn per camera, the state, the instruction's ids; "
@@ -181,6 +190,10 @@ class PI0PolicyConfig(TinyVLMSizes):
 
     path: str = Field("", max_length=4096, description="a local save_pretrained directory of a "
                                                        "PI0ForConditionalGeneration; empty: build from the sizes below")
+    vlm_path: str = Field("", max_length=4096, description="a local save_pretrained directory that starts the VLM "
+                          "of a pi0 built from the sizes: a PaliGemma VLM (every tensor whose name and shape agree, "
+                          "as pi0 starts from PaliGemma) or a SigLIP vision model (the image encoder alone, e.g. "
+                          "warm_start.vision's); empty: random init")
     expert_width: int = Field(64, ge=8, le=8192, description="hidden size of the action expert")
     image_size: int = Field(0, ge=0, le=1024, description="the size images are resized to; 0: the env's own")
     flow_steps: int = Field(4, ge=1, le=64, description="denoising steps per chunk (each one an expert call)")
@@ -197,6 +210,13 @@ class PI0PolicyConfig(TinyVLMSizes):
     value_detach: bool = Field(False, description="the value head reads the VLM's features without sending its "
                                                    "gradient back into the VLM: a critic learning from scratch on a "
                                                    "fine-tuned policy cannot disturb what the policy sees")
+
+    @model_validator(mode="after")
+    def _one_start(self) -> PI0PolicyConfig:
+        if self.path and self.vlm_path:
+            raise ValueError("policy.pi0.path loads a whole pi0 and policy.pi0.vlm_path starts the VLM of one built "
+                             "from the sizes. Fix: set one of them")
+        return self
 
 
 class VLMPolicyConfig(TinyVLMSizes):

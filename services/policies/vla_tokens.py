@@ -48,6 +48,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
             from services.core.models.lm import with_lora
 
             self.model = with_lora(self.model, v.lora)
+        self.freeze_vision(v)
         self.register_buffer("bin_ids", torch.arange(vocab - v.bins, vocab))
         self.register_buffer("centers", torch.linspace(-1.0, 1.0, v.bins))
         width = c.text_config.hidden_size

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from services.policies.vlm_families import FAMILIES, Family, family_of
-from services.policies.vlm_inputs import VLMInputs, unwrapped
+from services.policies.vlm_inputs import VLMInputs, freeze, unwrapped
 
 
 def load_pretrained(path: str, trust_remote_code: bool, field: str):
@@ -49,6 +49,12 @@ class VLMBody(nn.Module):
     family: Family
     read: Any
     state_proj: nn.Module
+
+    def freeze_vision(self, p: Any) -> None:
+        """``p.freeze_vision``: the image encoder, any LoRA adapters in it included, takes no gradient (called once
+        the model is wrapped)."""
+        if p.freeze_vision:
+            freeze(self.family.image_encoder(self.vlm.model))
 
     @property
     def vlm(self):

@@ -30,6 +30,7 @@ class Family:
     model_types: tuple[str, ...]
     bidirectional_prefix: bool  # the prefix attends both ways (PaliGemma's token_type_ids)
     first_position: int  # the position id of the first token
+    encoder: str  # the image encoder's attribute on the inner model (PaliGemmaModel, SmolVLMModel, ...)
 
     def tiny(self, p: Any, vocab: int, image_size: int):
         """A randomly initialised model from a policy section's sizes: ``vocab`` text ids (the env's, then any the
@@ -41,6 +42,11 @@ class Family:
         config = siglip_paligemma_config(p, vocab, image_size)
         return PaliGemmaForConditionalGeneration(PaliGemmaConfig(**{k: v for k, v in config.items()
                                                                     if k != "model_type"}))
+
+    def image_encoder(self, inner: Any) -> Any:
+        """The image encoder (the ViT, before any projector or connector) of an inner model (``model.model`` of a
+        ForConditionalGeneration, pi0's ``model.vlm``)."""
+        return getattr(inner, self.encoder)
 
     def vision(self, config: Any, env_size: int) -> tuple[int, tuple[int, int]]:
         """(the square size the model reads images at, its grid of tokens per image) for a model's config."""
@@ -177,9 +183,10 @@ def qwen_patches(pixels: torch.Tensor, vision: Any) -> tuple[torch.Tensor, torch
 
 
 FAMILIES = {f.name: f for f in (
-    Family("paligemma", ("paligemma",), bidirectional_prefix=True, first_position=1),
-    SmolVLMFamily("smolvlm", ("smolvlm", "idefics3"), bidirectional_prefix=False, first_position=0),
-    QwenVLFamily("qwen2_5_vl", ("qwen2_5_vl",), bidirectional_prefix=False, first_position=0),
+    Family("paligemma", ("paligemma",), bidirectional_prefix=True, first_position=1, encoder="vision_tower"),
+    SmolVLMFamily("smolvlm", ("smolvlm", "idefics3"), bidirectional_prefix=False, first_position=0,
+                  encoder="vision_model"),
+    QwenVLFamily("qwen2_5_vl", ("qwen2_5_vl",), bidirectional_prefix=False, first_position=0, encoder="visual"),
 )}
 
 

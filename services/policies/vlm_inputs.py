@@ -84,6 +84,12 @@ def siglip_paligemma_config(p: Any, vocab: int, image_size: int) -> dict[str, An
                               "vision_use_head": False}}
 
 
+def freeze(module: Any) -> None:
+    """No gradient into ``module`` (policy.<section>.freeze_vision): the optimizers take only parameters that need
+    one, and its LoRA adapters, if any, stay as they start too."""
+    module.requires_grad_(False)
+
+
 def unwrapped(model: Any) -> Any:
     """The transformers model inside a peft wrapper (its LoRA layers are injected in place), or the model."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -59,6 +59,7 @@ class VLMTextPolicy(VLMBody):
             from services.core.models.lm import with_lora
 
             self.model = with_lora(self.model, p.lora)
+        self.freeze_vision(p)
         width = c.text_config.hidden_size
         self.state_proj = nn.Linear(max(self.read.state_dim, 1), width)
         self.value_head = VLMCritic(obs_space, cfg.cnn, p, width)

@@ -11,7 +11,7 @@ import torch
 from services.core.config import PolicyConfig, RunConfig
 from services.core.models import build_policy
 from services.policies.pi0 import PI0Policy
-from tests.vla_support import OBS_SPACE, TEXTS, chunk_space, observations
+from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, observations
 
 pytest.importorskip("transformers.models.pi0")
 
@@ -136,6 +136,41 @@ def test_bad_specs_name_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="env.action_chunk <= 3"):
         build_policy("pi0", {"observation_space": OBS_SPACE, "action_space": long_chunk},
                      PolicyConfig(name="pi0", pi0={"path": str(tmp_path / "m")}))
+
+
+def test_pi0_starts_its_vlm_from_a_saved_paligemma_and_can_keep_its_encoder_frozen(tmp_path):
+    """vlm_path: every VLM tensor whose name and shape agree comes from the saved PaliGemma (its embedding, of
+    another vocabulary, does not); freeze_vision: SFT steps move the expert and the language model, not the
+    encoder."""
+    from services.policies.vlm_families import FAMILIES
+
+    sizes = PolicyConfig(name="pi0", pi0={"patch": 8}).pi0
+    torch.manual_seed(5)
+    source = FAMILIES["paligemma"].tiny(sizes, VOCAB + 40, 32)
+    source.save_pretrained(str(tmp_path / "vlm"))
+    saved = source.model.state_dict()
+    pol = policy(vlm_path=str(tmp_path / "vlm"), freeze_vision=True)
+    vlm = pol.pi0.model.vlm.state_dict()
+    assert all(torch.equal(vlm[k], saved[k]) for k in vlm if not k.endswith("embed_tokens.weight"))
+    assert not torch.equal(vlm["language_model.embed_tokens.weight"][:VOCAB], saved["language_model.embed_tokens.weight"][:VOCAB])
+    encoder = {k: v.clone() for k, v in pol.pi0.model.vlm.vision_tower.state_dict().items()}
+    expert = {k: v.clone() for k, v in pol.pi0.model.dit.state_dict().items()}
+    optimizer = torch.optim.AdamW([p for p in pol.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        loss = pol.imitation_loss(observations(TEXTS, seed=step), torch.full((4, 3, 2), 0.5))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert all(torch.equal(v, pol.pi0.model.vlm.vision_tower.state_dict()[k]) for k, v in encoder.items())
+    assert any(not torch.equal(v, pol.pi0.model.dit.state_dict()[k]) for k, v in expert.items())
+
+    with pytest.raises(ValueError, match="image encoder differs.*vision_width"):
+        policy(vlm_path=str(tmp_path / "vlm"), vision_width=32)
+    pol.save_pretrained(str(tmp_path / "pi0"))
+    with pytest.raises(ValueError, match="holds a pi0 model.*PaliGemma VLM's or a SigLIP"):
+        policy(vlm_path=str(tmp_path / "pi0"))
+    with pytest.raises(ValueError, match="set one of them"):
+        policy(vlm_path=str(tmp_path / "vlm"), path=str(tmp_path / "pi0"))
 
 
 def test_a_run_spec_names_pi0_and_its_sizes():

@@ -146,3 +146,25 @@ def test_qwen_positions_and_patches_are_the_models_own():
                                                            v.temporal_patch_size)
     assert thw.tolist() == [[1, gh, gw]] * 2
     np.testing.assert_allclose(flat[gh * gw:].numpy(), expected, atol=1e-6)
+
+
+@FAMILIES
+@pytest.mark.parametrize("lora", [0, 4])
+def test_a_frozen_image_encoder_stays_as_it_started_while_the_rest_learns(family, lora):
+    """freeze_vision: the encoder (and LoRA adapters on its attention, which targets q_proj/v_proj reach) gets no
+    gradient, so imitation steps leave it exactly as it started; the language model still learns."""
+    pol = policy(family=family, freeze_vision=True, lora={"rank": lora, "targets": ["q_proj", "v_proj"]})
+    encoder = pol.family.image_encoder(pol.vlm.model)
+    before = {k: v.clone() for k, v in encoder.state_dict().items()}
+    rest = {k: v.clone() for k, v in pol.named_parameters() if v.requires_grad}
+    assert before and rest and not any(p.requires_grad for p in encoder.parameters())
+    optimizer = torch.optim.AdamW([p for p in pol.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        loss = pol.imitation_loss(observations(TEXTS, seed=step), torch.full((4, 2, 2), 0.5))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert all(torch.equal(v, encoder.state_dict()[k]) for k, v in before.items())
+    moved = [k for k, v in pol.named_parameters() if k in rest and not torch.equal(v, rest[k])]
+    assert any("lora_" in k for k in moved) if lora else any("language_model" in k or "text_model" in k
+                                                             for k in moved), moved

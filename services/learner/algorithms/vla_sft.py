@@ -42,8 +42,8 @@ class VLASFT(OfflineAlgorithm):
             raise ValueError(f"algorithm.name=vla_sft trains a policy on demonstrations through its "
                              f"imitation_loss(obs, actions), and policy {type(policy).__name__} has none. Fix: "
                              f"policy.name: pi0, vla or vla_tokens")
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.cfg.learning_rate,
-                                           weight_decay=self.cfg.weight_decay)
+        self.params = [p for p in policy.parameters() if p.requires_grad]  # a frozen encoder stays as loaded
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay)
 
     def update(self, batch: dict) -> dict[str, float]:
         """One gradient step per minibatch of a [U, B, ...] batch."""
@@ -53,7 +53,7 @@ class VLASFT(OfflineAlgorithm):
             loss = self.policy.imitation_loss(b["obs"], b["actions"])
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            norms.append(float(nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)))
+            norms.append(float(nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)))
             self.optimizer.step()
             self.optimizer_steps += 1
             losses.append(loss.item())
