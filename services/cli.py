@@ -152,6 +152,14 @@ def _warm_start(args: argparse.Namespace) -> int | None:
         f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir = str(run_dir)  # the run itself goes there, its stages under warm_start/
     stage = run_dir / "warm_start"
+    if warm.vision.scenes:
+        encoder = _vision_stage(config, stage, args.quiet)
+        if isinstance(encoder, int):
+            return encoder
+        args.set = [*args.set, f"policy.{config.policy_name}.vlm_path={encoder.resolve()}"]
+        config = _load(args.config, args.set)
+        if not warm.supervised:
+            return None
     files = []
     if warm.demos:
         demos = stage / "demos.npz"
@@ -199,6 +207,51 @@ def _warm_start(args: argparse.Namespace) -> int | None:
     args.set = [*args.set, f"policy.init_checkpoint={final.resolve()}"]
     console.print(f"warm start done: the run starts from {final}")
     return None
+
+
+def _vision_stage(config, stage: Path, quiet: bool) -> Path | int:
+    """warm_start.vision: the policy's image encoder pretrained to read the env's scene_state() off its cameras
+    (services/policies/grounding.py), saved as a SigLIP vision model in ``<stage>/vision`` with its metrics.csv;
+    a stage already done there is kept."""
+    import csv
+
+    from services.env.adapters import adapter
+    from services.policies import grounding
+
+    vision, name = config.warm_start.vision, config.policy_name
+    section = getattr(config.policy, name, None)
+    if not hasattr(section, "vlm_path"):
+        return _fail(f"warm_start.vision pretrains the image encoder a VLM policy starts from (policy.<name>."
+                     f"vlm_path), and policy.name={name} has none. Fix: policy.name: pi0, or no warm_start.vision", 2)
+    if section.path:
+        return _fail(f"warm_start.vision pretrains the encoder of a policy built from its sizes, and policy.{name}."
+                     f"path loads a whole model. Fix: drop one of them", 2)
+    out = stage / "vision"
+    if (out / "config.json").is_file():
+        return out
+    envs = adapter(config.env.adapter).make_vector_env(config.env, 1)
+    try:
+        with console.status(f"warm start: {vision.scenes} scenes of the env for the image encoder..."):
+            images, states = grounding.scenes(envs, vision.scenes, config.warm_start.demos_seed)
+    except ValueError as exc:
+        return _fail(f"warm_start.vision: {exc}", 2)
+    finally:
+        envs.close()
+    model = grounding.encoder(section, getattr(section, "image_size", 0) or images.shape[2])
+    with Progress(TextColumn("warm start: image encoder {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, disable=quiet) as progress:
+        task = progress.add_task("", total=vision.updates)
+        log = grounding.pretrain(model, images, states, vision.updates, vision.batch_size, vision.learning_rate,
+                                 config.seed, progress=lambda step, rmse: progress.update(
+                                     task, completed=step, description=f"(held-out error {rmse:.3f})"))
+    model.save_pretrained(out)
+    with (out / "metrics.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(log[0]))
+        writer.writeheader()
+        writer.writerows(log)
+    console.print(f"warm start: image encoder's held-out error (root mean square, scene_state units) "
+                  f"{log[0]['heldout_rmse']:.3f} -> {log[-1]['heldout_rmse']:.3f}; the policy starts from {out}")
+    return out
 
 
 def _train_local(args: argparse.Namespace) -> int:

@@ -510,12 +510,24 @@ class RuntimeConfig(_Strict):
                                     "rank")
 
 
+class VisionStageConfig(_Strict):
+    """Grounding pretraining of the policy's image encoder before imitation (services/policies/grounding.py): a
+    read-out of its tokens regresses the env's scene_state() (where things are) from its camera images."""
+
+    scenes: int = Field(0, ge=0, le=1_000_000, description="scenes of the env (resets) to learn from, a tenth held "
+                                                           "out to report the error; 0: no vision stage")
+    updates: int = Field(3000, ge=1, le=10_000_000, description="gradient steps")
+    batch_size: int = Field(64, ge=1, le=65536, description="scenes per step")
+    learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False, description="Adam's step size")
+
+
 class WarmStartConfig(_Strict):
     """Stages ``rlfabric train`` runs before this run when ``policy.init_checkpoint`` is empty (RLinf's
-    supervised-then-RL recipe as one command): demonstrations by the env's scripted expert and/or from a LeRobot data
-    set, then a supervised run on them, whose checkpoint this run starts from. Each stage leaves its own run
-    directory under ``<run dir>/warm_start``; the supervised stage keeps the run's env, policy and train sections
-    (its evaluations follow train.eval_every_iterations) on the default plan."""
+    supervised-then-RL recipe as one command): optionally the policy's image encoder pretrained to localise first,
+    then demonstrations by the env's scripted expert and/or from a LeRobot data set, and a supervised run on them,
+    whose checkpoint this run starts from. Each stage leaves its own directory under ``<run dir>/warm_start``; the
+    supervised stage keeps the run's env, policy and train sections (its evaluations follow
+    train.eval_every_iterations) on the default plan."""
 
     demos: int = Field(0, ge=0, le=1_000_000, description="episodes of the env's scripted expert to record (as "
                                                            "rlfabric collect --expert); 0: no demonstrations")
@@ -529,6 +541,9 @@ class WarmStartConfig(_Strict):
                                          "matched by name")
     dataset_episodes: int = Field(0, ge=0, le=10_000_000, description="import the data set's first N episodes; "
                                                                       "0: all")
+    vision: VisionStageConfig = Field(default_factory=VisionStageConfig, description="first, the policy's image "
+                                      "encoder learns where things are from the env's scene_state(); it then starts "
+                                      "the policy's (policy.<name>.vlm_path; pair it with freeze_vision)")
     supervised: dict[str, Any] = Field(default_factory=dict, description="the supervised stage's algorithm section "
                                        "(an offline algorithm that imitates, with its fields); it learns from the "
                                        "demonstrations. Empty: no warm start")
@@ -558,7 +573,7 @@ class WarmStartConfig(_Strict):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.supervised)
+        return bool(self.supervised or self.vision.scenes)
 
 
 class RunConfig(_Strict):

@@ -17,6 +17,15 @@ import torch.nn.functional as F
 from services.core.models.encoders import is_image
 
 
+def to_pixels(images: torch.Tensor, size: int, channels_last: bool = True) -> torch.Tensor:
+    """uint8 images [N, H, W, C] (or [N, C, H, W]) as SigLIP reads them: [N, C, size, size] in [-1, 1]."""
+    x = images.float() / 127.5 - 1.0
+    x = x.permute(0, 3, 1, 2) if channels_last else x
+    if x.shape[-1] != size or x.shape[-2] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    return x
+
+
 class VLMInputs:
     def __init__(self, obs_space: dict[str, Any], policy: str):
         spaces = obs_space["spaces"] if obs_space["kind"] == "dict" else {"image": obs_space}
@@ -48,16 +57,9 @@ class VLMInputs:
         ``attention_mask`` (0 on the instruction's padding), ``pixel_attention_mask`` [B, cams] and ``state``
         (zero-padded to ``state_dim``)."""
         parts: dict[str, torch.Tensor] = obs if self.dict_obs else {"image": obs}
-        cams = []
-        for k in self.image_keys:
-            x = parts[k].float() / 127.5 - 1.0
-            x = x.permute(0, 3, 1, 2) if self.channels_last else x
-            if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-                x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-            cams.append(x)
-        pixels = torch.stack(cams, 1)
+        pixels = torch.stack([to_pixels(parts[k], self.image_size, self.channels_last) for k in self.image_keys], 1)
         B, device = pixels.shape[0], pixels.device
-        ids = torch.full((B, len(cams) * self.image_tokens), self.image_token_id, dtype=torch.long, device=device)
+        ids = torch.full((B, self.cameras * self.image_tokens), self.image_token_id, dtype=torch.long, device=device)
         mask = torch.ones_like(ids)
         if self.text_key is not None:
             text = parts[self.text_key].long().clamp(0, self.vocab - 1)
@@ -67,7 +69,7 @@ class VLMInputs:
             flat = torch.cat([parts[k].reshape(B, -1).float() for k in self.state_keys], -1)
             state[:, :flat.shape[1]] = flat
         return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "state": state,
-                "pixel_attention_mask": torch.ones(B, len(cams), dtype=torch.bool, device=device)}
+                "pixel_attention_mask": torch.ones(B, self.cameras, dtype=torch.bool, device=device)}
 
 
 def siglip_paligemma_config(p: Any, vocab: int, image_size: int) -> dict[str, Any]:

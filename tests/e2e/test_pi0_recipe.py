@@ -1,9 +1,11 @@
-"""SFT then RL in one command (examples/arm_reach_pi0.yaml, shrunk to CI's budget): the scripted expert records
-demonstrations, a supervised run teaches them to transformers' pi0 through its own flow loss, and PPO starts from
-that checkpoint through every service. The supervised stage learns (its loss falls, and its policy moves to the
-named ball and touches it in some episodes); the RL run starts from exactly that policy (with the critic warming up
-alone and the value head detached, its first evaluation is the supervised run's last, on the same seeds, and the
-learner re-scores the rollout's chains to numerics); and the final model reloads in plain transformers."""
+"""SFT then RL in one command (examples/arm_reach_pi0.yaml, shrunk to CI's budget): pi0's image encoder learns to
+locate the balls (warm_start.vision), the scripted expert records demonstrations, a supervised run teaches them to
+transformers' pi0 through its own flow loss over the frozen encoder, and PPO starts from that checkpoint through
+every service. The encoder's held-out error falls and it stays exactly as pretrained through SFT and RL; the
+supervised stage learns (its loss falls, and its policy moves to the named ball and touches it in some episodes);
+the RL run starts from exactly that policy (with the critic warming up alone and the value head detached, its first
+evaluation is the supervised run's last, on the same seeds, and the learner re-scores the rollout's chains to
+numerics); and the final model reloads in plain transformers."""
 
 from __future__ import annotations
 
@@ -27,13 +29,18 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
-         "--quiet", "--set", "warm_start.demos=200", "--set", "warm_start.supervised.total_updates=600",
+         "--quiet", "--set", "warm_start.vision.scenes=1500", "--set", "warm_start.vision.updates=600",
+         "--set", "warm_start.demos=200", "--set", "warm_start.supervised.total_updates=600",
          "--set", "warm_start.supervised.updates_per_iteration=100", "--set", "train.eval_every_iterations=1",
          "--set", "train.eval_episodes=32", "--set", "algorithm.critic_warmup=2", "--set", "algorithm.n_steps=8",
          "--set", "train.total_env_steps=512"],
         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stage = run_dir / "warm_start"
+    vision = rows(stage / "vision" / "metrics.csv")
+    errors = [float(r["heldout_rmse"]) for r in vision]
+    # where each ball is (5 x metres): a random encoder read linearly ~1.1 (their spread); pretrained, a few cm
+    assert errors[-1] < 0.3 * errors[0] and errors[-1] < 0.3, errors
     assert (stage / "demos.npz").is_file() and (stage / "supervised.yaml").is_file()
     with np.load(stage / "demos.npz") as demos:  # what the supervised stage reads, no next_obs
         assert {"obs/image", "obs/instruction", "actions"} <= set(demos.files) and "next_obs/image" not in demos.files
@@ -56,10 +63,14 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
     # exactly the chains the rollout scored: the mismatch is numerics alone
     assert len(mismatch) >= 3 and max(mismatch[:3]) < 1e-4, mismatch
 
-    from transformers import PI0ForConditionalGeneration
+    from transformers import PI0ForConditionalGeneration, SiglipVisionModel
 
     model = PI0ForConditionalGeneration.from_pretrained(str(run_dir / "checkpoints" / "hf"), local_files_only=True)
     assert model.config.chunk_size == 4 and model.config.max_action_dim == 2
+    encoder = SiglipVisionModel.from_pretrained(str(stage / "vision"), local_files_only=True).state_dict()
+    final = model.model.vlm.vision_tower.state_dict()  # freeze_vision: untouched by SFT and RL
+    assert all(final[k].equal(v) for k, v in encoder.items())
+    assert "vlm_path" in (stage / "supervised.yaml").read_text()
 
 
 @pytest.mark.slow
@@ -69,7 +80,8 @@ def test_a_lerobot_data_set_and_expert_demos_warm_start_pi0(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
-         "--quiet", "--set", "warm_start.demos=20", "--set", "warm_start.dataset=tests/data/lerobot_arm_reach",
+         "--quiet", "--set", "warm_start.vision.scenes=0", "--set", "warm_start.demos=20",
+         "--set", "warm_start.dataset=tests/data/lerobot_arm_reach",
          "--set", "warm_start.supervised.total_updates=200", "--set", "warm_start.supervised.updates_per_iteration=50",
          "--set", "train.eval_every_iterations=100", "--set", "train.eval_episodes=16",
          "--set", "algorithm.n_steps=8", "--set", "train.total_env_steps=128"],

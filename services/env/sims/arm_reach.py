@@ -158,6 +158,12 @@ class ArmReach(gym.Env):
         move = move / max(1.0, float(np.abs(move).max()))
         return np.repeat(move[None].astype(np.float32), max(horizon, 1), 0)
 
+    def scene_state(self) -> np.ndarray:
+        """Where each ball is ([x, y] per colour, in the state observation's units: 5 x metres): what an image
+        encoder learns to read off the camera before imitation (``warm_start.vision``). Privileged, like
+        ``expert_action``: no policy sees it."""
+        return np.concatenate([5 * self.data.mocap_pos[m][:2] for m in self.mocap]).astype(np.float32)
+
     def encode_instruction(self, text: str) -> np.ndarray:
         """An instruction as this task's ``instruction`` entry (its BPE ids): what a data set's task text becomes
         (services/env/lerobot_data.py)."""
