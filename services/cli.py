@@ -222,10 +222,14 @@ def _vision_stage(config, stage: Path, quiet: bool) -> Path | int:
     section = getattr(config.policy, name, None)
     if not hasattr(section, "vlm_path"):
         return _fail(f"warm_start.vision pretrains the image encoder a VLM policy starts from (policy.<name>."
-                     f"vlm_path), and policy.name={name} has none. Fix: policy.name: pi0, or no warm_start.vision", 2)
+                     f"vlm_path), and policy.name={name} has none. Fix: a VLM policy (pi0, vla_tokens, vlm), or no "
+                     f"warm_start.vision", 2)
     if section.path:
         return _fail(f"warm_start.vision pretrains the encoder of a policy built from its sizes, and policy.{name}."
                      f"path loads a whole model. Fix: drop one of them", 2)
+    if getattr(section, "family", "paligemma") != "paligemma":
+        return _fail(f"warm_start.vision pretrains a SigLIP image encoder, and policy.{name}.family="
+                     f"{section.family!r} has its own. Fix: family: paligemma, or no warm_start.vision", 2)
     out = stage / "vision"
     if (out / "config.json").is_file():
         return out

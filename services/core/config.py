@@ -172,11 +172,6 @@ class TinyVLMSizes(_Strict):
                                                    "policy.pi0.vlm_path, warm_start.vision or a checkpoint): "
                                                    "imitation and RL train the rest, and a fresh action head's "
                                                    "gradients cannot overwrite what the encoder localises")
-    def shape(self) -> dict[str, int]:
-        """The sizes that shape the model: what another VLM must share for its weights to carry over."""
-        return {k: getattr(self, k) for k in ("width", "layers", "heads", "head_dim", "vision_width",
-                                              "vision_layers", "patch")}
-
     critic: Literal["prefix", "own"] = Field(
         "prefix", description="what the value head reads: the mean of the VLM prefix's hidden states, or an encoder "
                               "of its own (policy.cnn per camera, the state, the instruction's ids; "
@@ -232,9 +227,24 @@ class VLMPolicyConfig(TinyVLMSizes):
                                  "config decides")
     path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma or SmolVLM "
                                                        "VLM; empty: build a tiny one from the sizes")
+    vlm_path: str = Field("", max_length=4096, description="a local save_pretrained directory that starts a tiny "
+                          "PaliGemma built from the sizes: a PaliGemma VLM (every tensor whose name and shape agree) "
+                          "or a SigLIP vision model (the image encoder alone, e.g. warm_start.vision's); empty: "
+                          "random init")
     trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
                              "lora.targets, vision tower included; rank 0 trains every parameter")
+
+
+    @model_validator(mode="after")
+    def _one_start(self) -> VLMPolicyConfig:
+        if self.path and self.vlm_path:
+            raise ValueError("path loads a whole VLM and vlm_path starts one built from the sizes. Fix: set one "
+                             "of them")
+        if self.vlm_path and self.family != "paligemma":
+            raise ValueError(f"vlm_path starts a PaliGemma (a SigLIP image encoder), and family={self.family!r}. "
+                             f"Fix: family: paligemma")
+        return self
 
 
 class VLATokensConfig(VLMPolicyConfig):

@@ -206,13 +206,13 @@ def confine_storage(storage, run_dir: str, roots: DataRoots, endpoints: Endpoint
     return storage, confined_dir
 
 
-MODEL_PATHS = {"lm": ("path", "tokenizer_corpus"), "pi0": ("path", "vlm_path"), "vla_tokens": ("path",),
-               "vlm": ("path",)}
+MODEL_PATHS = {"lm": ("path", "tokenizer_corpus"), "pi0": ("path", "vlm_path"), "vla_tokens": ("path", "vlm_path"),
+               "vlm": ("path", "vlm_path")}
 
 
 def confine_model(config, roots: DataRoots):
     """``config`` with the files and saved model directories its policy sections name (``policy.lm.path`` and
-    ``tokenizer_corpus``, ``policy.pi0.path`` and ``vlm_path``, ``policy.vla_tokens.path``, ``policy.vlm.path``:
+    ``tokenizer_corpus``, and every VLM section's ``path`` and ``vlm_path`` (pi0, vla_tokens, vlm):
     read by the libraries themselves, a VLM's modeling code too when trust_remote_code is on) resolved under the
     data roots, else PathRefused naming the field."""
     sections = {}

@@ -32,7 +32,14 @@ from services.policies import flow_sde
 from services.policies.chunk_policy import ChunkPolicy
 from services.policies.obs_critic import VLMCritic
 from services.policies.vlm_families import FAMILIES
-from services.policies.vlm_inputs import VLMInputs, freeze, save_merged, siglip_paligemma_config, unwrapped
+from services.policies.vlm_inputs import (
+    VLMInputs,
+    freeze,
+    save_merged,
+    siglip_paligemma_config,
+    start_vlm,
+    unwrapped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,43 +54,6 @@ def tiny_config(p: Any, vocab: int, image_size: int, chunk: int, action_dim: int
                                                                       "intermediate_size": 4 * p.expert_width},
                      chunk_size=chunk, max_action_dim=action_dim, max_state_dim=max(state_dim, 1),
                      num_inference_steps=p.flow_steps)
-
-
-def start_vlm(vlm: Any, path: str) -> list[str]:
-    """pi0's VLM (a PaliGemmaModel) from a save_pretrained directory (``policy.pi0.vlm_path``): a PaliGemma VLM, as
-    pi0 starts from PaliGemma (every tensor whose name and shape agree), or a SigLIP vision model (the image encoder
-    alone). The image encoder must agree entirely; what does not come from the directory (an embedding of another
-    vocabulary, or all but the encoder) keeps its random init and is returned."""
-    import json
-    from pathlib import Path
-
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        raise ValueError(f"policy.pi0.vlm_path={path!r} is not a save_pretrained directory (no config.json). Fix: "
-                         f"a local directory of a PaliGemma VLM or a SigLIP vision model")
-    kind = json.loads(config.read_text()).get("model_type")
-    if kind == "paligemma":
-        from transformers import PaliGemmaForConditionalGeneration
-
-        source = PaliGemmaForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        weights = source.model.state_dict()
-    elif kind == "siglip_vision_model":
-        from transformers import SiglipVisionModel
-
-        source = SiglipVisionModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        weights = {f"vision_tower.{k}": v for k, v in source.state_dict().items()}
-    else:
-        raise ValueError(f"policy.pi0.vlm_path={path!r} holds a {kind} model; pi0's VLM is a PaliGemma with a "
-                         f"SigLIP image encoder. Fix: a PaliGemma VLM's or a SigLIP vision model's directory")
-    target = vlm.state_dict()
-    same = {k: v for k, v in weights.items() if k in target and target[k].shape == v.shape}
-    encoder = sorted(k for k in target if k.startswith("vision_tower.") and k not in same)
-    if encoder:
-        raise ValueError(f"policy.pi0.vlm_path={path!r}: its image encoder differs from this pi0's (first: "
-                         f"{encoder[0]}). Fix: build pi0 with the encoder's sizes (policy.pi0.vision_width, "
-                         f"vision_layers, patch, heads) and image size")
-    vlm.load_state_dict(same, strict=False)
-    return sorted(set(target) - set(same))
 
 
 def load_pretrained(path: str):
@@ -116,7 +86,7 @@ class PI0Policy(ChunkPolicy):
                                  self.read.state_dim)
             self.model = PI0ForConditionalGeneration(config)
             if p.vlm_path:
-                fresh = start_vlm(self.model.model.vlm, p.vlm_path)
+                fresh = start_vlm(self.model.model.vlm, p.vlm_path, "policy.pi0.vlm_path")
                 log.info("pi0's VLM starts from %s; random init: %s", p.vlm_path, ", ".join(fresh) or "none")
         c = self.model.config
         if c.chunk_size < self.H or c.max_action_dim < self.A or c.max_state_dim < self.read.state_dim:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from services.policies.vlm_families import FAMILIES, Family, family_of
-from services.policies.vlm_inputs import VLMInputs, freeze, unwrapped
+from services.policies.vlm_inputs import VLMInputs, freeze, start_vlm, unwrapped
 
 
 def load_pretrained(path: str, trust_remote_code: bool, field: str):
@@ -39,6 +39,8 @@ def build_vlm(p: Any, read: VLMInputs, vocab: int, field: str) -> tuple[Any, Fam
     else:
         family = FAMILIES[p.family]
         model = family.tiny(p, vocab, read.env_image_size)
+        if p.vlm_path:  # (a PaliGemma: the config allows no other family here)
+            start_vlm(model.model, p.vlm_path, f"{field}.vlm_path")
     size, grid = family.vision(model.config, read.env_image_size)
     read.bind(size, grid, model.config.image_token_id, model.config.text_config.vocab_size)
     return model, family

@@ -92,6 +92,44 @@ def freeze(module: Any) -> None:
     module.requires_grad_(False)
 
 
+def start_vlm(vlm: Any, path: str, field: str) -> list[str]:
+    """A PaliGemma VLM built from sizes (its inner PaliGemmaModel: pi0's ``model.vlm``, a policy's ``model.model``)
+    started from a save_pretrained directory (``field``, a ``vlm_path``): a PaliGemma VLM, as pi0 starts from
+    PaliGemma (every tensor whose name and shape agree), or a SigLIP vision model (the image encoder alone). The
+    image encoder must agree entirely; what does not come from the directory (an embedding of another vocabulary,
+    or all but the encoder) keeps its random init and is returned."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{field}={path!r} is not a save_pretrained directory (no config.json). Fix: "
+                         f"a local directory of a PaliGemma VLM or a SigLIP vision model")
+    kind = json.loads(config.read_text()).get("model_type")
+    if kind == "paligemma":
+        from transformers import PaliGemmaForConditionalGeneration
+
+        source = PaliGemmaForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        weights = source.model.state_dict()
+    elif kind == "siglip_vision_model":
+        from transformers import SiglipVisionModel
+
+        source = SiglipVisionModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        weights = {f"vision_tower.{k}": v for k, v in source.state_dict().items()}
+    else:
+        raise ValueError(f"{field}={path!r} holds a {kind} model; the VLM is a PaliGemma with a "
+                         f"SigLIP image encoder. Fix: a PaliGemma VLM's or a SigLIP vision model's directory")
+    target = vlm.state_dict()
+    same = {k: v for k, v in weights.items() if k in target and target[k].shape == v.shape}
+    encoder = sorted(k for k in target if k.startswith("vision_tower.") and k not in same)
+    if encoder:
+        raise ValueError(f"{field}={path!r}: its image encoder differs from this model's (first: "
+                         f"{encoder[0]}). Fix: build the policy with the encoder's sizes (vision_width, "
+                         f"vision_layers, patch, heads) and image size")
+    vlm.load_state_dict(same, strict=False)
+    return sorted(set(target) - set(same))
+
+
 def unwrapped(model: Any) -> Any:
     """The transformers model inside a peft wrapper (its LoRA layers are injected in place), or the model."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

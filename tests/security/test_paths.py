@@ -158,7 +158,7 @@ def test_a_saved_model_directory_is_confined_too(layout):
 
 
 @pytest.mark.parametrize("section,field", [("pi0", "path"), ("pi0", "vlm_path"), ("vla_tokens", "path"),
-                                           ("vlm", "path")])
+                                           ("vla_tokens", "vlm_path"), ("vlm", "path"), ("vlm", "vlm_path")])
 def test_a_vlm_policys_model_directory_is_confined_too(layout, section, field):
     """A VLM directory is read by transformers itself (its modeling code too, with trust_remote_code): it must lie
     under the roots like any other file a spec names."""

@@ -68,6 +68,12 @@ def test_the_encoder_learns_where_the_square_is_and_pi0_starts_from_it(tmp_path)
                                                      "vlm_path": str(tmp_path / "encoder")}))
     saved = model.state_dict()
     assert all(torch.equal(v, saved[k]) for k, v in pol.pi0.model.vlm.vision_tower.state_dict().items())
+    tokens = build_policy("vla_tokens", {"observation_space": OBS_SPACE, "action_space": chunk_space(3, 2)},
+                          PolicyConfig(name="vla_tokens", vla_tokens={"patch": 8, "vision_width": 32, "bins": 16,
+                                                                      "vlm_path": str(tmp_path / "encoder")}))
+    assert all(torch.equal(v, saved[k]) for k, v in tokens.vlm.model.vision_tower.state_dict().items())
+    with pytest.raises(ValueError, match="vlm_path starts a PaliGemma.*Fix: family: paligemma"):
+        PolicyConfig(name="vla_tokens", vla_tokens={"family": "qwen2_5_vl", "vlm_path": str(tmp_path)})
 
 
 def test_the_stage_refuses_an_env_that_cannot_feed_it():
@@ -90,8 +96,9 @@ def test_a_vision_stage_alone_enables_the_warm_start():
 
 
 @pytest.mark.parametrize("policy, message", [
-    ("{name: vla}", "policy.name=vla has none. Fix: policy.name: pi0"),
+    ("{name: vla}", "policy.name=vla has none. Fix: a VLM policy (pi0, vla_tokens, vlm)"),
     ("{name: pi0, pi0: {path: models/pi0}}", "policy.pi0.path loads a whole model. Fix"),
+    ("{name: vla_tokens, vla_tokens: {family: smolvlm}}", "family='smolvlm' has its own. Fix: family: paligemma"),
 ])
 def test_train_refuses_a_vision_stage_for_a_policy_without_an_encoder_to_start(tmp_path, policy, message):
     import subprocess
