@@ -7,7 +7,7 @@ Why: on ArmReachLang, pi0 imitating the expert from pixels stalls near 0.3 succe
 SigLIP no better at locating the balls than it started (an MLP on its frozen tokens: 13 cm median error; at random
 init 10 cm). This regression gets ~1 cm in 3,000 steps (under a minute on 2 cores), and pi0 imitating over it with
 the encoder frozen (``freeze_vision``) succeeds about twice as often (docs/benchmarks.md). Captioning the positions
-as text (next-token VLM SFT) taught the same encoder little in as many steps.
+as text (next-token training of the VLM) taught the same encoder little in as many steps.
 """
 
 from __future__ import annotations
