@@ -28,3 +28,14 @@ def observations(texts: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
     return {"image": torch.randint(0, 256, (B, 32, 32, 3), generator=g, dtype=torch.uint8),
             "proprio": torch.randn(B, 8, generator=g),
             "instruction": torch.as_tensor(np.stack([instructions.encode(t) for t in texts]))}
+
+
+def imitate(pol, steps: int, chunk: tuple[int, int], value: float = 0.5, lr: float = 1e-2) -> None:
+    """``steps`` AdamW steps of the policy's imitation loss toward constant chunks, on the parameters that take
+    gradients (as vla_sft optimises)."""
+    optimizer = torch.optim.AdamW([p for p in pol.parameters() if p.requires_grad], lr=lr)
+    for step in range(steps):
+        loss = pol.imitation_loss(observations(TEXTS, seed=step), torch.full((len(TEXTS), *chunk), value))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

@@ -11,7 +11,7 @@ import torch
 from services.core.config import PolicyConfig, RunConfig
 from services.core.models import build_policy
 from services.policies.pi0 import PI0Policy
-from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, observations
+from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, imitate, observations
 
 pytest.importorskip("transformers.models.pi0")
 
@@ -155,12 +155,7 @@ def test_pi0_starts_its_vlm_from_a_saved_paligemma_and_can_keep_its_encoder_froz
     assert not torch.equal(vlm["language_model.embed_tokens.weight"][:VOCAB], saved["language_model.embed_tokens.weight"][:VOCAB])
     encoder = {k: v.clone() for k, v in pol.pi0.model.vlm.vision_tower.state_dict().items()}
     expert = {k: v.clone() for k, v in pol.pi0.model.dit.state_dict().items()}
-    optimizer = torch.optim.AdamW([p for p in pol.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(2):
-        loss = pol.imitation_loss(observations(TEXTS, seed=step), torch.full((4, 3, 2), 0.5))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    imitate(pol, 2, (3, 2))
     assert all(torch.equal(v, pol.pi0.model.vlm.vision_tower.state_dict()[k]) for k, v in encoder.items())
     assert any(not torch.equal(v, pol.pi0.model.dit.state_dict()[k]) for k, v in expert.items())
 

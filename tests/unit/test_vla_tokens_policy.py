@@ -11,7 +11,7 @@ import torch
 
 from services.core.config import PolicyConfig
 from services.core.models import build_policy
-from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, observations
+from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, imitate, observations
 
 pytest.importorskip("transformers.models.paligemma")
 
@@ -158,12 +158,7 @@ def test_a_frozen_image_encoder_stays_as_it_started_while_the_rest_learns(family
     before = {k: v.clone() for k, v in encoder.state_dict().items()}
     rest = {k: v.clone() for k, v in pol.named_parameters() if v.requires_grad}
     assert before and rest and not any(p.requires_grad for p in encoder.parameters())
-    optimizer = torch.optim.AdamW([p for p in pol.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(3):
-        loss = pol.imitation_loss(observations(TEXTS, seed=step), torch.full((4, 2, 2), 0.5))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    imitate(pol, 3, (2, 2))
     assert all(torch.equal(v, encoder.state_dict()[k]) for k, v in before.items())
     moved = [k for k, v in pol.named_parameters() if k in rest and not torch.equal(v, rest[k])]
     assert any("lora_" in k for k in moved) if lora else any("language_model" in k or "text_model" in k
