@@ -83,6 +83,11 @@ class ModelOffload:
                 s.host = host.pin_memory() if pin else host
         for s in slots:  # only now: a failed write above leaves the model as it was
             s.tensor.data = torch.empty(0, dtype=s.dtype, device=s.device)
+        if any(s.device.type == "cuda" for s in slots):
+            # the freed blocks stay in this process's caching allocator otherwise: the stage taking its turn runs in
+            # another process (the rollout service, an engine) and would find the device as full as before
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         self.slots = slots
         self.offloaded_bytes = sum(s.nbytes for s in slots)
         self.offload_seconds = time.perf_counter() - t0
