@@ -6,6 +6,11 @@ and the next check still runs); one broken path never hides the others. Total wa
 
   * ``pi0``: transformers' PI0ForConditionalGeneration built tiny from a config (random init, nothing downloaded),
     in bf16 on CUDA: one training step (flow loss, backward, AdamW) and one ``sample_actions``; ms of each.
+  * ``pi0_rl``: rlfabric's own pi0 policy at the example's sizes, 64 envs: a decision with the prefix's KV cache
+    against the prefix recomputed per denoising step, one PPO update in fp32 and one in bf16-mixed, and how far the
+    learner's re-scoring of the rollout's Flow-SDE chains lands from the rollout's (< 1e-4 in fp32).
+  * ``hf_rollout``: the rollout's torch backend (no engine package needed): a perturbed version must change its
+    greedy outputs; sampled tokens/s at batch 64, fp32 and bf16.
   * ``vllm``: the rollout's VLLMBackend on CUDA with a tiny Llama: greedy generate, load a perturbed version in
     place, generate again; the outputs must change and match the HF backend's greedy outputs on the same weights.
   * ``nccl``: rlfabric's weight transport (PairHost/PairClient, NCCL) between two processes; GB/s. NCCL needs a
@@ -13,7 +18,8 @@ and the next check still runs); one broken path never hides the others. Total wa
   * ``sglang``: SGLangBackend generate once, where ``import sglang`` works.
   * ``sleep_wake``: VLLMBackend.sleep()/wake() around a collocated learner turn; GiB freed (cudaMemGetInfo).
 
-Without a CUDA device every check reports "skipped: no CUDA device" and the script exits 0 at once.
+Without a CUDA device every check reports "skipped: no CUDA device" and the script exits 0 at once. rlfabric must be
+installed (``pip install -e .``): algorithms and backends are found through its entry points.
 
     python bench/gpu_check.py --out bench/results/gpu_check.json [--only vllm,sleep_wake]
 """
@@ -35,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
-CHECKS = ("pi0", "vllm", "nccl", "sglang", "sleep_wake")
-BUDGET_S = {"pi0": 60, "vllm": 150, "nccl": 60, "sglang": 90, "sleep_wake": 110}  # sum 470 s: under 8 min
+CHECKS = ("pi0", "pi0_rl", "hf_rollout", "offload", "vllm", "nccl", "sglang", "sleep_wake")
+BUDGET_S = {"pi0": 45, "pi0_rl": 60, "hf_rollout": 40, "offload": 40, "vllm": 110, "nccl": 35, "sglang": 65,
+            "sleep_wake": 75}  # sum 470 s: under 8 min
 SPEC = {"observation_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64},
         "action_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}}
 
@@ -116,8 +123,98 @@ def check_pi0(device: str) -> dict:
             "flow_loss": round(losses[-1], 4), "num_inference_steps": config.num_inference_steps}
 
 
-def lm_config(backend: str, memory: float | None = None):
-    """A tiny Llama run (hidden 64, one head: head_dim 64, which every vLLM attention kernel supports)."""
+def check_pi0_rl(device: str) -> dict:
+    """rlfabric's own pi0 policy (services/policies/pi0.py) at the example's sizes and spaces (examples/
+    arm_reach_pi0.yaml: a 64x64 camera, 8 proprio, 4x2 chunks), 64 envs: a rollout's decision with the prefix's KV
+    cache reused against the prefix recomputed per denoising step, then one PPO update in fp32 and one in bf16-mixed
+    (the learner's ``runtime.precision``); the learner's re-scoring of the rollout's chains must agree to 1e-4 in
+    fp32, and bf16-mixed's disagreement is reported."""
+    import numpy as np
+    import torch
+
+    from services.core.config import load_config
+    from services.core.models import build_policy
+    from services.core.runtime import learner_precision
+    from services.env.sims import instructions
+
+    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "arm_reach_pi0.yaml")
+    size, H, A, B, T = config.env.kwargs["image_size"], config.env.action_chunk, 2, 64, 4
+    spaces = {"observation_space": {"kind": "dict", "spaces": {
+        "image": {"kind": "box", "shape": [size, size, 3], "dtype": "uint8", "low": 0, "high": 255},
+        "instruction": {"kind": "box", "shape": [instructions.MAX_TOKENS], "dtype": "int64", "low": 0,
+                        "high": instructions.vocab_size() - 1},
+        "proprio": {"kind": "box", "shape": [8], "dtype": "float32", "low": -np.inf, "high": np.inf}}},
+        "action_space": {"kind": "box", "shape": [H, A], "dtype": "float32", "low": -1.0, "high": 1.0}}
+    torch.manual_seed(0)
+    policy = build_policy("pi0", spaces, config.policy).to(device)
+    g = torch.Generator().manual_seed(0)
+    texts = ["reach the red ball", "touch the blue one"] * (B // 2)
+    obs = {"image": torch.randint(0, 256, (B, size, size, 3), generator=g, dtype=torch.uint8),
+           "proprio": torch.randn(B, 8, generator=g),
+           "instruction": torch.as_tensor(np.stack([instructions.encode(t) for t in texts]))}
+    obs = {k: v.to(device) for k, v in obs.items()}
+    K = policy.steps
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed_ms(fn, repeats: int = 10) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    @torch.no_grad()
+    def recompute() -> torch.Tensor:
+        x_in = policy.inputs(obs)
+        x = torch.zeros(B, H, A, device=device)
+        for k in range(K):
+            tau = torch.full((B,), k / K, device=device)
+            x = x - policy.model(noise=x, timestep=1.0 - tau, **x_in).logits[:, :H, :A] / K
+        return x
+
+    policy.eval()
+    cached = policy.act(obs, deterministic=True)[0][:, -1]
+    if not torch.allclose(cached, recompute(), atol=1e-4):
+        raise RuntimeError("the prefix's KV cache and the prefix recomputed per step gave different chunks")
+    act_ms = timed_ms(lambda: policy.act(obs))
+    recompute_ms = timed_ms(recompute)
+    figures = {"parameters": sum(p.numel() for p in policy.parameters()), "envs": B, "denoising_steps": K,
+               "decision_ms_kv_cache": round(act_ms, 2), "decision_ms_recompute_prefix": round(recompute_ms, 2)}
+    for precision in ("fp32", "bf16-mixed"):
+        torch.manual_seed(0)
+        fresh = build_policy("pi0", spaces, config.policy).to(device)
+        algo = config.spec(fresh, config, torch.Generator(device=device).manual_seed(0), env_spec=spaces)
+        chains, logp, values = fresh.act(obs, generator=torch.Generator(device=device).manual_seed(1))
+        rewards = (torch.arange(B, device=device) % 2 == 0).float()  # every other env's chain earned a reward
+        batch = {"obs": {k: v[None].expand(T, *v.shape).contiguous() for k, v in obs.items()},
+                 "actions": chains[None].expand(T, *chains.shape).contiguous(),
+                 "logp": logp[None].expand(T, *logp.shape).contiguous(),
+                 "values": values[None].expand(T, B).contiguous(), "rewards": rewards[None].expand(T, B).contiguous(),
+                 "dones": torch.ones(T, B, device=device), "last_values": torch.zeros(B, device=device)}
+        sync()
+        t0 = time.perf_counter()
+        with learner_precision(precision, device):
+            stats = algo.update(batch)
+        sync()
+        tag = precision.replace("-mixed", "")
+        figures[f"update_s_{tag}"] = round(time.perf_counter() - t0, 3)
+        figures[f"logprob_mismatch_{tag}"] = float(f"{stats['logprob_mismatch_abs']:.2e}")
+        if not all(np.isfinite(float(v)) for v in stats.values() if isinstance(v, (int, float))):
+            raise RuntimeError(f"non-finite PPO stats in {precision}: {stats}")
+    if figures["logprob_mismatch_fp32"] >= 1e-4:
+        raise RuntimeError(f"the learner re-scored the rollout's chains {figures['logprob_mismatch_fp32']} apart in "
+                           f"fp32 (want < 1e-4) ({figures})")
+    return figures
+
+
+def lm_config(backend: str, memory: float | None = None, dtype: str = "auto", hidden: int = 64, layers: int = 2):
+    """A Llama run, tiny by default (hidden 64, one head: head_dim 64, which every vLLM attention kernel
+    supports)."""
     from services.core.config import parse_config
 
     fraction = f", engine_memory_fraction: {memory}" if memory else ""
@@ -125,8 +222,9 @@ def lm_config(backend: str, memory: float | None = None):
 name: gpu-check
 seed: 3
 env: {{adapter: text, id: arith, num_envs: 8, options: {{group_size: 2}}}}
-policy: {{lm: {{hidden_size: 64, intermediate_size: 128, layers: 2, heads: 1, max_positions: 128}}}}
-rollout: {{backend: {backend}, temperature: 1.0{fraction}}}
+policy: {{lm: {{hidden_size: {hidden}, intermediate_size: {2 * hidden}, layers: {layers}, heads: {hidden // 64},
+             max_positions: 128}}}}
+rollout: {{backend: {backend}, temperature: 1.0, dtype: {dtype}{fraction}}}
 algorithm: {{name: grpo}}
 """)
 
@@ -140,6 +238,91 @@ def lm_prompts(backend, n: int) -> list[list[int]]:
 
 def tokens(gens) -> list[list[int]]:
     return [[int(t) for t in g.tokens] for g in gens]
+
+
+def check_hf_rollout(device: str) -> dict:
+    """The rollout's torch backend (services/rollout/backends/hf.py), which needs no engine package: greedy generate,
+    a perturbed weight version loaded in place must change the outputs, and sampled tokens/s at batch 64 in fp32 and
+    in bf16 (``rollout.dtype``)."""
+    import torch
+
+    from services.rollout.backends.hf import HFBackend
+
+    figures: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        backend = HFBackend(lm_config("hf", dtype=dtype), SPEC, device)
+        base = {k: v.detach().cpu().float().clone() for k, v in backend.policy.state_dict().items()}
+        contexts = lm_prompts(backend, 8)
+        backend.load(1, base)
+        before = tokens(backend.generate(contexts, 16, sample=False))
+        g = torch.Generator().manual_seed(7)
+        t0 = time.perf_counter()
+        backend.load(2, {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()})
+        reload_ms = (time.perf_counter() - t0) * 1e3
+        changed = sum(a != b for a, b in zip(tokens(backend.generate(contexts, 16, sample=False)), before,
+                                             strict=True))
+        if changed == 0:
+            raise RuntimeError(f"{dtype}: greedy outputs did not change after loading a perturbed version")
+        wide = lm_prompts(backend, 64)
+        backend.generate(wide, 64, sample=True)
+        t0 = time.perf_counter()
+        n = sum(len(x.tokens) for x in backend.generate(wide, 64, sample=True))
+        tag = "fp32" if dtype == "float32" else "bf16"
+        figures[f"tokens_per_s_batch64_{tag}"] = round(n / (time.perf_counter() - t0))
+        figures[f"reload_ms_{tag}"] = round(reload_ms, 1)
+        figures[f"rows_changed_by_reload_{tag}"] = f"{changed}/{len(before)}"
+    return figures
+
+
+def check_offload(device: str) -> dict:
+    """The learner's side of a collocated turn (services/core/offload.py, ``scheduling.offload: host``): a ~110M
+    parameter LM policy and its AdamW state, after a step, leave the device and come back. On CUDA the memory must
+    be free for *another process* (cudaMemGetInfo), as the rollout stage taking its turn is one; values come back
+    bit-identical and the next step runs."""
+    import types
+
+    import torch
+
+    from services.core.models import build_policy
+    from services.core.offload import ModelOffload, state_tensors
+
+    config = lm_config("hf", hidden=1024, layers=8)
+    policy = build_policy(config.policy_name, SPEC, config.policy).to(device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    ids = torch.randint(0, 64, (8, 64), device=device)
+
+    def step() -> None:
+        (-policy.token_logprobs(ids, torch.ones_like(ids)).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    owners = types.SimpleNamespace(optimizer=optimizer)
+    offload = ModelOffload(lambda: state_tensors(policy, owners), "host", name="gpu-check")
+    before = {k: v.detach().clone().cpu() for k, v in policy.state_dict().items()}
+    gib = 2**30
+    free = (lambda: torch.cuda.mem_get_info()[0]) if device == "cuda" else (lambda: 0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    awake = free()
+    moved = offload.offload()
+    asleep = free()
+    offload.onload()
+    woken = free()
+    same = all(torch.equal(before[k], v.detach().cpu()) for k, v in policy.state_dict().items())
+    step()
+    figures = {"parameters": sum(p.numel() for p in policy.parameters()), "offloaded_gib": round(moved / gib, 3),
+               "offload_s": round(offload.offload_seconds, 3), "onload_s": round(offload.onload_seconds, 3),
+               "same_values_after_onload": same}
+    if device == "cuda":
+        figures.update(free_awake_gib=round(awake / gib, 2), free_asleep_gib=round(asleep / gib, 2),
+                       free_woken_gib=round(woken / gib, 2), freed_gib=round((asleep - awake) / gib, 3))
+        if asleep - awake < 0.9 * moved:
+            raise RuntimeError(f"offload moved {moved / gib:.2f} GiB but the device has only "
+                               f"{(asleep - awake) / gib:.2f} GiB more free for other processes ({figures})")
+    if not same:
+        raise RuntimeError(f"the state came back with other values ({figures})")
+    return figures
 
 
 def check_vllm(device: str) -> dict:
@@ -316,7 +499,8 @@ def check_sleep_wake(device: str) -> dict:
     return figures
 
 
-FUNCTIONS = {"pi0": check_pi0, "vllm": check_vllm, "nccl": check_nccl, "sglang": check_sglang,
+FUNCTIONS = {"pi0": check_pi0, "pi0_rl": check_pi0_rl, "hf_rollout": check_hf_rollout, "offload": check_offload,
+             "vllm": check_vllm, "nccl": check_nccl, "sglang": check_sglang,
              "sleep_wake": check_sleep_wake}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["pi0", "vllm", "nccl", "sglang", "sleep_wake"]
+CHECKS = ["pi0", "pi0_rl", "hf_rollout", "offload", "vllm", "nccl", "sglang", "sleep_wake"]
 
 
 def run(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -61,6 +61,25 @@ def test_pi0_and_transport_checks_run_on_cpu(tmp_path):
     assert r["nccl"]["status"] == "ok", r["nccl"]
     assert r["nccl"]["figures"]["backend"] == "gloo" and r["nccl"]["figures"]["gb_per_s"] > 0
     assert r["sleep_wake"]["status"].startswith("skipped: "), r["sleep_wake"]
+
+
+def test_rlfabric_pi0_rollout_and_offload_checks_run_on_cpu(tmp_path):
+    """rlfabric's own pi0 policy (a decision with the KV cache and with the prefix recomputed, a PPO update in fp32
+    and in bf16-mixed, the learner re-scoring the rollout's chains) and the torch rollout backend (a perturbed
+    version changes its greedy outputs), and the learner's offload of a ~84M-parameter LM with its AdamW state, as on
+    the GPU."""
+    proc, doc = run(tmp_path, "--device", "cpu", "--only", "pi0_rl,hf_rollout,offload", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = rows(doc)
+    assert r["pi0_rl"]["status"] == "ok", r["pi0_rl"]
+    pi0 = r["pi0_rl"]["figures"]
+    assert pi0["logprob_mismatch_fp32"] < 1e-4 and pi0["update_s_fp32"] > 0 and pi0["update_s_bf16"] > 0
+    assert pi0["decision_ms_kv_cache"] > 0 and pi0["decision_ms_recompute_prefix"] > 0
+    assert r["hf_rollout"]["status"] == "ok", r["hf_rollout"]
+    hf = r["hf_rollout"]["figures"]
+    assert hf["rows_changed_by_reload_fp32"] != "0/8" and hf["tokens_per_s_batch64_bf16"] > 0
+    assert r["offload"]["status"] == "ok", r["offload"]
+    assert r["offload"]["figures"]["offloaded_gib"] > 0.5 and r["offload"]["figures"]["same_values_after_onload"]
 
 
 def test_a_failing_check_is_recorded_and_the_rest_still_run(tmp_path):
