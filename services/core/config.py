@@ -193,7 +193,13 @@ class PI0PolicyConfig(TinyVLMSizes):
     image_size: int = Field(0, ge=0, le=1024, description="the size images are resized to; 0: the env's own")
     flow_steps: int = Field(4, ge=1, le=64, description="denoising steps per chunk (each one an expert call)")
     flow_noise: float = Field(0.5, gt=0, le=5, allow_inf_nan=False,
-                              description="the Flow-SDE noise level sigma of each denoising step when sampling")
+                              description="the Flow-SDE noise level sigma of each denoising step when sampling "
+                                          "(sde_steps: last: the std of the last step's noise, in [-1, 1] units)")
+    sde_steps: Literal["all", "last"] = Field(
+        "all", description="which denoising steps draw noise when sampling for RL: all (Flow-SDE over the whole "
+                           "chain), or last (the first K-1 follow the ODE from the recorded x_0; the update re-runs "
+                           "them). last: every scored noise dimension moves the executed chunk; on ArmReachLang the "
+                           "signal-to-noise of its policy gradient with per-chunk rewards was 4x (bench/pg_snr.py)")
     logprob_level: Literal["chunk", "action", "token"] = Field(
         "chunk", description="what one log-prob covers in the update: the whole chunk, one action of it, or one "
                              "action dimension")

@@ -9,6 +9,12 @@ With x_tau = (1 - tau) x0 + tau x1 (x0 ~ N(0, I) noise, x1 the chunk) and v = E[
 Euler-Maruyama with d = 1/K: x_{k+1} ~ N(mu_k, sigma^2 d), mu_k = x_k + d * drift(x_k, tau_k). The chain x_0..x_K
 is what an update re-scores: log pi(chain) = sum_k log N(x_{k+1}; mu_k, sigma^2 d) (x_0's density does not depend on
 the policy). With sigma = 0 the step is the ODE's Euler step (deterministic acting).
+
+Noise on the last step only (``sde_steps: last``): x_1..x_{K-1} follow the ODE from the recorded x_0, and x_K ~
+N(mu_{K-1}, sigma^2) around the last Euler step. The pair (x_0, x_K) is the action: x_0's density does not depend on
+the policy, so log pi = log N(x_K; mu_{K-1}(theta, x_0), sigma^2), and the update re-runs the K - 1 ODE steps from
+x_0 under the new weights. Every noise dimension then moves the executed chunk; with noise on all K steps most of
+the scored noise (the early steps') is undone by the flow and only adds variance to the gradient.
 """
 
 from __future__ import annotations
@@ -39,3 +45,13 @@ def chain_logp(chain: torch.Tensor, means: torch.Tensor, sigma: float, steps: in
 def chain_entropy(sigma: float, steps: int) -> float:
     """Entropy per element of a chain: its noise is fixed, so it is a constant."""
     return steps * 0.5 * math.log(2 * math.pi * math.e * step_std(sigma, steps) ** 2)
+
+
+def last_step_logp(x_last: torch.Tensor, mean: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Per-element log-prob of the chain's last point around the last Euler step's mean (noise on the last step)."""
+    z = (x_last - mean) / sigma
+    return -0.5 * z.pow(2) - math.log(sigma) - 0.5 * math.log(2 * math.pi)
+
+
+def last_step_entropy(sigma: float) -> float:
+    return 0.5 * math.log(2 * math.pi * math.e * sigma ** 2)

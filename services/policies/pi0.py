@@ -8,7 +8,8 @@ flow-matching policy that imitates demonstrations.
 
 RL scores the denoising chain with Flow-SDE (services/policies/flow_sde.py): each of the K steps is a Gaussian
 around the SDE's Euler-Maruyama mean, so log pi(chain) is a sum of K Gaussian log-probs, computed through pi0's own
-expert. Acting computes the prefix's cache once and reuses it for all K steps (cropping the expert's tokens off
+expert (``sde_steps: all``); or only the last step draws noise, around the ODE's last Euler step from the recorded
+x_0 (``sde_steps: last``). Acting computes the prefix's cache once and reuses it for all K steps (cropping the expert's tokens off
 after each); the learner re-scores all K steps of a batch in one expert call over the cache repeated K times, with
 gradients flowing into the VLM through it. Deterministic acting is pi0's own ODE from zero noise, so the same
 weights saved with ``save_pretrained`` give the same chunk from plain transformers' ``sample_actions``.
@@ -77,7 +78,7 @@ class PI0Policy(ChunkPolicy):
 
         p = cfg.pi0
         self.init_chunks(action_space, "pi0", p.logprob_level)
-        self.steps, self.sigma = p.flow_steps, p.flow_noise
+        self.steps, self.sigma, self.noisy_last_only = p.flow_steps, p.flow_noise, p.sde_steps == "last"
         self.read = VLMInputs(obs_space, "pi0")
         if p.path:
             self.model = load_pretrained(p.path)
@@ -157,29 +158,46 @@ class PI0Policy(ChunkPolicy):
         else:
             x = torch.randn(B, self.H, self.A, generator=generator, device=device)
         chain, means = [x], []
-        std = flow_sde.step_std(self.sigma, K)
+        std = self.sigma if self.noisy_last_only else flow_sde.step_std(self.sigma, K)
         for k in range(K):
             tau = torch.full((B,), k / K, device=device)
             v = self.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
             cache.crop(length - cache.get_seq_length())  # drop the expert's tokens (a negative crop)
-            means.append(mu := flow_sde.step_mean(x, v, tau, self.sigma, K))
-            if deterministic:
-                x = flow_sde.step_mean(x, v, tau, 0.0, K)
-            else:
+            noisy = not deterministic and (k == K - 1 or not self.noisy_last_only)
+            sigma = 0.0 if self.noisy_last_only else self.sigma
+            means.append(mu := flow_sde.step_mean(x, v, tau, sigma, K))
+            if noisy:
                 x = mu + std * torch.randn(mu.shape, generator=generator, device=device)
+            else:
+                x = flow_sde.step_mean(x, v, tau, 0.0, K)
             chain.append(x)
         chain_t = torch.stack(chain, 1)
-        logp = flow_sde.chain_logp(chain_t, torch.stack(means, 1), self.sigma, K)
+        if self.noisy_last_only:
+            logp = flow_sde.last_step_logp(chain_t[:, -1], means[-1], self.sigma)
+        else:
+            logp = flow_sde.chain_logp(chain_t, torch.stack(means, 1), self.sigma, K)
         return chain_t, self.reduce(logp), value
 
     def evaluate(self, obs: Any, actions: torch.Tensor):
         """Log-probs (at the configured level), entropies and values of recorded chains [B, K+1, H, A]: the prefix
-        once, then all K steps of every row in one expert call over the cache repeated K times."""
+        once, then all K steps of every row in one expert call over the cache repeated K times (noise on every
+        step), or the K steps in turn from the recorded x_0 (noise on the last step: the earlier points depend on
+        the weights)."""
         x_in = self.inputs(obs)
         cache, pooled = self.prefix(x_in)
         value = self.value_head(obs, pooled)
         B, K = pooled.shape[0], self.steps
         chain = actions.reshape(B, K + 1, self.H, self.A).float()
+        if self.noisy_last_only:
+            length, x = cache.get_seq_length(), chain[:, 0]
+            for k in range(K):
+                tau = torch.full((B,), k / K, device=x.device, dtype=x.dtype)
+                v = self.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
+                cache.crop(length - cache.get_seq_length())
+                x = flow_sde.step_mean(x, v, tau, 0.0, K)
+            logp = flow_sde.last_step_logp(chain[:, -1], x, self.sigma)
+            entropy = torch.full_like(logp, flow_sde.last_step_entropy(self.sigma))
+            return self.reduce(logp), self.reduce(entropy), value
         cache.batch_repeat_interleave(K)
         x = chain[:, :K].reshape(B * K, self.H, self.A)
         tau = (torch.arange(K, device=x.device, dtype=x.dtype) / K).repeat(B)

@@ -47,9 +47,10 @@ def test_the_cached_prefix_gives_the_expert_what_recomputing_it_gives():
     assert cache.get_seq_length() == length  # the expert's tokens were cropped off
 
 
-@pytest.mark.parametrize("level", ["chunk", "action", "token"])
-def test_the_learner_rescores_the_rollouts_chain_to_1e_4(level):
-    pol = policy(logprob_level=level)
+@pytest.mark.parametrize("level,sde_steps", [("chunk", "all"), ("action", "all"), ("token", "all"),
+                                             ("token", "last"), ("chunk", "last")])
+def test_the_learner_rescores_the_rollouts_chain_to_1e_4(level, sde_steps):
+    pol = policy(logprob_level=level, sde_steps=sde_steps)
     obs = observations(TEXTS)
     chain, logp, value = pol.act(obs, generator=torch.Generator().manual_seed(1))
     assert chain.shape == (4, 4, 3, 2)  # [B, K+1, H, A]
@@ -61,6 +62,31 @@ def test_the_learner_rescores_the_rollouts_chain_to_1e_4(level):
     # the Flow-SDE log-prob depends on the chain: another chain's differs
     other, _, _ = pol.act(obs, generator=torch.Generator().manual_seed(2))
     assert (pol.evaluate(obs, other)[0] - logp).abs().max() > 1e-2
+
+
+def test_with_noise_on_the_last_step_the_chain_follows_the_ode_until_its_last_point():
+    """sde_steps: last: x_1..x_{K-1} are the ODE's from the recorded x_0 (what the deterministic chain from that x_0
+    gives), only x_K is noisy; the update re-runs the steps, so a change of weights moves the earlier points' means
+    and the log-prob of the same recorded chain."""
+    pol = policy(sde_steps="last", flow_noise=0.3)
+    obs = observations(TEXTS)
+    chain, logp, _ = pol.act(obs, generator=torch.Generator().manual_seed(2))
+    x_in = pol.inputs(obs)
+    cache, _ = pol.prefix(x_in)
+    length, x = cache.get_seq_length(), chain[:, 0]
+    for k in range(pol.steps - 1):
+        tau = torch.full((4,), k / pol.steps)
+        v = pol.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
+        cache.crop(length - cache.get_seq_length())
+        x = x + v / pol.steps
+        assert torch.allclose(chain[:, k + 1], x, atol=1e-5)
+    assert not torch.allclose(chain[:, -1], chain[:, -2] + pol.velocity(
+        chain[:, -2], torch.full((4,), (pol.steps - 1) / pol.steps), x_in["state"], cache,
+        x_in["attention_mask"]) / pol.steps, atol=1e-3)  # the last step drew noise
+    with torch.no_grad():
+        for p in pol.pi0.model.dit.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert (pol.evaluate(obs, chain)[0] - logp).abs().max() > 1e-3
 
 
 def test_gradients_reach_the_vlm_through_the_cache_and_the_value_head():
@@ -177,12 +203,14 @@ def test_a_run_spec_names_pi0_and_its_sizes():
         RunConfig.model_validate({"policy": {"name": "pi0", "pi0": {"flow_noise": 0}}})
 
 
-def test_a_ppo_update_raises_the_log_prob_of_advantaged_chains_and_lowers_the_others():
+@pytest.mark.parametrize("sde_steps", ["all", "last"])
+def test_a_ppo_update_raises_the_log_prob_of_advantaged_chains_and_lowers_the_others(sde_steps):
     cfg = RunConfig.model_validate({"env": {"id": "rlfabric/ArmReachLang-v0", "action_chunk": 3},
-                                    "policy": {"name": "pi0", "pi0": {"patch": 8, "flow_steps": 3}},
+                                    "policy": {"name": "pi0", "pi0": {"patch": 8, "flow_steps": 3,
+                                                                      "sde_steps": sde_steps}},
                                     "algorithm": {"name": "ppo", "n_epochs": 4, "batch_size": 16,
                                                   "learning_rate": 3e-4, "lr_schedule": "constant"}})
-    pol = policy()
+    pol = policy(sde_steps=sde_steps)
     algo = cfg.spec(pol, cfg, torch.Generator().manual_seed(0))
     T, N = 2, 8
     obs = observations(TEXTS * 2, seed=3)
