@@ -158,13 +158,13 @@ class PI0Policy(ChunkPolicy):
         else:
             x = torch.randn(B, self.H, self.A, generator=generator, device=device)
         chain, means = [x], []
-        std = self.sigma if self.noisy_last_only else flow_sde.step_std(self.sigma, K)
+        # noise on every step: the SDE's mean and step std; on the last step only: the ODE's mean and sigma itself
+        sigma, std = (0.0, self.sigma) if self.noisy_last_only else (self.sigma, flow_sde.step_std(self.sigma, K))
         for k in range(K):
             tau = torch.full((B,), k / K, device=device)
             v = self.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
             cache.crop(length - cache.get_seq_length())  # drop the expert's tokens (a negative crop)
             noisy = not deterministic and (k == K - 1 or not self.noisy_last_only)
-            sigma = 0.0 if self.noisy_last_only else self.sigma
             means.append(mu := flow_sde.step_mean(x, v, tau, sigma, K))
             if noisy:
                 x = mu + std * torch.randn(mu.shape, generator=generator, device=device)
