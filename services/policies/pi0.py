@@ -9,9 +9,9 @@ flow-matching policy that imitates demonstrations.
 RL scores the denoising chain with Flow-SDE (services/policies/flow_sde.py): each of the K steps is a Gaussian
 around the SDE's Euler-Maruyama mean, so log pi(chain) is a sum of K Gaussian log-probs, computed through pi0's own
 expert (``sde_steps: all``); or only the last step draws noise, around the ODE's last Euler step from the recorded
-x_0 (``sde_steps: last``). Acting computes the prefix's cache once and reuses it for all K steps (cropping the expert's tokens off
-after each); the learner re-scores all K steps of a batch in one expert call over the cache repeated K times, with
-gradients flowing into the VLM through it. Deterministic acting is pi0's own ODE from zero noise, so the same
+x_0 (``sde_steps: last``). Acting computes the prefix's cache once and reuses it for all K steps (cropping the
+expert's tokens off after each); the learner re-scores all K steps of a batch in one expert call over the cache
+repeated K times (all), or re-runs them in turn from x_0 (last), with gradients flowing into the VLM through it. Deterministic acting is pi0's own ODE from zero noise, so the same
 weights saved with ``save_pretrained`` give the same chunk from plain transformers' ``sample_actions``.
 
 Chains and chunks live in [-1, 1] per action dimension (the env's bounds mapped onto it); a chunk shorter than the
