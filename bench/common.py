@@ -54,3 +54,19 @@ def python() -> str:
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def pi0_ode_recomputing_prefix(policy, obs: dict):
+    """pi0's ODE from zero noise with the prefix (images and words) recomputed at every denoising step: what acting
+    without the KV cache costs. ``policy.act(obs, deterministic=True)`` gives the same chunk from the cache."""
+    import torch
+
+    with torch.no_grad():
+        x_in = policy.inputs(obs)
+        B, K = x_in["state"].shape[0], policy.steps
+        x = torch.zeros(B, policy.H, policy.A, device=x_in["state"].device)
+        for k in range(K):
+            tau = torch.full((B,), k / K, device=x.device)
+            v = -policy.model(noise=x, timestep=1.0 - tau, **x_in).logits[:, :policy.H, :policy.A]
+            x = x + v / K  # the ODE's Euler step (sigma 0)
+        return x

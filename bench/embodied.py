@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import python, report  # noqa: E402
+from common import pi0_ode_recomputing_prefix, python, report  # noqa: E402
 from modes import start_stack, steps_per_s, train  # noqa: E402
 
 from services.core.config import load_config  # noqa: E402
@@ -113,15 +113,8 @@ def pi0_decision_latency(repeats: int = 20) -> dict[str, float]:
            "instruction": torch.as_tensor(np.stack([instructions.encode("reach the red ball")] * 16))}
     K, B = policy.steps, 16
 
-    @torch.no_grad()
     def recompute() -> torch.Tensor:
-        x_in = policy.inputs(obs)
-        x = torch.zeros(B, policy.H, policy.A)
-        for k in range(K):
-            tau = torch.full((B,), k / K)
-            v = -policy.model(noise=x, timestep=1.0 - tau, **x_in).logits[:, :policy.H, :policy.A]
-            x = x + v / K  # the ODE's Euler step (sigma 0)
-        return x
+        return pi0_ode_recomputing_prefix(policy, obs)
 
     def timed(fn) -> float:
         fn()

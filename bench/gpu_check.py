@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import report  # noqa: E402
+from common import pi0_ode_recomputing_prefix, report  # noqa: E402
 
 CHECKS = ("pi0", "pi0_rl", "hf_rollout", "offload", "vllm", "nccl", "sglang", "sleep_wake")
 BUDGET_S = {"pi0": 45, "pi0_rl": 60, "hf_rollout": 40, "offload": 40, "vllm": 110, "nccl": 35, "sglang": 65,
@@ -168,14 +168,8 @@ def check_pi0_rl(device: str) -> dict:
         sync()
         return (time.perf_counter() - t0) / repeats * 1e3
 
-    @torch.no_grad()
     def recompute() -> torch.Tensor:
-        x_in = policy.inputs(obs)
-        x = torch.zeros(B, H, A, device=device)
-        for k in range(K):
-            tau = torch.full((B,), k / K, device=device)
-            x = x - policy.model(noise=x, timestep=1.0 - tau, **x_in).logits[:, :H, :A] / K
-        return x
+        return pi0_ode_recomputing_prefix(policy, obs)
 
     policy.eval()
     cached = policy.act(obs, deterministic=True)[0][:, -1]
