@@ -547,8 +547,9 @@ class WarmStartConfig(_Strict):
 
     demos: int = Field(0, ge=0, le=1_000_000, description="episodes of the env's scripted expert to record (as "
                                                            "rlfabric collect --expert); 0: no demonstrations")
-    demos_seed: int = Field(100_000, ge=0, le=2**32 - 1, description="env seed of the first demonstration (apart "
-                                                                     "from the run's evaluation seeds)")
+    demos_seed: int = Field(2_000_000_000, ge=0, le=2**32 - 1, description="env seed of the first demonstration "
+                            "and of the vision stage's first scene: its scenes must not be the ones the run "
+                            "evaluates on (seed + 100000 on), or evaluation measures recall of the training set")
     dataset: str = Field("", max_length=4096, description="a LeRobot data set's directory (format v2.x or v3.0) "
                          "whose episodes the supervised stage learns from too, turned into the env's observations "
                          "and action chunks (as rlfabric import-lerobot); empty: none")
@@ -640,6 +641,26 @@ class RunConfig(_Strict):
     def progress(self) -> tuple[str, int]:
         """What progress counts: env steps, or iterations for an algorithm that collects nothing."""
         return ("env steps", self.train.total_env_steps) if self.collects else ("iterations", self.iterations())
+
+    @model_validator(mode="after")
+    def _held_out_evaluation(self) -> RunConfig:
+        """The warm start's scenes (env seeds demos_seed.. of the expert's envs and the vision stage's scenes) must
+        not be the evaluation's or the first training batch's: with shared seeds an evaluation replays the very
+        scenes the policy imitated, and its success rate measures memory, not skill."""
+        warm = self.warm_start
+        count = max(self.env.eval_envs if warm.demos else 0, warm.vision.scenes)
+        if not count:
+            return self
+        taken = {"evaluation (seed + 100000)": (self.eval_seed(), self.env.eval_envs),
+                 "training (seed)": (self.seed, self.env.num_envs)}
+        for what, (first, n) in taken.items():
+            if warm.demos_seed < first + n and first < warm.demos_seed + count:
+                raise ValueError(
+                    f"warm_start.demos_seed={warm.demos_seed} gives the warm start env seeds {warm.demos_seed}.."
+                    f"{warm.demos_seed + count - 1}, which overlap the {what} env seeds {first}..{first + n - 1}: "
+                    f"the run would evaluate or train on the scenes it imitated. Fix: a demos_seed outside both "
+                    f"ranges (the default, 2000000000, is)")
+        return self
 
     @model_validator(mode="after")
     def _tokenizer_corpus(self) -> RunConfig:

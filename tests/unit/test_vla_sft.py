@@ -118,3 +118,35 @@ def test_a_warm_start_names_demonstrations_and_an_offline_stage(warm_start, mess
     assert ok.warm_start.enabled and not RunConfig().warm_start.enabled
     lerobot = RunConfig.model_validate({"warm_start": {"dataset": "data/lerobot", "supervised": {"name": "vla_sft"}}})
     assert lerobot.warm_start.enabled and lerobot.warm_start.demos == 0
+
+
+def _first_scenes(batch) -> np.ndarray:
+    """The balls' positions at the start of each recorded episode (the state observation's last four entries)."""
+    episode = np.asarray(batch["episode"])
+    starts = np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]])
+    return np.round(np.asarray(batch["obs"]["state"])[starts, 8:12], 5)
+
+
+def test_the_warm_start_does_not_imitate_the_scenes_the_run_evaluates_on(tmp_path):
+    """Demonstrations and evaluation used to share env seeds (demos_seed 100000 = seed 0's evaluation seed): every
+    evaluation replayed the scenes the policy had imitated. Now their scenes differ, and a spec that makes them
+    collide is refused with the fix."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(SPEC)
+    run = RunConfig.model_validate({"warm_start": {"demos": 8, "supervised": {"name": "vla_sft"}},
+                                    "env": {"eval_envs": 8}})
+    demos, _ = collect_dataset(path, episodes=16, seed=run.warm_start.demos_seed, expert=True)
+    evaluated, _ = collect_dataset(path, episodes=16, seed=run.eval_seed(), expert=True)
+    shared = {tuple(s) for s in _first_scenes(demos)} & {tuple(s) for s in _first_scenes(evaluated)}
+    assert len(_first_scenes(demos)) == 16 and not shared
+    again, _ = collect_dataset(path, episodes=16, seed=run.eval_seed(), expert=True)  # a seed fixes the scenes
+    np.testing.assert_array_equal(_first_scenes(again), _first_scenes(evaluated))
+    for seed, demos_seed, what in ((0, 100_000, "evaluation"), (7, 3, "training"), (0, 99_995, "evaluation")):
+        with pytest.raises(ValueError, match=f"warm_start.demos_seed={demos_seed} .* overlap the {what}"):
+            RunConfig.model_validate({"seed": seed, "env": {"eval_envs": 8},
+                                      "warm_start": {"demos": 8, "demos_seed": demos_seed,
+                                                     "supervised": {"name": "vla_sft"}}})
+    RunConfig.model_validate({"env": {"eval_envs": 8}, "warm_start": {"demos": 8, "demos_seed": 99_992,
+                                                                     "supervised": {"name": "vla_sft"}}})
+    with pytest.raises(ValueError, match="overlap the evaluation"):  # the vision stage's scenes count too
+        RunConfig.model_validate({"warm_start": {"vision": {"scenes": 200_000}, "demos_seed": 0}})
