@@ -58,9 +58,10 @@ def test_decoded_texts_end_at_their_first_zero_and_rescore_to_1e_4(family):
 
 
 # Qwen2.5-VL's M-RoPE turns rows and columns slowly (services/policies/vlm_families.py), so where the square is
-# takes it longer to learn, and 3e-3 oscillates
-@pytest.mark.parametrize("family, lr, steps", [("paligemma", 3e-3, 150), ("smolvlm", 3e-3, 150),
-                                               ("qwen2_5_vl", 1e-3, 300)])
+# takes it longer to learn, and 3e-3 oscillates. The steps leave a margin: on one thread (as CI runs) SmolVLM still
+# confused one scene at 200 steps and Qwen2.5-VL at 300, and both were exact from 300 / 400 on.
+@pytest.mark.parametrize("family, lr, steps", [("paligemma", 3e-3, 150), ("smolvlm", 3e-3, 400),
+                                               ("qwen2_5_vl", 1e-3, 500)])
 def test_next_token_sft_makes_it_write_what_each_image_shows(family, lr, steps):
     pol = policy(family=family)
     obs, target = observations(), texts()
