@@ -651,15 +651,15 @@ class RunConfig(_Strict):
         count = max(self.env.eval_envs if warm.demos else 0, warm.vision.scenes)
         if not count:
             return self
-        taken = {"evaluation (seed + 100000)": (self.eval_seed(), self.env.eval_envs),
-                 "training (seed)": (self.seed, self.env.num_envs)}
+        taken = {"evaluation": (self.eval_seed(), self.env.eval_envs), "training": (self.seed, self.env.num_envs)}
+        default = WarmStartConfig.model_fields["demos_seed"].default
         for what, (first, n) in taken.items():
             if warm.demos_seed < first + n and first < warm.demos_seed + count:
                 raise ValueError(
                     f"warm_start.demos_seed={warm.demos_seed} gives the warm start env seeds {warm.demos_seed}.."
                     f"{warm.demos_seed + count - 1}, which overlap the {what} env seeds {first}..{first + n - 1}: "
                     f"the run would evaluate or train on the scenes it imitated. Fix: a demos_seed outside both "
-                    f"ranges (the default, 2000000000, is)")
+                    f"ranges (the default, {default}, is)")
         return self
 
     @model_validator(mode="after")
