@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services.core.models.hf_cache import cache_arg, cache_of
 from services.policies import flow_sde
 from services.policies.chunk_policy import ChunkPolicy
 from services.policies.obs_critic import VLMCritic
@@ -131,7 +132,7 @@ class PI0Policy(ChunkPolicy):
                       token_type_ids=torch.zeros_like(mask), use_cache=True, return_dict=True)
         weights = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
         pooled = (out.last_hidden_state * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-        return out.past_key_values, pooled.detach() if self.value_detach else pooled
+        return cache_of(out), pooled.detach() if self.value_detach else pooled
 
     def velocity(self, x: torch.Tensor, tau: torch.Tensor, state: torch.Tensor, cache: Any,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -140,7 +141,8 @@ class PI0Policy(ChunkPolicy):
         own tokens are appended to ``cache``; callers crop them off."""
         c = self.pi0.config
         noise = F.pad(x, (0, c.max_action_dim - self.A, 0, c.chunk_size - self.H))
-        out = self.pi0(state=state, noise=noise, timestep=1.0 - tau, attention_mask=mask, past_key_values=cache)
+        out = self.pi0(state=state, noise=noise, timestep=1.0 - tau, attention_mask=mask,
+                       **{cache_arg(self.pi0): cache})
         return -out.logits[:, :self.H, :self.A]
 
     # -- actor-critic interface ----------------------------------------------------------------------------

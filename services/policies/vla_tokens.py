@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.core.models.hf_cache import cache_of
 from services.policies.chunk_policy import ChunkPolicy
 from services.policies.obs_critic import VLMCritic
 from services.policies.vlm_body import VLMBody, build_vlm
@@ -96,7 +97,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         B, P = mask.shape
         out = self._run(emb, mask, P, use_cache=True)
         value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
-        cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+        cache, hidden = cache_of(out), out.last_hidden_state[:, -1]
         position = self._positions(mask)[:, -1]
         chosen, logps = [], []
         for i in range(self.n):
@@ -109,7 +110,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
                 mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
                 position = position + 1
                 out = self._run(self._embed(self.bin_ids[idx]).unsqueeze(1), mask, P, cache, position)
-                cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+                cache, hidden = cache_of(out), out.last_hidden_state[:, -1]
         idx = torch.stack(chosen, 1).reshape(B, self.H, self.A)
         return idx, self.reduce(torch.stack(logps, 1).reshape(B, self.H, self.A)), value
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.core.models.hf_cache import cache_arg
 from services.policies.vlm_families import FAMILIES, Family, family_of
 from services.policies.vlm_inputs import VLMInputs, freeze, start_vlm, unwrapped
 
@@ -91,8 +92,9 @@ class VLMBody(nn.Module):
             token_type[:, :emb.shape[1] if prefix_len is None else prefix_len] = 0
             extra["token_type_ids"] = token_type
         position = self.family.model_positions(position, self.read.cameras, self.read.grid, images=cache is None)
-        return self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=position, past_key_values=cache,
-                              use_cache=use_cache or cache is not None, return_dict=True, **extra)
+        return self.vlm.model(inputs_embeds=emb, attention_mask=mask, position_ids=position,
+                              use_cache=use_cache or cache is not None, return_dict=True,
+                              **{cache_arg(self.vlm.model): cache}, **extra)
 
     def _run(self, emb: torch.Tensor, mask: torch.Tensor, prefix_len: int, cache: Any = None,
              offset: torch.Tensor | None = None, use_cache: bool = False):

@@ -100,7 +100,9 @@ class SmolVLMFamily(Family):
         return size, (grid // config.scale_factor, grid // config.scale_factor)
 
     def image_features(self, model: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return model.model.get_image_features(pixels.unsqueeze(1)).pooler_output  # images per sample on a dim
+        out = model.model.get_image_features(pixels.unsqueeze(1)).pooler_output  # images per sample on a dim
+        # transformers 5.24 returns one [tokens, width] tensor per sample, 5.19 a [N, tokens, width] tensor
+        return torch.stack(out) if isinstance(out, list | tuple) else out
 
 
 class QwenVLFamily(Family):

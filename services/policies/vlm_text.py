@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from services.core.models.hf_cache import cache_of
 from services.policies.obs_critic import VLMCritic
 from services.policies.vlm_body import VLMBody, build_vlm
 from services.policies.vlm_inputs import VLMInputs, save_merged
@@ -87,7 +88,7 @@ class VLMTextPolicy(VLMBody):
         B, P = mask.shape
         out = self._run(emb, mask, P, use_cache=True)
         value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
-        cache, hidden, position = out.past_key_values, out.last_hidden_state[:, -1], self._positions(mask)[:, -1]
+        cache, hidden, position = cache_of(out), out.last_hidden_state[:, -1], self._positions(mask)[:, -1]
         alive = torch.ones(B, dtype=torch.bool, device=emb.device)
         ids = torch.zeros(B, self.L, dtype=torch.long, device=emb.device)
         logp = torch.zeros(B, device=emb.device)
@@ -104,7 +105,7 @@ class VLMTextPolicy(VLMBody):
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
             position = position + 1
             out = self._run(self._embed(idx).unsqueeze(1), mask, P, cache, position)
-            cache, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+            cache, hidden = cache_of(out), out.last_hidden_state[:, -1]
         return ids, logp, value
 
     def evaluate(self, obs: Any, actions: torch.Tensor):

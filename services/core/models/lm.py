@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.core.models.hf_cache import cache_arg, cache_of
 from services.core.models.tokenizer import (
     BOS,
     CHARS,
@@ -93,7 +94,7 @@ def shared_prompt_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mas
     prompt_mask = real.long()
     head = model(input_ids=prompt_ids, attention_mask=prompt_mask,
                  position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
-    cache = head.past_key_values
+    cache = cache_of(head)
     cache.batch_select_indices(inverse)
     span = lengths - prefix  # each row's continuation
     cont = int(span.max())
@@ -101,7 +102,7 @@ def shared_prompt_logprobs(model: nn.Module, tokens: torch.Tensor, attention_mas
     live = j[None] < span[:, None]
     cont_ids = torch.where(live, tokens[rows[:, None], (prefix[:, None] + j[None]).clamp(max=L - 1)], 0)
     tail = model(input_ids=cont_ids, attention_mask=torch.cat([prompt_mask[inverse], live.long()], 1),
-                 position_ids=prefix[:, None] + j[None], past_key_values=cache, use_cache=True).logits
+                 position_ids=prefix[:, None] + j[None], use_cache=True, **{cache_arg(model): cache}).logits
     # the prompt's last position predicts the first continuation token; continuation position j the next
     logits = torch.cat([head.logits[inverse, -1:], tail[:, :-1]], 1)
     if temperature != 1.0:
