@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-CHECKS = ["pi0", "pi0_rl", "hf_rollout", "offload", "vllm", "nccl", "sglang", "sleep_wake"]
+CHECKS = ["pi0", "pi0_rl", "hf_rollout", "offload", "maniskill", "vllm", "nccl", "sglang", "sleep_wake"]
 
 
 def run(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -52,7 +52,7 @@ def test_only_picks_checks_and_rejects_unknown_names(tmp_path):
 def test_pi0_and_transport_checks_run_on_cpu(tmp_path):
     """The checks' own code: a π0 training step and sample_actions (fp32), and rlfabric's weight-transport pair
     between two processes over gloo, each in its own process as on the GPU."""
-    proc, doc = run(tmp_path, "--device", "cpu", "--only", "pi0,nccl,sleep_wake")
+    proc, doc = run(tmp_path, "--device", "cpu", "--only", "pi0,nccl,sleep_wake,maniskill")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = rows(doc)
     assert r["pi0"]["status"] == "ok", r["pi0"]
@@ -61,6 +61,9 @@ def test_pi0_and_transport_checks_run_on_cpu(tmp_path):
     assert r["nccl"]["status"] == "ok", r["nccl"]
     assert r["nccl"]["figures"]["backend"] == "gloo" and r["nccl"]["figures"]["gb_per_s"] > 0
     assert r["sleep_wake"]["status"].startswith("skipped: "), r["sleep_wake"]
+    # without mani-skill it names the extra; with it, SAPIEN's Vulkan device is checked on the GPU only
+    assert r["maniskill"]["status"] in ("skipped: mani-skill not installed (pip install 'rlfabric[maniskill]')",
+                                        "skipped: SAPIEN needs a Vulkan device: checked on the GPU's driver")
 
 
 def test_rlfabric_pi0_rollout_and_offload_checks_run_on_cpu(tmp_path):
@@ -89,6 +92,7 @@ def test_a_failing_check_is_recorded_and_the_rest_still_run(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     r = rows(doc)
     assert r["pi0"]["status"].startswith("failed: "), r["pi0"]
+    assert "Traceback" in r["pi0"]["log_tail"] and "check_pi0" in r["pi0"]["log_tail"]  # where it failed
     assert r["sglang"]["status"].startswith("skipped: sglang not installed"), r["sglang"]
 
 
