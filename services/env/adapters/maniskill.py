@@ -12,7 +12,10 @@ ManiSkill's (its default when unset), and ``max_episode_steps`` overrides the ta
 
 Needs ``mani-skill`` (and ``sapien``), and a Vulkan device for SAPIEN even with rendering off: a GPU with its
 driver's Vulkan ICD, or Mesa's lavapipe from Mesa >= 24.3 (Debian 13). Debian 12's lavapipe (Mesa 22.3) lacks
-``VK_KHR_external_semaphore_fd`` and is refused; the adapter then fails with that fix instead of SAPIEN's
+``VK_KHR_external_semaphore_fd`` and is refused. A GPU image without the Vulkan loader and glvnd (``libvulkan1``,
+``libglvnd0``, ``libglx0``, ``libegl1``) is refused too, although its driver ships the ICD: SAPIEN's bundled loader
+cannot open ``libGLX_nvidia``. This was seen on an H100; with those four packages the same host ran PushCube
+(``bench/gpu_check.py``'s ``maniskill`` check). Either way the adapter fails with the fix instead of SAPIEN's
 ``vk::createInstanceUnique: ErrorIncompatibleDriver``.
 """
 
@@ -28,9 +31,11 @@ from services.env.adapters.mujoco_pixels import SuccessFrom, check_options, imag
 
 collector = "gym"  # rollout.collector auto: gym stepping
 EXTRA_OPTIONS = ("cameras", "control_mode", "max_episode_steps")
-NO_VULKAN = ("SAPIEN, which ManiSkill simulates with, found no usable Vulkan device ({detail}). Fix: run on a host "
-             "with a GPU and its driver's Vulkan ICD, or install Mesa >= 24.3's lavapipe (Debian 13: apt-get install "
-             "mesa-vulkan-drivers); Debian 12's Mesa 22.3 lacks VK_KHR_external_semaphore_fd")
+NO_VULKAN = ("SAPIEN, which ManiSkill simulates with, found no usable Vulkan device ({detail}). Fix: on a GPU host, "
+             "the driver's Vulkan ICD (nvidia_icd.json; VK_ICD_FILENAMES names it if it is not in "
+             "/usr/share/vulkan/icd.d) and the loader libraries it needs: apt-get install libvulkan1 libglvnd0 libglx0 "
+             "libegl1. Without a GPU, install Mesa >= 24.3's lavapipe (Debian 13: apt-get install mesa-vulkan-drivers); "
+             "Debian 12's Mesa 22.3 lacks VK_KHR_external_semaphore_fd")
 
 
 def _import() -> Any:
