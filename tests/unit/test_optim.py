@@ -48,6 +48,33 @@ def test_matches_torch_adam_bit_for_bit():
             assert torch.equal(v, ours_sd["state"][i][k]) and v.dtype == ours_sd["state"][i][k].dtype
 
 
+
+def test_two_groups_at_their_own_rates_match_torch_adam_and_round_trip():
+    """PPO's value_learning_rate: the critic's weights in a second group with its own step size."""
+    ours, ref = _model(), _model()
+    groups = lambda m: [{"params": list(m[0].parameters()), "scale": 1.0},  # noqa: E731
+                        {"params": list(m[2].parameters()), "scale": 100.0}]
+    opt = Adam(groups(ours), lr=1e-5, eps=1e-5)
+    ref_opt = torch.optim.Adam(groups(ref), lr=1e-5, eps=1e-5, fused=True)
+    for step in range(3):
+        for o in (opt, ref_opt):
+            for group in o.param_groups:
+                group["lr"] = 1e-5 * group["scale"] * (1 - step / 10)
+        _grads(ours, step)
+        _grads(ref, step)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    start = _model()
+    assert (ours[2].weight - start[2].weight).abs().max() > 50 * (ours[0].weight - start[0].weight).abs().max()
+    assert opt.state_dict()["param_groups"] == ref_opt.state_dict()["param_groups"]
+    again = Adam(groups(_model()), lr=1.0)
+    again.load_state_dict(ref_opt.state_dict())
+    assert [g["lr"] for g in again.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    with pytest.raises(ValueError, match="value_learning_rate"):
+        Adam(_model().parameters(), lr=1.0).load_state_dict(ref_opt.state_dict())
+
 def test_state_dict_round_trips_with_torch_adam():
     """A checkpoint written with torch.optim.Adam resumes into ours and continues identically (and back)."""
     ours, ref = _model(1), _model(1)
