@@ -175,3 +175,27 @@ def test_critic_warmup_trains_the_value_alone_then_the_policy():
     fresh.load_state_dict(algo.state_dict())  # a resumed run does not warm up again
     stats = fresh.update(batch())
     assert stats["critic_warmup"] == 0.0 and probs() > before + 0.02
+
+
+def test_value_learning_rate_steps_the_critic_at_its_own_rate():
+    """A fresh critic beside a warm-started actor: the critic's own weights (vf_body, vf_head) take Adam steps of
+    value_learning_rate, the rest of learning_rate; lr_schedule scales both."""
+    cfg = RunConfig.model_validate({"algorithm": {"name": "ppo", "n_epochs": 1, "batch_size": 256,
+                                                  "learning_rate": 1e-5, "value_learning_rate": 1e-3},
+                                    "train": {"total_env_steps": 1024}})
+    policy = ActorCritic({"kind": "box", "shape": [4]}, SPACES["discrete"], cfg.policy)
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    algo = PPO(policy, cfg)
+    T, N = 32, 8
+    batch = {"obs": torch.randn(T, N, 4), "actions": torch.zeros(T, N, dtype=torch.long),
+             "logp": torch.full((T, N), -1.1), "values": torch.zeros(T, N), "rewards": torch.ones(T, N),
+             "dones": torch.zeros(T, N), "last_values": torch.zeros(N)}
+    algo.update(batch)  # one Adam step: each weight moves by about its group's step size
+    assert [g["lr"] for g in algo.optimizer.param_groups] == pytest.approx([0.75e-5, 0.75e-3])
+    moved = {k: (v - start[k]).abs().max().item() for k, v in policy.state_dict().items()}
+    assert moved["vf_head.weight"] == pytest.approx(0.75e-3, rel=0.05)
+    assert moved["pi_head.weight"] == pytest.approx(0.75e-5, rel=0.05)
+    assert moved["pi_body.0.weight"] < 1e-4 and moved["vf_body.0.weight"] > 1e-4
+    fresh = PPO(policy, cfg)
+    fresh.load_state_dict(algo.state_dict())  # a checkpoint of the two groups resumes
+    assert len(fresh.optimizer.param_groups) == 2

@@ -18,6 +18,7 @@ from services.core.models.mlp import mlp
 
 class ActorCritic(nn.Module):
     has_value = True
+    value_modules = ("vf_body", "vf_head")  # the critic's own weights (the encoder is shared)
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()

@@ -39,6 +39,11 @@ class PPOConfig(AlgorithmConfig):
     gamma: float = Field(0.98, gt=0, le=1, description="discount per decision (reward_level: action, per step)")
     gae_lambda: float = Field(0.8, ge=0, le=1, description="GAE's lambda: bias (0) against variance (1)")
     learning_rate: float = Field(1e-3, gt=0, allow_inf_nan=False, description="Adam's step size")
+    value_learning_rate: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="Adam's step size for the critic's own weights (the policy's value_modules); None: learning_rate. "
+                    "A fresh critic beside a warm-started actor needs a larger step than the actor tolerates. "
+                    "lr_schedule scales both")
     lr_schedule: Literal["constant", "linear"] = Field("linear", description="linear: decays to 0 over the run")
     clip_range: float = Field(0.2, gt=0, allow_inf_nan=False, description="eps of the ratio clip [1 - eps, 1 + eps]")
     clip_schedule: Literal["constant", "linear"] = Field("linear", description="linear: decays to 0 over the run")
@@ -136,8 +141,22 @@ class PPO(Algorithm):
         # fused Adam: one kernel per step instead of a Python loop over tensors (~25% faster updates here);
         # torch.optim.Adam's, without the torch._dynamo import torch.optim costs a fresh process (see optim.py)
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer = optim.Adam(self.params, lr=self.cfg.learning_rate, eps=1e-5)
+        self.optimizer = optim.Adam(self.param_groups(policy), lr=self.cfg.learning_rate, eps=1e-5)
         self.updates = 0
+
+    def param_groups(self, policy: nn.Module) -> list[dict]:
+        """One group at learning_rate, or the critic's own weights in a second at value_learning_rate."""
+        if self.cfg.value_learning_rate is None:
+            return [{"params": self.params, "scale": 1.0}]
+        prefixes = tuple(f"{m}." for m in getattr(policy, "value_modules", ()))
+        named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        critic = [p for n, p in named if prefixes and n.startswith(prefixes)]
+        if not critic:
+            raise ValueError(f"algorithm.value_learning_rate: policy {type(policy).__name__} names no weights of its "
+                             f"own critic (value_modules). Fix: drop value_learning_rate")
+        scale = self.cfg.value_learning_rate / self.cfg.learning_rate
+        return [{"params": [p for n, p in named if not n.startswith(prefixes)], "scale": 1.0},
+                {"params": critic, "scale": scale}]
 
     def update(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
@@ -148,7 +167,7 @@ class PPO(Algorithm):
         lr = linear(cfg.learning_rate, progress_remaining, cfg.lr_schedule)
         clip = linear(cfg.clip_range, progress_remaining, cfg.clip_schedule)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["scale"]
 
         gamma: float | torch.Tensor = cfg.gamma
         if cfg.reward_level == "action" and "step_rewards" in batch:
