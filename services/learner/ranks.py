@@ -117,6 +117,27 @@ def shard_policy(policy: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     return policy
 
 
+def load_starting_weights(policy: torch.nn.Module, weights: dict, warm: bool) -> None:
+    """``weights`` into ``policy``, exactly. A warm start (a supervised run's weights) may differ in the value head
+    alone: supervised training never trains it, so an RL run may pick another critic (``critic: own``), which then
+    starts fresh. Any other difference raises."""
+    try:
+        policy.load_state_dict(weights)
+        return
+    except RuntimeError:
+        if not warm:
+            raise
+    ours = policy.state_dict()
+    actor = {k: v for k, v in weights.items() if not k.startswith("value_head.")}
+    if any(k.startswith("value_head.") for k in ours) and set(actor) == {k for k in ours if not k.startswith(
+            "value_head.")}:
+        policy.load_state_dict({**actor, **{k: v for k, v in ours.items() if k.startswith("value_head.")}})
+        log.info("policy.init_checkpoint: the actor's weights loaded; the value head starts fresh (the checkpoint's "
+                 "has another shape)")
+        return
+    policy.load_state_dict(weights)  # raises, naming the keys that differ
+
+
 def initial_policy(config: Any, env_spec: dict, device: torch.device, weights: dict | None) -> torch.nn.Module:
     """The run's policy on ``device``, built from the run's seed, holding ``weights`` (a warm start's or a
     checkpoint's) when given: what a learner of any number of ranks starts from."""
@@ -127,7 +148,7 @@ def initial_policy(config: Any, env_spec: dict, device: torch.device, weights: d
     policy = build_policy(config.policy_name, env_spec, config.policy).to(device)
     if weights is not None:
         try:
-            policy.load_state_dict(weights)
+            load_starting_weights(policy, weights, warm=bool(config.policy.init_checkpoint))
         except RuntimeError as exc:
             raise ValueError(f"the starting weights (policy.init_checkpoint={config.policy.init_checkpoint!r}, or "
                              f"the run's checkpoint) hold another policy shape: {str(exc)[:300]}. Fix: give the same "
