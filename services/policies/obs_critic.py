@@ -5,7 +5,8 @@ image patches and words keeps what is in the scene but not where, and its loss f
 (unless ``value_detach``). This critic reads the raw observation the way the CNN actor-critic does: a conv stack per
 camera (``policy.cnn``), the state vector, and the instruction as the mean of learned embeddings of its ids, then an
 MLP. It shares no weight with the actor, so its loss cannot disturb the supervised features the actor starts from.
-On ArmReachLang its explained variance stayed as low as the prefix critic's (docs/benchmarks.md).
+On ArmReachLang its explained variance stayed as low as the prefix critic's (docs/benchmarks.md). It alone reads
+an env's ``privileged`` entries (a simulator's true state: asymmetric actor-critic), as part of its state vector.
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ def load_pretrained(path: str):
 
 
 class PI0Policy(ChunkPolicy):
+    critic_only_privileged = True  # VLMInputs skips an env's privileged entries; critic: own reads them
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()

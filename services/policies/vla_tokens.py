@@ -30,6 +30,7 @@ from services.policies.vlm_inputs import VLMInputs, save_merged
 
 
 class VLATokensPolicy(ChunkPolicy, VLMBody):
+    critic_only_privileged = True  # VLMInputs skips an env's privileged entries; critic: own reads them
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()

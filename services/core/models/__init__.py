@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.core.models.actor_critic import ActorCritic
-from services.core.models.encoders import build_encoder
+from services.core.models.encoders import build_encoder, is_privileged
 from services.core.models.mlp import mlp
 from services.core.models.squashed_gaussian import SquashedGaussianActor
 from services.core.registry import Registry
@@ -51,7 +51,14 @@ def check_policy(name: str, needed: str, who: str) -> None:
 
 def build_policy(name: str, env_spec: dict[str, Any], policy_config: Any):
     cls = policy_class(name)
-    return cls(env_spec["observation_space"], env_spec["action_space"], policy_config)
+    obs_space = env_spec["observation_space"]
+    hidden = sorted(k for k in obs_space.get("spaces", {}) if is_privileged(k)) if obs_space.get("kind") == "dict" \
+        else []
+    if hidden and not getattr(cls, "critic_only_privileged", False):
+        raise ValueError(f"the env observes {hidden}, privileged state for a critic alone, and policy.name {name!r} "
+                         f"would feed it to its actor. Fix: turn the env's privileged observation off, or use a "
+                         f"policy whose critic alone reads it (pi0 or vla_tokens with policy.<name>.critic: own)")
+    return cls(obs_space, env_spec["action_space"], policy_config)
 
 
 __all__ = ["ActorCritic", "POLICIES", "SquashedGaussianActor", "build_encoder", "build_policy", "check_policy", "mlp",

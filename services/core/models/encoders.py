@@ -18,6 +18,15 @@ from torch import nn
 
 from services.core.models.mlp import ACTIVATIONS
 
+PRIVILEGED = "privileged"
+
+
+def is_privileged(key: str) -> bool:
+    """An observation entry for the critic alone (asymmetric actor-critic): a simulator's true state, which a robot
+    cannot give, so no actor may read it. Only a policy whose class sets ``critic_only_privileged`` accepts an env
+    that has one (build_policy refuses the rest)."""
+    return key == PRIVILEGED or key.startswith(PRIVILEGED + "_")
+
 
 def is_image(space: dict[str, Any]) -> bool:
     """A uint8 Box of rank 3 is an image (channels last when the last dim is 1, 3 or 4, else first)."""

@@ -9,6 +9,10 @@ Reward: progress toward the goal ball, normalised by the starting distance (so i
 episode), plus 1 on success (the end effector within ``success_radius``), which ends the episode. An episode's
 return is above 1 exactly when it succeeds: the success rate is the fraction of returns > 1.
 
+``privileged=True`` adds ``privileged`` to a pixel observation: the end effector's, the goal ball's and the other
+balls' positions and the distance to the goal, for a critic alone (an asymmetric actor-critic; the VLM policies'
+actors never read it, and other policies refuse it).
+
 Pixels are rendered headless on the CPU (``MUJOCO_GL=osmesa``, Debian's libosmesa6, set here unless the process
 says otherwise; ``egl`` works too) with shadows and multisampling off: ~0.4 ms a 64x64 frame instead of ~30 ms
 with the defaults.
@@ -67,7 +71,7 @@ class ArmReach(gym.Env):
 
     def __init__(self, colors: tuple[str, ...] = ("red",), instruction: bool = False, observation: str = "pixels",
                  image_size: int = 64, frame_skip: int = 5, max_move: float = 0.03, success_radius: float = 0.04,
-                 render_mode: str | None = None):
+                 render_mode: str | None = None, privileged: bool = False):
         if observation == "pixels":
             use_osmesa()
         import mujoco
@@ -77,10 +81,14 @@ class ArmReach(gym.Env):
             raise ValueError(f"colors {list(colors)}: each must be one of {sorted(RGBA)}")
         if observation not in ("pixels", "state"):
             raise ValueError(f"observation={observation!r}: use 'pixels' or 'state'")
+        if privileged and observation != "pixels":
+            raise ValueError("privileged=True adds the true state to pixel observations; observation='state' already "
+                             "is the true state. Fix: drop privileged, or use observation='pixels'")
         if not 16 <= image_size <= 256:
             raise ValueError(f"image_size={image_size} must lie in [16, 256]")
         self.mujoco, self.colors, self.use_instruction = mujoco, tuple(colors), instruction
         self.observation, self.image_size, self.render_mode = observation, image_size, render_mode
+        self.privileged = privileged
         self.frame_skip, self.max_move, self.success_radius = frame_skip, max_move, success_radius
         self.model = mujoco.MjModel.from_xml_string(mjcf(self.colors))
         self.data = mujoco.MjData(self.model)
@@ -99,6 +107,8 @@ class ArmReach(gym.Env):
                 "image": gym.spaces.Box(0, 255, (image_size, image_size, 3), np.uint8), "proprio": proprio}
             if instruction:
                 spaces["instruction"] = text
+            if privileged:
+                spaces["privileged"] = gym.spaces.Box(-np.inf, np.inf, (3 + 2 * len(self.colors),), np.float32)
             self.observation_space = gym.spaces.Dict(spaces)
         self.goal = 0
         self.text = ""
@@ -190,6 +200,11 @@ class ArmReach(gym.Env):
         obs = {"image": self.render_frame(), "proprio": self._proprio()}
         if self.use_instruction:
             obs["instruction"] = instructions.encode(self.text)
+        if self.privileged:
+            order = [self.goal, *(i for i in range(len(self.mocap)) if i != self.goal)]
+            obs["privileged"] = np.concatenate([5 * self._ee(), *(5 * self.data.mocap_pos[self.mocap[i]][:2]
+                                                                  for i in order), [5 * self._distance()]]
+                                               ).astype(np.float32)
         return obs
 
     def render_frame(self) -> np.ndarray:
