@@ -68,6 +68,7 @@ class TrainingLoop:
         self.t0 = time.time()
         self.t_iter = time.perf_counter()
         self.best_eval = -math.inf
+        self.held_out_row: dict[str, float] | None = None
         self.ended_before = False  # resumed from the final checkpoint of a run that had ended
 
     @property
@@ -102,8 +103,28 @@ class TrainingLoop:
                     await self.save_checkpoint()
                 if self.run.stop_requested.is_set():
                     raise StopRequested()
+        await self.held_out()
         await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
         return self.summary(reached)
+
+    async def held_out(self) -> None:
+        """The final held-out evaluation (train.held_out_episodes): its own metrics row, on scenes apart from the
+        periodic evaluations'."""
+        train = self.cfg.train
+        if not train.held_out_episodes or not self.plan.rollouts:
+            return
+        ev = await rpc(self.plan.rollouts[0], "Evaluate",
+                       rollout_pb2.EvaluateRequest(episodes=train.held_out_episodes,
+                                                   stochastic=not train.eval_deterministic,
+                                                   seed=self.cfg.held_out_seed()), 3600)
+        row = {"iteration": self.run.iteration, "env_steps": self.run.env_steps, "wall_time_s": time.time() - self.t0,
+               "weight_version": ev.weight_version - self.base_version, "held_out_return_mean": ev.episodes.return_mean,
+               "held_out_episodes": len(ev.returns), "held_out_seconds": ev.seconds}
+        if ev.successes:
+            row["held_out_success_rate"] = sum(ev.successes) / len(ev.successes)
+        self.held_out_row = row
+        self.runlog.write(row)
+        self.run.metrics(row)
 
     async def finish_ended(self, n_iters: int) -> str:
         """A recovery (a lost worker, a restarted coordinator) whose newest checkpoint already holds the run's end
@@ -117,6 +138,8 @@ class TrainingLoop:
                     "weight_version": self.start, **self.eval_values(await self.evaluate())}
             self.runlog.write(last)
             self.run.metrics(last)
+        if not (self.runlog.rows and "held_out_return_mean" in self.runlog.rows[-1]):
+            await self.held_out()
         self.run.log(f"the checkpoint already holds the run's end (iteration {self.start} of {n_iters}): "
                      f"{'evaluated again and ' if again else ''}finishing the run")
         await self.save_checkpoint(self.cfg.train.checkpoint_key, periodic=False)
@@ -303,6 +326,10 @@ class TrainingLoop:
     def summary(self, stopped_early: bool) -> str:
         sampled = "" if self.cfg.train.eval_deterministic else " of sampled actions"
         best = f"best eval mean return{sampled} {self.best_eval:.1f}" if self.best_eval > -math.inf else "no eval"
+        if self.held_out_row is not None:
+            h = self.held_out_row
+            rate = f", success {h['held_out_success_rate']:.3f}" if "held_out_success_rate" in h else ""
+            best += f"; held out: mean return {h['held_out_return_mean']:.2f}{rate} over {h['held_out_episodes']} episodes"
         target = self.cfg.train.stop_at_eval_return
         if stopped_early:
             return f"reached eval return >= {target:g} at {self.run.env_steps} env steps ({best})"

@@ -313,6 +313,12 @@ class TrainConfig(_Strict):
                                      "samples its actions, as training does: argmax policies can loop where "
                                      "their samples succeed (grid worlds such as MiniGrid). Periodic and final "
                                      "evaluation, stop_at_eval_return and rlfabric eval's default follow it")
+    held_out_episodes: int = Field(
+        0, ge=0, le=100_000,
+        description="after the last iteration, one more evaluation of this many episodes on scenes no periodic "
+                    "evaluation replays (env seeds from seed + 1,000,000): held_out_success_rate and "
+                    "held_out_return_mean in a last metrics row. Periodic evaluations re-seed the same eval_envs "
+                    "scenes each time, so one scene set's luck runs through their whole curve; 0: none")
     checkpoint_key: str = "checkpoints/final.pt"
 
 
@@ -652,6 +658,8 @@ class RunConfig(_Strict):
         if not count:
             return self
         taken = {"evaluation": (self.eval_seed(), self.env.eval_envs), "training": (self.seed, self.env.num_envs)}
+        if self.train.held_out_episodes:
+            taken["held-out evaluation"] = (self.held_out_seed(), self.env.eval_envs)
         default = WarmStartConfig.model_fields["demos_seed"].default
         for what, (first, n) in taken.items():
             if warm.demos_seed < first + n and first < warm.demos_seed + count:
@@ -712,6 +720,11 @@ class RunConfig(_Strict):
     def eval_seed(self) -> int:
         """Evaluation envs are seeded apart from training envs; ``rlfabric eval`` reuses this by default."""
         return self.seed + 100_000
+
+    def held_out_seed(self) -> int:
+        """The final held-out evaluation's env seeds start here: apart from training's and the periodic
+        evaluations' (``train.held_out_episodes``)."""
+        return self.seed + 1_000_000
 
     def batch_env_steps(self) -> int:
         """Env steps one iteration collects (0 for an algorithm that collects nothing)."""

@@ -150,3 +150,7 @@ def test_the_warm_start_does_not_imitate_the_scenes_the_run_evaluates_on(tmp_pat
                                                                      "supervised": {"name": "vla_sft"}}})
     with pytest.raises(ValueError, match="overlap the evaluation"):  # the vision stage's scenes count too
         RunConfig.model_validate({"warm_start": {"vision": {"scenes": 200_000}, "demos_seed": 0}})
+    warm = {"demos": 8, "demos_seed": 1_000_004, "supervised": {"name": "vla_sft"}}  # the held-out seeds' range
+    with pytest.raises(ValueError, match="overlap the held-out evaluation env seeds 1000000..1000007"):
+        RunConfig.model_validate({"env": {"eval_envs": 8}, "train": {"held_out_episodes": 64}, "warm_start": warm})
+    RunConfig.model_validate({"env": {"eval_envs": 8}, "warm_start": warm})  # no held-out evaluation asked for
