@@ -22,9 +22,10 @@ SPEC = {"observation_space": {"kind": "dict", "spaces": {**OBS_SPACE["spaces"], 
         "action_space": chunk_space(3, 2)}
 
 
-def pi0(critic: str):
+def pi0(critic: str, name: str = "pi0"):
     torch.manual_seed(0)
-    return build_policy("pi0", SPEC, PolicyConfig(name="pi0", pi0={"patch": 8, "flow_steps": 3, "critic": critic}))
+    section = {"patch": 8, "critic": critic, **({"flow_steps": 3} if name == "pi0" else {"bins": 16})}
+    return build_policy(name, SPEC, PolicyConfig(name=name, **{name: section}))
 
 
 def with_privileged(seed: int) -> dict[str, torch.Tensor]:
@@ -46,14 +47,16 @@ def test_arm_reach_observes_its_true_state_for_the_critic():
         gym.make("rlfabric/ArmReachLang-v0", observation="state", privileged=True)
 
 
-def test_the_actor_ignores_it_and_the_critic_reads_it():
-    pol = pi0("own").eval()
+@pytest.mark.parametrize("name", ["pi0", "vla_tokens"])
+def test_the_actor_ignores_it_and_the_critic_reads_it(name):
+    pol = pi0("own", name).eval()
     a, b = with_privileged(1), with_privileged(2)
     chunk_a = pol.act(a, deterministic=True)[0]
     chunk_b = pol.act(b, deterministic=True)[0]
     assert torch.equal(chunk_a, chunk_b)  # the actor acts on the camera, the words and the proprio alone
     assert (pol.value(a) - pol.value(b)).abs().max() > 1e-4  # the critic's value moves with the true state
-    assert (pi0("prefix").value(a) - pi0("prefix").value(b)).abs().max() == 0  # a prefix critic cannot see it
+    prefix = pi0("prefix", name)
+    assert (prefix.value(a) - prefix.value(b)).abs().max() == 0  # a critic on the VLM's prefix cannot see it
 
 
 @pytest.mark.parametrize("name", ["vla", "actor_critic"])
