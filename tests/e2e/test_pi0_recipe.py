@@ -33,7 +33,7 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
          "--set", "warm_start.demos=200", "--set", "warm_start.supervised.total_updates=600",
          "--set", "warm_start.supervised.updates_per_iteration=100", "--set", "train.eval_every_iterations=1",
          "--set", "train.eval_episodes=32", "--set", "algorithm.critic_warmup=2", "--set", "algorithm.n_steps=8",
-         "--set", "train.total_env_steps=512"],
+         "--set", "train.total_env_steps=512", "--set", "train.held_out_episodes=32"],
         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stage = run_dir / "warm_start"
@@ -45,7 +45,7 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
     with np.load(stage / "demos.npz") as demos:  # what the supervised stage reads, no next_obs
         assert {"obs/image", "obs/instruction", "actions"} <= set(demos.files) and "next_obs/image" not in demos.files
     sft = rows(stage / "supervised" / "metrics.csv")
-    losses = [float(r["sft_loss"]) for r in sft]
+    losses = [float(r["sft_loss"]) for r in sft if r["sft_loss"]]
     assert losses[-1] < 0.5 * losses[0], losses
     sft_success = [float(r["eval_success_rate"]) for r in sft if r["eval_success_rate"]]
     sft_return = [float(r["eval_return_mean"]) for r in sft if r["eval_return_mean"]]
@@ -56,6 +56,9 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
     rl = rows(run_dir / "metrics.csv")
     first_eval = next(float(r["eval_success_rate"]) for r in rl if r["eval_success_rate"])
     assert first_eval == pytest.approx(sft_success[-1]), (first_eval, sft_success)
+    # both stages end on the same held-out scenes: the supervised policy's score there is the RL run's baseline
+    held_out = [float(r[-1]["held_out_success_rate"]) for r in (sft, rl)]
+    assert all(r[-1]["held_out_episodes"] == "32" for r in (sft, rl)) and held_out[0] >= 0.05, held_out
     warm = [float(r["critic_warmup"]) for r in rl if r.get("critic_warmup")]
     assert warm[:2] == [1.0, 1.0] and warm[-1] == 0.0
     mismatch = [float(r["logprob_mismatch_abs"]) for r in rl if r.get("logprob_mismatch_abs")]
@@ -84,7 +87,7 @@ def test_a_lerobot_data_set_and_expert_demos_warm_start_pi0(tmp_path):
          "--set", "warm_start.dataset=tests/data/lerobot_arm_reach",
          "--set", "warm_start.supervised.total_updates=200", "--set", "warm_start.supervised.updates_per_iteration=50",
          "--set", "train.eval_every_iterations=100", "--set", "train.eval_episodes=16",
-         "--set", "algorithm.n_steps=8", "--set", "train.total_env_steps=128"],
+         "--set", "algorithm.n_steps=8", "--set", "train.total_env_steps=128", "--set", "train.held_out_episodes=0"],
         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stage = run_dir / "warm_start"
