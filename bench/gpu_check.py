@@ -570,7 +570,11 @@ def child(name: str, device: str, result: str) -> None:
         doc = {"status": f"skipped: {exc}", "figures": {}}
     except Exception as exc:  # noqa: BLE001 — a check's failure is its row, never the end of the run
         traceback.print_exc()  # into the check's log, whose tail the row carries
-        doc = {"status": f"failed: {type(exc).__name__}: {str(exc)[:800]}", "figures": {}}
+        frames = traceback.extract_tb(exc.__traceback__)
+        ours = [f for f in frames if Path(f.filename).resolve() == Path(__file__).resolve()]
+        where = ours[-1:] + frames[-1:]  # the check's line, then where it raised
+        doc = {"status": f"failed: {type(exc).__name__}: {str(exc)[:800]}", "figures": {},
+               "where": " -> ".join(dict.fromkeys(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in where))}
     Path(result).write_text(json.dumps(doc))
 
 
@@ -604,7 +608,7 @@ def run_check(name: str, timeout_s: float, device: str) -> dict:
         if not doc["status"].startswith(("ok", "skipped")):
             doc["log_tail"] = tail
     return {"check": name, "status": doc["status"], "seconds": round(seconds, 1), "figures": doc["figures"],
-            **({"log_tail": doc["log_tail"]} if "log_tail" in doc else {})}
+            **{k: doc[k] for k in ("where", "log_tail") if k in doc}}
 
 
 def cuda_device() -> str | None:

@@ -92,7 +92,7 @@ def test_a_failing_check_is_recorded_and_the_rest_still_run(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     r = rows(doc)
     assert r["pi0"]["status"].startswith("failed: "), r["pi0"]
-    assert "Traceback" in r["pi0"]["log_tail"] and "check_pi0" in r["pi0"]["log_tail"]  # where it failed
+    assert r["pi0"]["where"].startswith("gpu_check.py:") and " -> " in r["pi0"]["where"], r["pi0"]  # where it broke
     assert r["sglang"]["status"].startswith("skipped: sglang not installed"), r["sglang"]
 
 
