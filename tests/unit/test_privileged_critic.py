@@ -32,7 +32,11 @@ def with_privileged(seed: int) -> dict[str, torch.Tensor]:
     return {**observations(TEXTS), "privileged": torch.randn(len(TEXTS), 7, generator=torch.Generator().manual_seed(seed))}
 
 
-def test_arm_reach_observes_its_true_state_for_the_critic():
+def test_arm_reach_observes_its_true_state_for_the_critic(monkeypatch):
+    from services.env.sims.arm_reach import ArmReach
+
+    # the camera is beside the point here, and this process may hold no OpenGL context (mujoco imported before)
+    monkeypatch.setattr(ArmReach, "render_frame", lambda self: np.zeros((32, 32, 3), np.uint8))
     env = gym.make("rlfabric/ArmReachLang-v0", image_size=32, privileged=True)
     obs, _ = env.reset(seed=3)
     sim = env.unwrapped
