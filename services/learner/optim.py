@@ -16,8 +16,8 @@ from torch.optim.adam import adam
 
 class Adam:
     """Fused Adam without AMSGrad or weight decay: all the on-policy learner uses. ``params`` is tensors (one group)
-    or groups as torch takes them, ``{"params": [...], **options}``; a group's ``lr`` is set on it (PPO's critic
-    steps at its own rate)."""
+    or groups as torch takes them, ``{"params": [...], **options}``; a group's ``lr`` is set on it (a critic may
+    step at its own rate)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         groups = list(params)

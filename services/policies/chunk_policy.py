@@ -16,7 +16,7 @@ from services.core.models.encoders import box_bound
 
 class ChunkPolicy(nn.Module):
     has_value = True
-    value_modules = ("value_head",)  # the critic's own weights (PPO's value_learning_rate steps them)
+    value_modules = ("value_head",)  # the critic's own weights (an algorithm may step them at their own rate)
     serves = "actor_critic"
     discrete = False
 
