@@ -174,15 +174,20 @@ def test_a_runs_evaluation_reaches_the_rollout_worker_in_the_specs_mode(tmp_path
         assert values["eval_success_rate"] >= 14 / 16 and values["eval_return_mean"] == values["eval_success_rate"]
 
 
-def test_a_runs_evaluation_samples_when_the_spec_says_and_its_metrics_say_so(stack, tmp_path):
+
+def submit_when_idle(stack, cfg, run_dir):
+    """Submit once the shared stack's workers are free of an earlier test's run."""
     deadline = time.monotonic() + 30
     while any(w.run_id for w in stack.client.workers()):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    return stack.client.submit(cfg, run_dir=run_dir)
+
+def test_a_runs_evaluation_samples_when_the_spec_says_and_its_metrics_say_so(stack, tmp_path):
     run_dir = tmp_path / "run"
     cfg = short_config(train={"total_env_steps": 640, "eval_every_iterations": 5, "eval_episodes": 2,
                               "eval_deterministic": False})
-    status = stack.client.submit(cfg, run_dir=run_dir)
+    status = submit_when_idle(stack, cfg, run_dir)
     final = [e.status for e in stack.client.watch(status.run_id) if e.HasField("status")][-1]
     assert "best eval mean return of sampled actions" in final.reason, final
     table = list(csv.DictReader((run_dir / "metrics.csv").read_text().splitlines()))
@@ -192,14 +197,10 @@ def test_a_runs_evaluation_samples_when_the_spec_says_and_its_metrics_say_so(sta
 def test_a_run_ends_with_a_held_out_evaluation_in_its_own_row(stack, tmp_path):
     """train.held_out_episodes: after the last iteration's evaluation, one more of that many episodes, from seeds no
     periodic evaluation uses, in a last metrics row of its own and in the run's final status."""
-    deadline = time.monotonic() + 30
-    while any(w.run_id for w in stack.client.workers()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
     run_dir = tmp_path / "run"
     cfg = short_config(train={"total_env_steps": 640, "eval_every_iterations": 5, "eval_episodes": 2,
                               "held_out_episodes": 6})
-    status = stack.client.submit(cfg, run_dir=run_dir)
+    status = submit_when_idle(stack, cfg, run_dir)
     final = [e.status for e in stack.client.watch(status.run_id) if e.HasField("status")][-1]
     assert "held out: mean return" in final.reason and "over 6 episodes" in final.reason, final
     table = list(csv.DictReader((run_dir / "metrics.csv").read_text().splitlines()))
