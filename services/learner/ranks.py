@@ -118,21 +118,21 @@ def shard_policy(policy: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 
 def load_starting_weights(policy: torch.nn.Module, weights: dict, warm: bool) -> None:
-    """``weights`` into ``policy``, exactly. A warm start (a supervised run's weights) may differ in the value head
-    alone: supervised training never trains it, so an RL run may pick another critic (``critic: own``), which then
-    starts fresh. Any other difference raises."""
+    """``weights`` into ``policy``, exactly. A warm start (a supervised run's weights) may differ in the critic's own
+    weights alone (the policy's ``value_modules``): supervised training never trains them, so an RL run may pick
+    another critic (``critic: own``), which then starts fresh. Any other difference raises."""
     try:
         policy.load_state_dict(weights)
         return
     except RuntimeError:
-        if not warm:
+        critic = tuple(f"{m}." for m in getattr(policy, "value_modules", ()))
+        if not warm or not critic:
             raise
     ours = policy.state_dict()
-    actor = {k: v for k, v in weights.items() if not k.startswith("value_head.")}
-    if any(k.startswith("value_head.") for k in ours) and set(actor) == {k for k in ours if not k.startswith(
-            "value_head.")}:
-        policy.load_state_dict({**actor, **{k: v for k, v in ours.items() if k.startswith("value_head.")}})
-        log.info("policy.init_checkpoint: the actor's weights loaded; the value head starts fresh (the checkpoint's "
+    actor = {k: v for k, v in weights.items() if not k.startswith(critic)}
+    if set(actor) == {k for k in ours if not k.startswith(critic)}:
+        policy.load_state_dict({**actor, **{k: v for k, v in ours.items() if k.startswith(critic)}})
+        log.info("policy.init_checkpoint: the actor's weights loaded; the critic starts fresh (the checkpoint's "
                  "has another shape)")
         return
     policy.load_state_dict(weights)  # raises, naming the keys that differ
