@@ -499,8 +499,8 @@ def check_sleep_wake(device: str) -> dict:
 
 
 def check_maniskill(device: str) -> dict:
-    """``env.adapter: maniskill`` (services/env/adapters/maniskill.py) on SAPIEN, which needs a Vulkan device: PushCube-v1
-    with its camera at 64x64, 2 sub-envs stepped as the env service steps them."""
+    """``env.adapter: maniskill`` (services/env/adapters/maniskill.py) on SAPIEN, which needs a Vulkan device:
+    PushCube-v1 with its camera at 64x64, 2 sub-envs stepped as the env service steps them."""
     if importlib.util.find_spec("mani_skill") is None:
         raise Skip("mani-skill not installed (pip install 'rlfabric[maniskill]')")
     if device != "cuda":
@@ -550,7 +550,8 @@ def check_maniskill(device: str) -> dict:
     wrong = [k for k, want in (("seeded_reset_repeats", True), ("cameras_not_blank", True),
                                ("is_success_sub_env_0", True)) if figures[k] != want]
     if wrong or figures["state_moved"] < 1e-3 or figures["terminated_after_placing"] != [True, False]:
-        raise RuntimeError(f"ManiSkill through the adapter: {wrong or 'the arm or the success flag'} is off ({figures})")
+        raise RuntimeError(f"ManiSkill through the adapter: {wrong or 'the arm or the success flag'} is off "
+                           f"({figures})")
     return figures
 
 

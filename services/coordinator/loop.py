@@ -117,9 +117,10 @@ class TrainingLoop:
                        rollout_pb2.EvaluateRequest(episodes=train.held_out_episodes,
                                                    stochastic=not train.eval_deterministic,
                                                    seed=self.cfg.held_out_seed()), 3600)
-        row = {"iteration": self.run.iteration, "env_steps": self.run.env_steps, "wall_time_s": time.time() - self.t0,
-               "weight_version": ev.weight_version - self.base_version, "held_out_return_mean": ev.episodes.return_mean,
-               "held_out_episodes": len(ev.returns), "held_out_seconds": ev.seconds}
+        row = {"iteration": self.run.iteration, "env_steps": self.run.env_steps,
+               "wall_time_s": time.time() - self.t0, "weight_version": ev.weight_version - self.base_version,
+               "held_out_return_mean": ev.episodes.return_mean, "held_out_episodes": len(ev.returns),
+               "held_out_seconds": ev.seconds}
         if ev.successes:
             row["held_out_success_rate"] = sum(ev.successes) / len(ev.successes)
         self.held_out_row = row
@@ -329,7 +330,8 @@ class TrainingLoop:
         if self.held_out_row is not None:
             h = self.held_out_row
             rate = f", success {h['held_out_success_rate']:.3f}" if "held_out_success_rate" in h else ""
-            best += f"; held out: mean return {h['held_out_return_mean']:.2f}{rate} over {h['held_out_episodes']} episodes"
+            best += (f"; held out: mean return {h['held_out_return_mean']:.2f}{rate} over "
+                     f"{h['held_out_episodes']} episodes")
         target = self.cfg.train.stop_at_eval_return
         if stopped_early:
             return f"reached eval return >= {target:g} at {self.run.env_steps} env steps ({best})"

@@ -2,8 +2,9 @@
 proprioceptive state vector. Shared by the VLM-backed policies (pi0, vla_tokens), so they read observations alike.
 
 Every uint8 image entry is a camera (sorted by name); ``instruction`` (int64 ids, 0 pads) is the instruction; every
-other entry, flattened, is state, except ``privileged`` ones (a simulator's true state: the critic's alone). Images become SigLIP's input, [-1, 1] at the model's size; each camera takes
-``image_tokens`` placeholder ids (the model's ``image_token_id``) ahead of the instruction's ids.
+other entry, flattened, is state, except ``privileged`` ones (a simulator's true state: the critic's alone).
+Images become SigLIP's input, [-1, 1] at the model's size; each camera takes ``image_tokens`` placeholder ids (the
+model's ``image_token_id``) ahead of the instruction's ids.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class VLMInputs:
                              f"gives none. Fix: an env with pixel observations (e.g. env.kwargs: {{observation: "
                              f"pixels}})")
         self.text_key = "instruction" if "instruction" in spaces else None
-        self.state_keys = sorted(k for k in spaces if k not in (*self.image_keys, self.text_key) and not is_privileged(k))
+        self.state_keys = sorted(k for k in spaces
+                                 if k not in (*self.image_keys, self.text_key) and not is_privileged(k))
         self.state_dim = sum(int(np.prod(spaces[k]["shape"])) if spaces[k]["shape"] else 1 for k in self.state_keys)
         shape = list(spaces[self.image_keys[0]]["shape"])
         self.channels_last = shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)

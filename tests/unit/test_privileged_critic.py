@@ -29,7 +29,8 @@ def pi0(critic: str, name: str = "pi0"):
 
 
 def with_privileged(seed: int) -> dict[str, torch.Tensor]:
-    return {**observations(TEXTS), "privileged": torch.randn(len(TEXTS), 7, generator=torch.Generator().manual_seed(seed))}
+    g = torch.Generator().manual_seed(seed)
+    return {**observations(TEXTS), "privileged": torch.randn(len(TEXTS), 7, generator=g)}
 
 
 def test_arm_reach_observes_its_true_state_for_the_critic(monkeypatch):
