@@ -42,6 +42,37 @@ def test_the_scripted_expert_solves_arm_reach_lang_and_is_recorded_as_chunks(dem
     assert int(batch["episode"].max()) == 23
 
 
+def test_a_cautious_expert_moves_at_its_fraction_of_the_arms_speed_and_times_out_more():
+    """``expert_speed``: demonstrations from an operator slower than the arm can move. Each move is that fraction
+    of the full-speed expert's, in the same direction, so fewer episodes finish inside the time limit."""
+    import gymnasium as gym
+
+    import services.env.sims  # noqa: F401  (registers the ids)
+
+    rates = {}
+    for speed in (1.0, 0.33):
+        env = gym.make("rlfabric/ArmReachLang-v0", observation="state", expert_speed=speed)
+        env.reset(seed=3)
+        if speed < 1.0:
+            fast = env.unwrapped.expert_action(4) / speed  # the full-speed expert's moves in the same state
+            slow = env.unwrapped.expert_action(4)
+            assert np.abs(fast).max() == pytest.approx(1.0) and np.abs(slow).max() == pytest.approx(0.33)
+        wins = 0
+        for seed in range(40):
+            env.reset(seed=100 + seed)
+            done = False
+            while not done:
+                for move in env.unwrapped.expert_action(4):
+                    _, _, terminated, truncated, info = env.step(move)
+                    if done := terminated or truncated:
+                        break
+            wins += info["is_success"]
+        rates[speed] = wins / 40
+    assert rates[1.0] >= 0.9 and rates[0.33] <= rates[1.0] - 0.2, rates  # ~0.96 against ~0.63
+    with pytest.raises(ValueError, match="expert_speed"):
+        gym.make("rlfabric/ArmReachLang-v0", observation="state", expert_speed=1.5)
+
+
 def test_collecting_with_the_expert_from_a_spec_needs_an_env_that_has_one(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text("env: {id: CartPole-v1, eval_envs: 2}\nalgorithm: {name: ppo}\n")

@@ -9,6 +9,10 @@ Reward: progress toward the goal ball, normalised by the starting distance (so i
 episode), plus 1 on success (the end effector within ``success_radius``), which ends the episode. An episode's
 return is above 1 exactly when it succeeds: the success rate is the fraction of returns > 1.
 
+``expert_speed`` (default 1) is the scripted expert's fraction of the arm's top speed: demonstrations from a
+cautious operator, who moves the same way but slower and so runs out of time in more episodes. RL from their
+imitation has something the demonstrator left to learn (docs/benchmarks.md); the RL task itself is unchanged.
+
 ``privileged=True`` adds ``privileged`` to a pixel observation: the end effector's, the goal ball's and the other
 balls' positions and the distance to the goal, for a critic alone (an asymmetric actor-critic; the VLM policies'
 actors never read it, and other policies refuse it).
@@ -71,7 +75,7 @@ class ArmReach(gym.Env):
 
     def __init__(self, colors: tuple[str, ...] = ("red",), instruction: bool = False, observation: str = "pixels",
                  image_size: int = 64, frame_skip: int = 5, max_move: float = 0.03, success_radius: float = 0.04,
-                 render_mode: str | None = None, privileged: bool = False):
+                 render_mode: str | None = None, privileged: bool = False, expert_speed: float = 1.0):
         if observation == "pixels":
             use_osmesa()
         import mujoco
@@ -89,6 +93,10 @@ class ArmReach(gym.Env):
         self.mujoco, self.colors, self.use_instruction = mujoco, tuple(colors), instruction
         self.observation, self.image_size, self.render_mode = observation, image_size, render_mode
         self.privileged = privileged
+        if not 0.0 < expert_speed <= 1.0:
+            raise ValueError(f"expert_speed={expert_speed} must lie in (0, 1]: it is the scripted expert's fraction "
+                             f"of the arm's top speed. Fix: env.kwargs.expert_speed between 0 and 1")
+        self.expert_speed = expert_speed
         self.frame_skip, self.max_move, self.success_radius = frame_skip, max_move, success_radius
         self.model = mujoco.MjModel.from_xml_string(mjcf(self.colors))
         self.data = mujoco.MjData(self.model)
@@ -162,10 +170,11 @@ class ArmReach(gym.Env):
     def expert_action(self, horizon: int = 1) -> np.ndarray:
         """The scripted expert's next ``horizon`` moves [horizon, 2], from privileged state (where the goal ball
         is): straight at the goal, at full speed while it is more than a chunk away, then the rest spread over the
-        chunk. Demonstrations to imitate (``rlfabric collect --expert``); a policy never sees this."""
+        chunk; all of it scaled by ``expert_speed``. Demonstrations to imitate (``rlfabric collect --expert``); a
+        policy never sees this."""
         delta = self.data.mocap_pos[self.mocap[self.goal]][:2] - self._ee()
         move = delta / (self.max_move * max(horizon, 1))
-        move = move / max(1.0, float(np.abs(move).max()))
+        move = self.expert_speed * move / max(1.0, float(np.abs(move).max()))
         return np.repeat(move[None].astype(np.float32), max(horizon, 1), 0)
 
     def scene_state(self) -> np.ndarray:
