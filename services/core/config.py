@@ -263,6 +263,10 @@ class VLATokensConfig(VLMPolicyConfig):
                                               "queries (OFT-style) instead of token by token")
     logprob_level: Literal["chunk", "action", "token"] = Field(
         "token", description="what one log-prob covers in the update: the whole chunk, one action, or one token")
+    temperature: float = Field(1.0, gt=0, le=10, allow_inf_nan=False, description=(
+        "RL's sampling temperature: the rollouts sample, and the learner scores, softmax(logits / temperature) over "
+        "the bins. Above 1 it explores bins a supervised start has made unlikely; deterministic acting (the argmax) "
+        "and imitation (the bins' cross-entropy) are unaffected"))
 
 
 class PolicyConfig(_Strict):

@@ -10,7 +10,9 @@ bins.
 
 Log-probs are the bins' log-softmax at each action position (the VLM's own LM head, restricted to the bin ids), per
 token, action or chunk. The learner re-scores a chunk teacher-forced in one pass. A value head reads the masked
-mean of the prefix's last hidden states. Imitation is the bins' cross-entropy (OpenVLA's training).
+mean of the prefix's last hidden states. Imitation is the bins' cross-entropy (OpenVLA's training). RL may sample at
+a ``temperature`` above 1 to explore; the learner scores at the same one, so the policy it improves is the one
+that acted.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         v = cfg.vla_tokens
         self.init_chunks(action_space, "vla_tokens", v.logprob_level)
         self.n = self.H * self.A
-        self.bins, self.parallel = v.bins, v.parallel
+        self.bins, self.parallel, self.temperature = v.bins, v.parallel, v.temperature
         self.read = VLMInputs(obs_space, "vla_tokens")
         # tiny: the env's instruction ids, then the bins (the vocabulary's last ids)
         self.model, self.family = build_vlm(v, self.read, self.read.text_vocab + v.bins, "policy.vla_tokens")
@@ -60,14 +62,15 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         self.value_head = VLMCritic(obs_space, cfg.cnn, v, width)
 
     # -- the VLM (the prefix and its runs: VLMBody) ---------------------------------------------------------
-    def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """log-softmax over the bins (the LM head's rows of the bin ids) at each hidden state [..., W]."""
+    def _bin_logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log-softmax over the bins (the LM head's rows of the bin ids) at each hidden state [..., W], the logits
+        divided by ``temperature``."""
         weight = self.vlm.lm_head.weight[self.bin_ids]
-        return torch.log_softmax(hidden @ weight.T, -1)
+        return torch.log_softmax(hidden @ weight.T / temperature, -1)
 
-    def _score(self, obs: Any, bins: torch.Tensor | None):
-        """Bin log-probs [B, n, bins] of every action position and the value, teacher-forced on ``bins`` [B, n]
-        (autoregressive) or from the action queries (parallel, ``bins`` unused): one forward pass."""
+    def _score(self, obs: Any, bins: torch.Tensor | None, temperature: float = 1.0):
+        """Bin log-probs [B, n, bins] of every action position at ``temperature`` and the value, teacher-forced on
+        ``bins`` [B, n] (autoregressive) or from the action queries (parallel, ``bins`` unused): one forward pass."""
         emb, mask = self._prefix(obs)
         B, P = mask.shape
         if self.parallel:
@@ -81,15 +84,15 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
             out = self._run(emb, mask, P)
             hidden = out.last_hidden_state[:, P - 1:]
         value = self.value_head(obs, self._pooled(out.last_hidden_state, mask, P))
-        return self._bin_logits(hidden), value
+        return self._bin_logits(hidden, temperature), value
 
     # -- actor-critic interface ----------------------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: Any, deterministic: bool = False, generator: torch.Generator | None = None):
-        """Bin ids [B, H, A], their log-probs and the value: parallel in one pass, or token by token with the
-        prefix's KV cache."""
+        """Bin ids [B, H, A], their log-probs (at ``temperature``) and the value: parallel in one pass, or token by
+        token with the prefix's KV cache."""
         if self.parallel:
-            log_probs, value = self._score(obs, None)
+            log_probs, value = self._score(obs, None, self.temperature)
             idx = log_probs.argmax(-1) if deterministic else torch.multinomial(
                 log_probs.exp().reshape(-1, self.bins), 1, generator=generator).reshape(log_probs.shape[:2])
             logp = log_probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
@@ -102,7 +105,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         position = self._positions(mask)[:, -1]
         chosen, logps = [], []
         for i in range(self.n):
-            log_probs = self._bin_logits(hidden)
+            log_probs = self._bin_logits(hidden, self.temperature)
             idx = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1,
                                                                                generator=generator).squeeze(-1)
             chosen.append(idx)
@@ -119,7 +122,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         """Log-probs, entropies (at the configured level) and values of recorded bin ids [B, H, A]."""
         B = actions.shape[0]
         bins = actions.reshape(B, self.n).long()
-        log_probs, value = self._score(obs, bins)
+        log_probs, value = self._score(obs, bins, self.temperature)
         logp = log_probs.gather(-1, bins.unsqueeze(-1)).squeeze(-1).reshape(B, self.H, self.A)
         entropy = -(log_probs.exp() * log_probs).sum(-1).reshape(B, self.H, self.A)
         return self.reduce(logp), self.reduce(entropy), value

@@ -41,6 +41,23 @@ def test_the_learner_rescores_the_decoded_tokens_to_1e_5(parallel, level, family
     assert torch.allclose(pol.value(obs), value, atol=1e-5)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_sampling_temperature_is_scored_as_sampled_and_leaves_the_argmax_and_imitation_alone(parallel):
+    """temperature: the rollouts sample softmax(logits / T) and the learner scores the same distribution, so the
+    ratio starts at 1; a hotter policy is flatter (more entropy), while its argmax and the bins' cross-entropy
+    (what SFT trains) are the T = 1 model's."""
+    cold, hot = policy(parallel=parallel), policy(parallel=parallel, temperature=2.0)
+    obs = observations(TEXTS)
+    bins, logp, _ = hot.act(obs, generator=torch.Generator().manual_seed(1))
+    new_logp, hot_entropy, _ = hot.evaluate(obs, bins)
+    assert (new_logp - logp).abs().max() < 1e-5
+    cold_logp, cold_entropy, _ = cold.evaluate(obs, bins)
+    assert not torch.allclose(cold_logp, logp, atol=1e-3) and bool((hot_entropy > cold_entropy).all())
+    assert torch.equal(hot.act(obs, deterministic=True)[0], cold.act(obs, deterministic=True)[0])
+    demo = torch.rand(len(TEXTS), 2, 2) * 4.0 - 2.0  # env actions within the bounds [-2, 2]
+    assert torch.equal(hot.imitation_loss(obs, demo), cold.imitation_loss(obs, demo))
+
+
 def test_the_bins_are_the_vocabularys_last_ids_and_map_onto_the_bounds():
     pol = policy()
     vocab = pol.model.config.text_config.vocab_size
