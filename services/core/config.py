@@ -267,6 +267,12 @@ class VLATokensConfig(VLMPolicyConfig):
         "RL's sampling temperature: the rollouts sample, and the learner scores, softmax(logits / temperature) over "
         "the bins. Above 1 it explores bins a supervised start has made unlikely; deterministic acting (the argmax) "
         "and imitation (the bins' cross-entropy) are unaffected"))
+    imitation_sigma: float = Field(0.0, ge=0, le=64, allow_inf_nan=False, description=(
+        "imitation's target over the bins: 0 puts all of it on the demonstrated action's nearest bin "
+        "(OpenVLA); above 0 it is a Gaussian, this many bins wide, centred on the demonstrated action, so "
+        "the imitating policy keeps the neighbouring bins probable in proportion to their distance and RL's "
+        "samples explore nearby actions (a little faster, a little to the side) instead of the one bin a "
+        "one-hot target leaves. The argmax stays the nearest bin"))
 
 
 class PolicyConfig(_Strict):

@@ -10,9 +10,10 @@ bins.
 
 Log-probs are the bins' log-softmax at each action position (the VLM's own LM head, restricted to the bin ids), per
 token, action or chunk. The learner re-scores a chunk teacher-forced in one pass. A value head reads the masked
-mean of the prefix's last hidden states. Imitation is the bins' cross-entropy (OpenVLA's training). RL may sample at
-a ``temperature`` above 1 to explore; the learner scores at the same one, so the policy it improves is the one
-that acted.
+mean of the prefix's last hidden states. Imitation is the bins' cross-entropy (OpenVLA's training), against
+the nearest bin or against a Gaussian over the bins around the demonstrated action (``imitation_sigma``),
+which leaves RL nearby actions to explore. RL may sample at a ``temperature`` above 1 to explore; the learner
+scores at the same one, so the policy it improves is the one that acted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         self.init_chunks(action_space, "vla_tokens", v.logprob_level)
         self.n = self.H * self.A
         self.bins, self.parallel, self.temperature = v.bins, v.parallel, v.temperature
+        self.imitation_sigma = v.imitation_sigma
         self.read = VLMInputs(obs_space, "vla_tokens")
         # tiny: the env's instruction ids, then the bins (the vocabulary's last ids)
         self.model, self.family = build_vlm(v, self.read, self.read.text_vocab + v.bins, "policy.vla_tokens")
@@ -137,11 +139,19 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
         return self.value_head(obs, self._pooled(out.last_hidden_state, mask, mask.shape[1]))
 
     def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
-        """The bins' cross-entropy of demonstrated env actions [B, H, A] (their nearest bins), teacher-forced."""
+        """The bins' cross-entropy of demonstrated env actions [B, H, A], teacher-forced on their nearest
+        bins: against those bins (one-hot), or against a Gaussian over the bins centred on each action,
+        ``imitation_sigma`` bins wide."""
         B = actions.shape[0]
-        bins = torch.round((self.to_unit(actions) + 1.0) * 0.5 * (self.bins - 1)).long().reshape(B, self.n)
+        unit = self.to_unit(actions).reshape(B, self.n)
+        bins = torch.round((unit + 1.0) * 0.5 * (self.bins - 1)).long()
         log_probs, _ = self._score(obs, bins)
-        return F.nll_loss(log_probs.reshape(B * self.n, self.bins), bins.reshape(-1))
+        if not self.imitation_sigma:
+            return F.nll_loss(log_probs.reshape(B * self.n, self.bins), bins.reshape(-1))
+        spacing = 2.0 / (self.bins - 1)
+        distance = (self.centers - unit.unsqueeze(-1)) / (spacing * self.imitation_sigma)  # [B, n, bins]
+        target = torch.softmax(-0.5 * distance.square(), -1)
+        return -(target * log_probs).sum(-1).mean()
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """Bin centres mapped from [-1, 1] onto the bounds."""

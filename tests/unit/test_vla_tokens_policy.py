@@ -58,6 +58,27 @@ def test_a_sampling_temperature_is_scored_as_sampled_and_leaves_the_argmax_and_i
     assert torch.equal(hot.imitation_loss(obs, demo), cold.imitation_loss(obs, demo))
 
 
+def test_a_gaussian_imitation_target_keeps_the_neighbouring_bins_probable_and_the_argmax_nearest():
+    """imitation_sigma: imitating one action against a Gaussian over the bins leaves the same argmax (the
+    nearest bin) as the one-hot target, but the neighbouring bins keep mass that falls with their distance,
+    where the one-hot policy has put nearly all of it on one bin: what RL's samples explore from."""
+    obs = observations(TEXTS)
+    probs = {}
+    for sigma in (0.0, 1.0):
+        pol = policy(parallel=True, imitation_sigma=sigma)
+        imitate(pol, 150, (2, 2), value=0.5, lr=3e-3)  # 0.5 of [-2, 2]: 0.25 in [-1, 1], bin 9.375 -> 9
+        with torch.no_grad():
+            log_probs, _ = pol._score(obs, None)
+        probs[sigma] = log_probs.exp().mean((0, 1))  # [bins], over the batch and the chunk's positions
+        assert pol.act(obs, deterministic=True)[0].eq(9).all(), sigma
+    one_hot, gauss = probs[0.0], probs[1.0]
+    assert one_hot[9] > 0.9, one_hot
+    assert 0.25 < gauss[9] < 0.7 and gauss[10] > gauss[8] > gauss[7] > gauss[6], gauss
+    assert gauss[8:11].sum() > 0.75 and gauss[10] > 5 * one_hot[10], (gauss, one_hot)
+    with pytest.raises(ValueError, match="imitation_sigma"):
+        PolicyConfig(name="vla_tokens", vla_tokens={"imitation_sigma": -1})
+
+
 def test_the_bins_are_the_vocabularys_last_ids_and_map_onto_the_bounds():
     pol = policy()
     vocab = pol.model.config.text_config.vocab_size
