@@ -176,6 +176,9 @@ class TinyVLMSizes(_Strict):
         "prefix", description="what the value head reads: the mean of the VLM prefix's hidden states, or an encoder "
                               "of its own (policy.cnn per camera, the state, the instruction's ids; "
                               "services/policies/obs_critic.py), which localises what pooling loses")
+    value_detach: bool = Field(False, description="the prefix critic reads the VLM's features without sending its "
+                                                   "gradient back into the VLM: a critic learning from scratch on a "
+                                                   "fine-tuned policy cannot disturb what the policy sees")
 
 
 class PI0PolicyConfig(TinyVLMSizes):
@@ -208,10 +211,6 @@ class PI0PolicyConfig(TinyVLMSizes):
     lora_on: Literal["vlm", "expert", "both"] = Field("both", description="where the adapters go: the VLM's language "
                                                      "model, the action expert, or both (the action and state "
                                                      "projections always train in full)")
-    value_detach: bool = Field(False, description="the value head reads the VLM's features without sending its "
-                                                   "gradient back into the VLM: a critic learning from scratch on a "
-                                                   "fine-tuned policy cannot disturb what the policy sees")
-
     @model_validator(mode="after")
     def _one_start(self) -> PI0PolicyConfig:
         if self.path and self.vlm_path:

@@ -2,9 +2,10 @@
 
 The default critic (``critic: prefix``) is a value head on the mean of the VLM prefix's hidden states: pooling over
 image patches and words keeps what is in the scene but not where, and its loss flows into the VLM the actor shares
-(unless ``value_detach``). This critic reads the raw observation the way the CNN actor-critic does: a conv stack per
-camera (``policy.cnn``), the state vector, and the instruction as the mean of learned embeddings of its ids, then an
-MLP. It shares no weight with the actor, so its loss cannot disturb the supervised features the actor starts from.
+(unless ``value_detach``, which VLMCritic applies). This critic reads the raw observation the way the CNN
+actor-critic does: a conv stack per camera (``policy.cnn``), the state vector, and the instruction as the mean of
+learned embeddings of its ids, then an MLP. It shares no weight with the actor, so its loss cannot disturb the
+supervised features the actor starts from.
 On ArmReachLang its explained variance stayed as low as the prefix critic's (docs/benchmarks.md). It alone reads
 an env's ``privileged`` entries (a simulator's true state: asymmetric actor-critic), as part of its state vector.
 """
@@ -55,8 +56,11 @@ class VLMCritic(nn.Module):
     def __init__(self, obs_space: dict[str, Any], cnn: Any, p: Any, width: int):
         super().__init__()
         self.reads_prefix = p.critic == "prefix"
+        self.detach = p.value_detach
         self.net = nn.Sequential(nn.Linear(width, p.value_hidden), nn.Tanh(), nn.Linear(p.value_hidden, 1)) \
             if self.reads_prefix else ObsCritic(obs_space, cnn, p.value_hidden)
 
     def forward(self, obs: Any, pooled: torch.Tensor | None = None) -> torch.Tensor:
-        return self.net(pooled).squeeze(-1) if self.reads_prefix else self.net(obs)
+        if not self.reads_prefix:
+            return self.net(obs)
+        return self.net(pooled.detach() if self.detach else pooled).squeeze(-1)

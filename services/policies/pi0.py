@@ -110,7 +110,6 @@ class PI0Policy(ChunkPolicy):
         if p.freeze_vision:  # adapters on it included
             freeze(FAMILIES["paligemma"].image_encoder(self.pi0.model.vlm))
         self.value_head = VLMCritic(obs_space, cfg.cnn, p, c.vlm_config.text_config.hidden_size)
-        self.value_detach = p.value_detach
 
     @property
     def pi0(self):
@@ -133,7 +132,7 @@ class PI0Policy(ChunkPolicy):
                       token_type_ids=torch.zeros_like(mask), use_cache=True, return_dict=True)
         weights = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
         pooled = (out.last_hidden_state * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-        return cache_of(out), pooled.detach() if self.value_detach else pooled
+        return cache_of(out), pooled
 
     def velocity(self, x: torch.Tensor, tau: torch.Tensor, state: torch.Tensor, cache: Any,
                  mask: torch.Tensor) -> torch.Tensor:

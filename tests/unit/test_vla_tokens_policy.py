@@ -79,6 +79,19 @@ def test_a_gaussian_imitation_target_keeps_the_neighbouring_bins_probable_and_th
         PolicyConfig(name="vla_tokens", vla_tokens={"imitation_sigma": -1})
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_detached_value_head_learns_without_moving_the_vlm(parallel):
+    """value_detach: the value loss trains the head alone, and the VLM the actor reads is left as it is."""
+    obs = observations(TEXTS)
+    for detach in (False, True):
+        pol = policy(parallel=parallel, value_detach=detach)
+        pol.value(obs).square().sum().backward()
+        vlm = [p.grad for p in pol.model.parameters() if p.requires_grad]
+        moved = any(g is not None and bool(g.abs().sum() > 0) for g in vlm)
+        assert moved != detach, detach
+        assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in pol.value_head.parameters())
+
+
 def test_the_bins_are_the_vocabularys_last_ids_and_map_onto_the_bounds():
     pol = policy()
     vocab = pol.model.config.text_config.vocab_size
