@@ -211,6 +211,7 @@ class PI0PolicyConfig(TinyVLMSizes):
     lora_on: Literal["vlm", "expert", "both"] = Field("both", description="where the adapters go: the VLM's language "
                                                      "model, the action expert, or both (the action and state "
                                                      "projections always train in full)")
+
     @model_validator(mode="after")
     def _one_start(self) -> PI0PolicyConfig:
         if self.path and self.vlm_path:
