@@ -241,7 +241,7 @@ def _vision_stage(config, stage: Path, quiet: bool) -> Path | int:
         return _fail(f"warm_start.vision: {exc}", 2)
     finally:
         envs.close()
-    model = grounding.encoder(section, getattr(section, "image_size", 0) or images.shape[2])
+    model = grounding.encoder(section, getattr(section, "image_size", 0) or images.shape[2], config.seed)
     with Progress(TextColumn("warm start: image encoder {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, disable=quiet) as progress:
         task = progress.add_task("", total=vision.updates)

@@ -51,7 +51,7 @@ def test_the_encoder_learns_where_the_square_is_and_pi0_starts_from_it(tmp_path)
     again, _ = grounding.scenes(envs(), 3, seed=0)
     assert np.array_equal(again, images[:3])  # scenes are the seeded resets
     sizes = PolicyConfig(name="pi0", pi0={"patch": 8, "vision_width": 32}).pi0
-    model = grounding.encoder(sizes, 32)
+    model = grounding.encoder(sizes, 32, seed=0)
     log = grounding.pretrain(model, images, states, updates=300, batch_size=32, learning_rate=1e-3, seed=0)
     start, end = log[0]["heldout_rmse"], log[-1]["heldout_rmse"]
     # a random encoder read linearly knows nothing (the targets' spread, ~0.45); trained, a few pixels
@@ -76,6 +76,23 @@ def test_the_encoder_learns_where_the_square_is_and_pi0_starts_from_it(tmp_path)
         PolicyConfig(name="vla_tokens", vla_tokens={"family": "qwen2_5_vl", "vlm_path": str(tmp_path)})
 
 
+def test_the_vision_stage_repeats_from_its_seed():
+    """The stage's encoder is drawn from the run's seed, so a second run of one spec starts its imitation (and RL)
+    from the same encoder, and the seed is what changes it: the gates of the e2e recipes rest on this."""
+    images, states = grounding.scenes(envs(), 40, seed=0)
+    sizes = PolicyConfig(name="pi0", pi0={"patch": 8, "vision_width": 32}).pi0
+    torch.manual_seed(123)  # whatever the process drew before does not matter
+    first = grounding.encoder(sizes, 32, seed=0)
+    first_log = grounding.pretrain(first, images, states, updates=10, batch_size=8, learning_rate=1e-3, seed=0)
+    torch.manual_seed(456)
+    second = grounding.encoder(sizes, 32, seed=0)
+    second_log = grounding.pretrain(second, images, states, updates=10, batch_size=8, learning_rate=1e-3, seed=0)
+    assert first_log[1:] == second_log[1:] and first_log[0]["heldout_rmse"] == second_log[0]["heldout_rmse"]
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in first.state_dict().items())
+    other = grounding.encoder(sizes, 32, seed=1).state_dict()
+    assert not all(torch.equal(v, other[k]) for k, v in grounding.encoder(sizes, 32, seed=0).state_dict().items())
+
+
 def test_the_stage_refuses_an_env_that_cannot_feed_it():
     with pytest.raises(ValueError, match="no scene_state.*Fix"):
         grounding.scenes(envs(reports=False), 2, seed=0)
@@ -84,8 +101,8 @@ def test_the_stage_refuses_an_env_that_cannot_feed_it():
         grounding.scenes(blind, 2, seed=0)
     images, states = grounding.scenes(envs(), 2, seed=0)
     with pytest.raises(ValueError, match="scenes=2 leaves no held-out scene"):
-        grounding.pretrain(grounding.encoder(PolicyConfig(name="pi0", pi0={"patch": 8}).pi0, 32), images, states,
-                           updates=1, batch_size=2, learning_rate=1e-3, seed=0)
+        grounding.pretrain(grounding.encoder(PolicyConfig(name="pi0", pi0={"patch": 8}).pi0, 32, seed=0), images,
+                           states, updates=1, batch_size=2, learning_rate=1e-3, seed=0)
 
 
 def test_a_vision_stage_alone_enables_the_warm_start():
