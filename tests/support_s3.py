@@ -60,8 +60,12 @@ def _free_port() -> int:
 
 
 def _moto_command() -> list[str] | None:
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    return [exe] if os.access(exe, os.X_OK) else None
+    """The moto_server beside this interpreter first: one found on $PATH first may be another Python's older moto
+    (5.2.1 signs a query holding '/' wrongly, refusing every listing with SignatureDoesNotMatch)."""
+    for exe in (str(Path(sys.executable).parent / "moto_server"), shutil.which("moto_server")):
+        if exe and os.access(exe, os.X_OK):
+            return [exe]
+    return None
 
 
 def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 20.0) -> bool:
