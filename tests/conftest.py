@@ -132,3 +132,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if counts:
         terminalreporter.write_line("fuzz inputs tried (0 crashes, 0 hangs, 0 unhealthy unless a test failed): " +
                                     ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The longest tests first (those whose own timeout exceeds the suite's): the tiers run two files at a time, and
+    a run of many minutes started last would leave the other worker idle while it ends the tier alone."""
+    default = float(config.getini("timeout") or 0)
+
+    def own_timeout(item) -> float:
+        mark = item.get_closest_marker("timeout")
+        return float(mark.args[0]) if mark and mark.args else default
+
+    items.sort(key=lambda item: -own_timeout(item) if own_timeout(item) > default else 0.0)

@@ -41,11 +41,10 @@ def warm_start(tmp_path_factory):
     return checkpoint, _accuracy(checkpoint)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("algorithm, sets, gain", [
-    ("grpo", [], 0.10),
-    ("dapo", ["algorithm.learning_rate=0.0001", "algorithm.train_groups=8"], 0.08),
-    ("reinforce_pp", ["algorithm.learning_rate=0.0001"], 0.08),
+    pytest.param("grpo", [], 0.10, marks=pytest.mark.smoke),
+    pytest.param("dapo", ["algorithm.learning_rate=0.0001", "algorithm.train_groups=8"], 0.08, marks=pytest.mark.slow),
+    pytest.param("reinforce_pp", ["algorithm.learning_rate=0.0001"], 0.08, marks=pytest.mark.slow),
 ])
 def test_rl_from_an_sft_checkpoint_raises_held_out_accuracy(warm_start, tmp_path, algorithm, sets, gain):
     checkpoint, before = warm_start

@@ -39,7 +39,7 @@ def _assert_solved(proc, rows, tmp_path):
     assert float(played.stdout.strip().splitlines()[-1]) == pytest.approx(evals[-1][1], abs=1e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_cartpole_ppo_collocated_solves_on_seed_0(tmp_path):
     proc, rows = _train(tmp_path)
     _assert_solved(proc, rows, tmp_path)
@@ -65,6 +65,7 @@ def test_cartpole_ppo_hybrid_two_rollout_workers_solves_on_seed_0(tmp_path):
     assert {r["rollout_workers"] for r in rows} == {"2"}
 
 
+@pytest.mark.slow
 def test_one_logical_workflow_same_learning_under_turns_and_streams(tmp_path):
     """On-policy (staleness 0), the collocated plan (stages take turns) and the hybrid plan (learner on its own
     pool, consuming a stream) run the same workflow: the same batches, hence bit-identical updates."""

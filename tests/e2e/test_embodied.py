@@ -18,8 +18,8 @@ import pytest
 CONFIG = "examples/arm_reach_vla.yaml"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("head", ["tokens", "flow"])
+@pytest.mark.parametrize("head", [pytest.param("tokens", marks=pytest.mark.smoke),
+                                  pytest.param("flow", marks=pytest.mark.slow)])
 def test_the_vla_policy_learns_to_reach_with_action_chunks_through_every_service(tmp_path, head):
     run_dir = tmp_path / head
     proc = subprocess.run(

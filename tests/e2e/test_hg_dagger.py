@@ -22,6 +22,8 @@ from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
 from services.robot_gateway.teleop import run_expert  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
+pytestmark = pytest.mark.serial  # a teleoperated arm at 100 Hz: never beside another test
+
 TOKEN = "hg-dagger-e2e-test-token"
 GOAL, START = np.array([0.35, 0.15, 0.25]), np.array([0.0, -0.3, 0.6])
 

@@ -44,7 +44,7 @@ def test_the_env_service_sends_uint8_images(stack):
     client.close()
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_ppo_learns_from_pixels_through_every_service(tmp_path, redis_server):  # noqa: F811
     run_dir = tmp_path / "pixels"
     proc = subprocess.run([sys.executable, "-m", "services.cli", "train", CONFIG, "--run-dir", str(run_dir), "--quiet",

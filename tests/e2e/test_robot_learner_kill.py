@@ -24,6 +24,8 @@ from services.core.runtime import GRPC_OPTIONS  # noqa: E402
 from services.robot_gateway.teleop import TeleopSession  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
+pytestmark = pytest.mark.serial  # a watchdog window of 0.1 s: never beside another test
+
 HZ, WATCHDOG = 100, 0.1
 
 

@@ -39,6 +39,8 @@ from tests.conftest import grpc_channel, short_config
 from tests.hostile import data_ports
 from tests.robot_support import gateway_process
 
+pytestmark = pytest.mark.serial  # every service must answer within its deadline while fuzzed: never beside another test
+
 FUZZ_COUNTS: Counter = Counter()  # "service: grpc" / "service: data" -> inputs tried (printed by conftest)
 CALL_TIMEOUT_S = 1.0
 EXAMPLES = 80  # per service and plane
@@ -222,7 +224,6 @@ def fuzz_data(name: str, endpoint: str) -> None:
         sock.close()
 
 
-@pytest.mark.slow
 def test_every_port_takes_fuzzed_input_and_a_run_succeeds_afterwards(private_stack, tmp_path):
     stack, client = private_stack, private_stack.client
     first = client.wait(client.submit(short_config(), run_dir=tmp_path / "before").run_id)  # services configured

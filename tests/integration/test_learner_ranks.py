@@ -123,7 +123,6 @@ def test_the_rank_group_gathers_optimizer_state_and_fails_loudly_when_a_rank_die
         two_ranks.weights(policy)
 
 
-@pytest.mark.slow
 def test_the_learner_service_trains_with_two_ranks(tmp_path):
     """``runtime.learner_ranks: 2`` through every service: the learner starts its second rank, trains, publishes
     every version and checkpoints the unsharded state."""

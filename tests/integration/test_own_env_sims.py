@@ -71,7 +71,6 @@ def _case(adapter: str) -> dict:
     return case
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("adapter", sorted(CASES))
 def test_reset_step_cameras_instruction_and_success_through_the_pool(adapter):
     case = _case(adapter)
@@ -108,7 +107,6 @@ def test_reset_step_cameras_instruction_and_success_through_the_pool(adapter):
         pool.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("adapter", sorted(CASES))
 def test_a_run_with_every_service_in_its_own_process(tmp_path, adapter):
     """The env service steps the sim, the rollout worker acts on both cameras and the instruction, the final
@@ -131,7 +129,6 @@ def test_a_run_with_every_service_in_its_own_process(tmp_path, adapter):
     assert rows[-1]["eval_success_rate"] in ("0.0", "0.5", "1.0")
 
 
-@pytest.mark.slow
 def test_franka_sim_places_the_cube_from_the_reset_seed_not_numpys_global_generator():
     _case("franka_sim")
     env = EnvConfig(adapter="franka_sim", id="PandaPickCube", options={"cameras": [], "random_block_position": True})
@@ -156,7 +153,6 @@ def _maniskill_pool():
     return EnvPool(EnvConfig(adapter="maniskill", id="PushCube-v1", options={"image_size": 32}), 2)
 
 
-@pytest.mark.slow
 def test_maniskill_without_a_vulkan_device_says_what_to_install():
     try:
         pool = _maniskill_pool()
@@ -167,7 +163,6 @@ def test_maniskill_without_a_vulkan_device_says_what_to_install():
     pytest.skip("this host has a Vulkan device SAPIEN accepts: the smoke test below runs instead")
 
 
-@pytest.mark.slow
 def test_maniskill_reset_step_camera_and_success_flag_through_the_pool():
     try:
         pool = _maniskill_pool()

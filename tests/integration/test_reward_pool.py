@@ -140,6 +140,7 @@ def test_built_in_rewards_score_in_the_workers_with_their_fields():
     assert [(s.value, s.failure) for s in scored] == [(1.0, None), (0.0, None), (1.0, None), (0.0, None)]
 
 
+@pytest.mark.serial  # a well-behaved reward must score within a 2 s step deadline: never beside another test
 def test_a_step_of_hung_rewards_ends_by_its_step_deadline(hostile, caplog):
     """Hung calls queued behind each other would hold a step for their number x the call timeout (past the
     rollout's data-plane timeout): the step's deadline cuts them, and the pool still works afterwards."""

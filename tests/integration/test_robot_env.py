@@ -21,6 +21,8 @@ from services.env.pool import EnvPool  # noqa: E402
 from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
+pytestmark = pytest.mark.serial  # real-time chunking against a 100 Hz arm: never beside another test
+
 TOKEN = "robot-env-test-token"
 
 

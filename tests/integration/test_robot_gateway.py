@@ -22,6 +22,8 @@ from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
 from services.core.runtime import GRPC_OPTIONS  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
+pytestmark = pytest.mark.serial  # a 100 Hz deadline loop: timed, so never beside another test
+
 TOKEN = "robot-gateway-test-token"
 START = [0.0, -0.3, 0.6]
 

@@ -27,6 +27,8 @@ from services.replay.stores.memory import MemoryStore  # noqa: E402
 from services.robot_gateway.recording import read_episodes  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
+pytestmark = pytest.mark.serial  # a 100 Hz deadline loop: timed, so never beside another test
+
 TOKEN = "robot-recording-test-token"
 START = [0.0, -0.3, 0.6]
 KINDS = pb.TeleopEvent.Kind

@@ -15,6 +15,8 @@ from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 from services.launcher import LocalStack
 from tests.conftest import short_config
 
+pytestmark = pytest.mark.serial  # heartbeat windows and measured stage times: never beside another test
+
 
 def _rows(run_dir: str) -> list[dict[str, float]]:
     with open(Path(run_dir) / "metrics.csv") as f:

@@ -170,7 +170,6 @@ def test_an_sft_run_exports_a_hugging_face_directory_with_the_final_weights(ckpt
     assert ours.tolist() == theirs.tolist()
 
 
-@pytest.mark.slow
 def test_an_sft_run_reads_the_jsonl_file_itself(ckpt, tmp_path):
     data = _jsonl(tmp_path / "sft.jsonl", ROWS)
     (tmp_path / "run.yaml").write_text(_spec(ckpt, data, system=False))

@@ -10,8 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from services.coordinator.client import CoordinatorClient
 from services.core import auth
 from services.core.proto.rlfabric.v1 import coordinator_pb2
@@ -23,7 +21,6 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-@pytest.mark.slow
 def test_a_run_leaves_the_services_that_do_not_train_without_torch(tmp_path, monkeypatch):
     # separate interpreters: the default local launch forks every service from one server that preloads torch
     monkeypatch.setenv("RLFABRIC_LAUNCH", "exec")

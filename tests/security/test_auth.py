@@ -111,7 +111,6 @@ async def _random_calls(address: str, count: int, concurrency: int = 128) -> dic
     return codes
 
 
-@pytest.mark.slow
 def test_100k_random_method_names_leave_the_service_rss_flat_and_the_rpc_counter_bounded(service):
     """Finding 5: the RPC counter labelled each call with the path the caller sent, before the token check."""
     address, pid, metrics_port, _ = service

@@ -19,6 +19,8 @@ from services.coordinator.stages import Unresponsive
 from services.core.proto.rlfabric.v1 import coordinator_pb2, learner_pb2_grpc, rollout_pb2_grpc
 from tests.conftest import short_config
 
+pytestmark = pytest.mark.serial  # deadlines and health windows in seconds: never beside another test
+
 
 class _Wedged:
     """A call that never answers; it notices when its caller gives up."""
@@ -148,7 +150,6 @@ def test_the_deadline_follows_the_data_plane_timeout_and_the_slowest_call(tmp_pa
         "Collect") == pytest.approx(30.1)  # work never gets less than WORK_MIN_S
 
 
-@pytest.mark.slow
 def test_a_run_whose_learner_wedges_recovers_instead_of_hanging(tmp_path, monkeypatch):
     """A real learner whose Train blocks (heartbeats and health SERVING throughout): the coordinator gives up on it
     at the deadline, the run recovers and completes."""

@@ -53,7 +53,6 @@ def _escapes(data, outside) -> dict[str, str]:
             "/dev/zero": "/dev/zero", "fifo": str(data / "fifo")}
 
 
-@pytest.mark.slow
 def test_path_and_endpoint_escapes_in_a_run_spec_are_refused(confined_stack):
     stack, data, outside = confined_stack
     escapes = _escapes(data, outside)

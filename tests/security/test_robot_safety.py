@@ -119,6 +119,9 @@ from services.robot_gateway.loop import ControlLoop  # noqa: E402
 from services.robot_gateway.recording import Recorder  # noqa: E402
 from tests.robot_support import gateway_in_process, gateway_process  # noqa: E402
 
+# every test below drives a live 100 Hz gateway loop: timed, so never beside another test
+live_loop = pytest.mark.serial
+
 TOKEN = "robot-safety-test-token"
 START = [0.0, -0.3, 0.6]
 
@@ -129,6 +132,7 @@ def _refused(call) -> grpc.RpcError:
     return err.value
 
 
+@live_loop
 def test_setlimits_fuzz_on_a_live_gateway_refuses_bad_values_and_a_still_arm_stays_still(tmp_path):
     """SetLimits with negative, zero, NaN and reversed values: each refused with INVALID_ARGUMENT naming the field;
     afterwards (and with a frozen joint, which is allowed) a client commanding "stay" does not move the arm."""
@@ -175,6 +179,7 @@ def test_setlimits_fuzz_on_a_live_gateway_refuses_bad_values_and_a_still_arm_sta
         channel.close()
 
 
+@live_loop
 def test_a_hold_keeps_the_sim_arm_still_and_at_rest_it_sits_on_its_target():
     """Acceptance: after a hold begins (the client goes silent) the arm moves < 1e-3 rad over the next second; at
     rest it sits within 2e-3 rad of its target. The hold keeps the last target, never the measured position."""
@@ -236,6 +241,7 @@ def connect(stub, rid: str, **options: str) -> pb.RobotInfo:
                                           watchdog_s=0.1), timeout=30)
 
 
+@live_loop
 def test_the_estop_latch_and_narrowed_limits_survive_disconnect_and_connect(gateway):
     stub, _, _ = gateway
     connect(stub, "arm")
@@ -250,6 +256,7 @@ def test_the_estop_latch_and_narrowed_limits_survive_disconnect_and_connect(gate
     assert not stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5).estopped
 
 
+@live_loop
 def test_one_device_is_connected_under_one_robot_id(gateway):
     stub, _, _ = gateway
     connect(stub, "left", name="bench-arm")
@@ -262,6 +269,7 @@ def test_one_device_is_connected_under_one_robot_id(gateway):
     assert stub.GetState(pb.RobotRef(robot_id="right"), timeout=5).estopped
 
 
+@live_loop
 def test_concurrent_connects_of_one_id_build_one_loop(tmp_path):
     """Connect yields to the event loop while it builds (a camera here): a second Connect of the id then must not
     build a second loop, which Disconnect could no longer reach (the gateway's log counts the loops it started)."""
@@ -280,6 +288,7 @@ def test_concurrent_connects_of_one_id_build_one_loop(tmp_path):
     assert len(started) == 1, f"{len(started)} control loops of 'twin' started for one robot"
 
 
+@live_loop
 def test_a_takeover_belongs_to_the_stream_that_began_it(gateway):
     import queue
 
@@ -313,6 +322,7 @@ def test_a_takeover_belongs_to_the_stream_that_began_it(gateway):
     assert not stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).intervening
 
 
+@live_loop
 def test_estop_answers_within_a_tick_while_a_driver_builds_or_closes_for_seconds(gateway):
     stub, _, _ = gateway
     info = connect(stub, "fast")
@@ -337,6 +347,7 @@ def test_estop_answers_within_a_tick_while_a_driver_builds_or_closes_for_seconds
 
 
 # -- recording: memory, lost episodes, a dead recorder, replay endpoints --------------------------------------------
+@live_loop
 def test_recording_bounds_memory_and_replay_endpoints_come_from_the_operator(gateway):
     stub, _, _ = gateway
     connect(stub, "arm")
@@ -365,6 +376,7 @@ def _tick(loop_tick, episode: int):
     return replace(loop_tick, episode=episode)
 
 
+@live_loop
 def test_an_episode_no_sink_took_counts_failed_not_kept():
     from services.robot_gateway.loop import Tick
 
@@ -384,6 +396,7 @@ def test_an_episode_no_sink_took_counts_failed_not_kept():
     assert "disk full" in rec.stats.last_error and rec.stats.write_errors == 1
 
 
+@live_loop
 def test_a_dead_recorder_thread_fails_the_gateways_health_check(gateway):
     stub, service, runtime = gateway
     connect(stub, "arm")
@@ -397,6 +410,7 @@ def test_a_dead_recorder_thread_fails_the_gateways_health_check(gateway):
     assert why and "recorder of arm died" in why[0], why
 
 
+@live_loop
 def test_kept_limits_that_no_longer_hold_the_arm_latch_a_fault_and_never_yank_it(gateway):
     """The arm was moved while disconnected (here: it starts elsewhere): its kept limits leave it out. The loop
     holds on a latched fault, with the limits widened only as far as the arm is, never yanking it back."""

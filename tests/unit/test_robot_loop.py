@@ -15,6 +15,8 @@ from services.robot_gateway.drivers import build_driver  # noqa: E402
 from services.robot_gateway.loop import ControlLoop, Tick  # noqa: E402
 from services.robot_gateway.safety import LimitError  # noqa: E402
 
+pytestmark = pytest.mark.serial  # the deadline loop's timing: never beside another test
+
 HZ, WATCHDOG = 100.0, 0.05
 
 

@@ -1,0 +1,18 @@
+"""RL beyond a cautious demonstrator for vla_tokens: the recipe and gates are test_cautious_demonstrator.py's; this
+file of its own lets the slow tier's second worker run it beside pi0's."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers.models.pi0")
+pytest.importorskip("mujoco")
+
+from tests.e2e.test_cautious_demonstrator import rl_raises_a_vla_over_its_imitation  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # 9-13 minutes on CI's 2 cores alone, up to twice that beside pi0's run
+@pytest.mark.parametrize("family", ["vla_tokens"])
+def test_rl_raises_a_vla_over_its_imitation_of_a_cautious_demonstrator(tmp_path, family):
+    rl_raises_a_vla_over_its_imitation(tmp_path, family)
