@@ -1,18 +1,22 @@
 """Load on the coordinator's API while a CartPole run trains: 50 concurrent WatchRun streams, 100 status calls/s
 (GetRun), and other runs submitted and stopped over and over. The figure is the training run's env steps/s under
-that load against the same run without it, measured in this run on this machine (quiet and loaded runs
-alternate, medians compared), plus the latency of the status calls under load.
+that load against the same run without it, measured in this run on this machine, plus the latency of the status
+calls under load.
+
+The two sides, "quiet" and "loaded", run in ``--repeats`` rounds (default 3; ``--quick``: one) on one stack of
+services started once, alternating (quiet loaded quiet loaded ...). The ratio is the ratio of their medians; each
+side's median, min and max are printed and written ("sides"), and a side whose spread (max - min) exceeds 20% of
+its median is flagged NOISY with the ratio.
 
 The load clients run in this process on the same 2 cores, as a notebook beside a training run would.
 
-    python bench/coordinator_load.py --out bench/results/coordinator_load.json [--repeats 2] [--steps 40000]
+    python bench/coordinator_load.py --out bench/results/coordinator_load.json [--repeats 3 | --quick] [--steps 40000]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 import sys
 import tempfile
 import threading
@@ -21,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import report  # noqa: E402
+from common import add_repeat_args, interleave, ratio_of_medians, repeat_count, report  # noqa: E402
 
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2  # noqa: E402
 
@@ -128,11 +132,12 @@ def percentile(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--repeats", type=int, default=2)
+    add_repeat_args(ap)
     ap.add_argument("--steps", type=int, default=40_000)
     ap.add_argument("--watchers", type=int, default=50)
     ap.add_argument("--status-hz", type=float, default=100.0)
     args = ap.parse_args()
+    repeats = repeat_count(args)
 
     from services.coordinator.client import CoordinatorClient
     from services.core import auth
@@ -144,31 +149,36 @@ def main() -> None:
     auth.configure(stack.token)
     client = CoordinatorClient(stack.address)
     client.wait_ready(60)
-    quiet, loaded, loads = [], [], []
-    try:
+    loads: list[Load] = []
+
+    def quiet() -> float:
         idle(client, 4)
-        for r in range(args.repeats):
-            quiet.append(measure(client, args.steps, None))
-            print(f"repeat {r}: quiet {quiet[-1]:.0f} env steps/s", flush=True)
-            idle(client, 4)
-            load = Load(client, args.watchers, args.status_hz)
-            loaded.append(measure(client, args.steps, load))
-            loads.append(load)
-            print(f"repeat {r}: loaded {loaded[-1]:.0f} env steps/s ({len(load.latencies)} status calls, "
-                  f"{load.events} watch events, {load.cycles} submit/stop cycles, {len(load.errors)} errors)",
-                  flush=True)
-            for run in client.stub.ListRuns(common_pb2.Empty()).runs:
-                if run.state in (coordinator_pb2.PENDING, coordinator_pb2.RUNNING):  # an other run outlived the load
-                    client.stop(run.run_id)
-            idle(client, 4)
+        return measure(client, args.steps, None)
+
+    def loaded() -> float:
+        idle(client, 4)
+        load = Load(client, args.watchers, args.status_hz)
+        value = measure(client, args.steps, load)
+        loads.append(load)
+        print(f"  under load: {len(load.latencies)} status calls, {load.events} watch events, {load.cycles} "
+              f"submit/stop cycles, {len(load.errors)} errors", flush=True)
+        for run in client.stub.ListRuns(common_pb2.Empty()).runs:
+            if run.state in (coordinator_pb2.PENDING, coordinator_pb2.RUNNING):  # an other run outlived the load
+                client.stop(run.run_id)
+        return value
+
+    try:
+        print("env steps/s of the training run, quiet and under load", flush=True)
+        samples = interleave({"quiet": quiet, "loaded": loaded}, repeats)
+        idle(client, 4)
     finally:
         client.close()
         stack.stop()
     lat = [x for load in loads for x in load.latencies]
     stops = [x for load in loads for x in load.stop_latencies]
     metrics = {
-        "steps_per_run": args.steps, "repeats": args.repeats, "watchers": args.watchers, "status_hz": args.status_hz,
-        "fps_quiet": quiet, "fps_loaded": loaded,
+        "steps_per_run": args.steps, "repeats": repeats, "watchers": args.watchers, "status_hz": args.status_hz,
+        "fps_quiet": samples["quiet"], "fps_loaded": samples["loaded"],
         "status_calls": len(lat), "status_p50_ms": 1e3 * percentile(lat, 0.5),
         "status_p99_ms": 1e3 * percentile(lat, 0.99), "status_max_ms": 1e3 * max(lat),
         "watch_events": sum(load.events for load in loads), "submit_stop_cycles": sum(load.cycles for load in loads),
@@ -176,9 +186,9 @@ def main() -> None:
     }
     print(f"status calls under load: p50 {metrics['status_p50_ms']:.1f} ms, p99 {metrics['status_p99_ms']:.1f} ms, "
           f"max {metrics['status_max_ms']:.1f} ms")
-    ratio = statistics.median(loaded) / statistics.median(quiet)
-    report("coordinator_load", metrics, {"loaded_vs_quiet_env_steps_per_s": ratio},
-           {"loaded_vs_quiet_env_steps_per_s": ">=0.9"}, args.out)
+    key = "loaded_vs_quiet_env_steps_per_s"
+    report("coordinator_load", metrics, {key: ratio_of_medians(samples, "loaded", "quiet")}, {key: ">=0.9"}, args.out,
+           sides=samples, compares={key: ["loaded", "quiet"]}, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,15 @@ Both clocks run from process launch (imports and service start-up included) to t
 that reaches the target. Sample efficiency varies by seed, so each side runs the same seeds and medians are
 compared.
 
-    python bench/e2e_cartpole.py --out bench/results/e2e_cartpole.json [--seeds 0 1 2]
+The sides (SB3 and every ``--modes`` of rlfabric) run in ``--repeats`` rounds (default 3; ``--quick``: one), each
+side once per round, in turn: SB3's seeds, then each mode's. A side's sample in a round is its median wall-clock
+over the seeds (a seed that never reaches 475 counts as infinitely slow); every seed's run is kept in the JSON
+("runs": side -> rounds -> seeds). The ratios are ratios of the sides' medians over the rounds; each side's median,
+min and max are printed and written ("sides"), and a side whose spread (max - min) exceeds 20% of its median is
+flagged NOISY with every ratio that uses it. The data-plane ratios compare the medians of bench/dataplane.py's own
+alternating rounds, which are the sides there.
+
+    python bench/e2e_cartpole.py --out bench/results/e2e_cartpole.json [--seeds 0 1 2] [--repeats 3 | --quick]
 """
 
 from __future__ import annotations
@@ -15,14 +23,23 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import python, report, run  # noqa: E402
+from common import (  # noqa: E402
+    add_repeat_args,
+    interleave,
+    median_of,
+    python,
+    ratio_of_medians,
+    repeat_count,
+    report,
+    run,
+    seed_median,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "cartpole_ppo.yaml"
@@ -40,8 +57,8 @@ def run_sb3(seed: int) -> dict:
     return {"seed": seed, "reached": True, "wall_s": doc["reached_at"] - launch, "env_steps": doc["env_steps"]}
 
 
-def run_rlfabric(seed: int, mode: str, workdir: Path) -> dict:
-    run_dir = workdir / f"{mode}-{seed}"
+def run_rlfabric(seed: int, mode: str, workdir: Path, tag: str = "") -> dict:
+    run_dir = workdir / f"{mode}-{seed}{tag}"
     launch = time.time()
     proc = run([python(), "-m", "services.cli", "train", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
                 "--set", f"seed={seed}", "--set", f"scheduling.mode={mode}"], timeout=900, cwd=ROOT)
@@ -56,9 +73,9 @@ def run_rlfabric(seed: int, mode: str, workdir: Path) -> dict:
     return {"seed": seed, "reached": False, "wall_s": None, "env_steps": None, "process_s": end - launch}
 
 
-def median_of(results: list[dict], key: str) -> float:
+def over_seeds(results: list[dict], key: str) -> float:
     """Median over seeds; a seed that never reached the target counts as infinitely slow."""
-    return statistics.median([r[key] if r["reached"] else float("inf") for r in results])
+    return seed_median(r[key] if r["reached"] else None for r in results)
 
 
 def dataplane_throughput(mib: int = 4, seconds: float = 3.0) -> dict:
@@ -74,40 +91,58 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--modes", nargs="+", default=["collocated", "disaggregated"])
+    add_repeat_args(parser)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {"sb3": []} | {m: [] for m in args.modes}
+    repeats = repeat_count(args)
+    # side -> one list per round -> one result per seed
+    results: dict[str, list[list[dict]]] = {"sb3": []} | {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="rlfabric-bench-") as tmp:
-        for seed in args.seeds:  # interleaved, so drift on the machine hits every side alike
-            results["sb3"].append(run_sb3(seed))
-            for mode in args.modes:
-                results[mode].append(run_rlfabric(seed, mode, Path(tmp)))
-            for name, rs in results.items():
-                r = rs[-1]
-                wall = f"{r['wall_s']:.1f}s" if r["reached"] else "not reached"
-                print(f"seed {seed} {name:>14}: {wall:>12} at {r['env_steps']} env steps", flush=True)
+
+        def side(name: str):
+            def measure() -> float:
+                tag = f"-round{len(results[name])}"
+                rs = [run_sb3(seed) if name == "sb3" else run_rlfabric(seed, name, Path(tmp), tag)
+                      for seed in args.seeds]
+                results[name].append(rs)
+                for r in rs:
+                    wall = f"{r['wall_s']:.1f}s" if r["reached"] else "not reached"
+                    print(f"  seed {r['seed']} {name:>14}: {wall:>12} at {r['env_steps']} env steps", flush=True)
+                return over_seeds(rs, "wall_s")
+            return measure
+
+        print(f"wall-clock s to eval return {TARGET:.0f}, median over seeds {args.seeds}", flush=True)
+        samples = interleave({name: side(name) for name in results}, repeats)
     metrics: dict = {"seeds": args.seeds, "target_eval_return": TARGET, "runs": results}
-    ratios, targets = {}, {}
-    sb3_wall = median_of(results["sb3"], "wall_s")
-    metrics["sb3_median_wall_s"] = sb3_wall
-    metrics["sb3_median_env_steps"] = median_of(results["sb3"], "env_steps")
+    ratios, targets, compares = {}, {}, {}
+    for name in results:
+        metrics[f"{name}_median_wall_s"] = median_of(samples[name])  # over rounds of the median over seeds
+        metrics[f"{name}_median_env_steps"] = median_of([over_seeds(rs, "env_steps") for rs in results[name]])
+        metrics[f"{name}_wall_s_per_round"] = samples[name]
     for mode in args.modes:
-        wall = median_of(results[mode], "wall_s")
-        metrics[f"{mode}_median_wall_s"] = wall
-        metrics[f"{mode}_median_env_steps"] = median_of(results[mode], "env_steps")
         key = "wall_to_475_vs_sb3" if mode == "collocated" else f"wall_to_475_{mode}_vs_sb3"
-        ratios[key] = wall / sb3_wall
+        ratios[key] = ratio_of_medians(samples, mode, "sb3")
         targets[key] = "<=1.0"
-        print(f"{mode:>14}: median {wall:.1f}s / {metrics[f'{mode}_median_env_steps']:.0f} steps   "
-              f"SB3: {sb3_wall:.1f}s / {metrics['sb3_median_env_steps']:.0f} steps")
+        compares[key] = [mode, "sb3"]
+        print(f"{mode:>14}: median {_s(metrics[f'{mode}_median_wall_s'])} / "
+              f"{_s(metrics[f'{mode}_median_env_steps'], '.0f', ' steps')}   SB3: {_s(metrics['sb3_median_wall_s'])} / "
+              f"{_s(metrics['sb3_median_env_steps'], '.0f', ' steps')}")
     dp = dataplane_throughput()
     metrics["dataplane"] = dp
+    for name in ("ours", "raw", "ours_curve", "raw_curve"):  # dataplane.py's own alternating rounds
+        samples[f"dataplane {name} MiB/s"] = dp[f"{name}_rounds_mib_s"]
     ratios["dataplane_4mib_vs_raw_pyzmq"] = dp["ours_mib_s"] / dp["raw_mib_s"]
     targets["dataplane_4mib_vs_raw_pyzmq"] = ">=0.9"
+    compares["dataplane_4mib_vs_raw_pyzmq"] = ["dataplane ours MiB/s", "dataplane raw MiB/s"]
     ratios["dataplane_4mib_curve_vs_raw_pyzmq_curve"] = dp["ours_curve_mib_s"] / dp["raw_curve_mib_s"]
     targets["dataplane_4mib_curve_vs_raw_pyzmq_curve"] = ">=0.9"
+    compares["dataplane_4mib_curve_vs_raw_pyzmq_curve"] = ["dataplane ours_curve MiB/s", "dataplane raw_curve MiB/s"]
     print(f"data plane, 4 MiB batches: rlfabric {dp['ours_mib_s']:.0f} MiB/s, raw pyzmq {dp['raw_mib_s']:.0f} MiB/s; "
           f"with CURVE {dp['ours_curve_mib_s']:.0f} vs {dp['raw_curve_mib_s']:.0f} MiB/s")
-    report("e2e_cartpole", metrics, ratios, targets, args.out)
+    report("e2e_cartpole", metrics, ratios, targets, args.out, sides=samples, compares=compares, repeats=repeats)
+
+
+def _s(value: float | None, spec: str = ".1f", unit: str = "s") -> str:
+    return "not reached" if value is None else f"{value:{spec}}{unit}"
 
 
 if __name__ == "__main__":

