@@ -17,7 +17,7 @@ and the scaling run once, in that order, so the sides alternate (A B C ... A B C
 the sides' medians over the rounds, each side's median, min and max are printed and written ("sides"), and a
 side whose spread (max - min) exceeds 20% of its median is flagged NOISY with every ratio that uses it.
 
-    python bench/modes.py --out bench/results/modes.json [--iterations 24] [--repeats 3 | --quick]
+    python bench/modes.py --out bench/results/modes.json [--iterations 72] [--repeats 3 | --quick]
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ def slug(name: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
-    ap.add_argument("--iterations", type=int, default=24, help="iterations per plan (the first 3 are warm-up)")
+    ap.add_argument("--iterations", type=int, default=72,
+                    help="iterations per plan (the first 3 are warm-up); at 24 (~3 s of steady state) single plans spread"
+                         " 22-33%% between rounds on 2 cores, at 72 by 4-20%% (docs/benchmarks.md)")
     add_repeat_args(ap)
     args = ap.parse_args()
     repeats = repeat_count(args)
