@@ -144,6 +144,7 @@ def franka_sim():
 
 @pytest.mark.skipif(not (HAS["franky"] and HAS["franky_sim"]),
                     reason="needs franky-control and franky-sim (a libfranka-protocol simulator)")
+@pytest.mark.serial  # libfranka's 1 kHz real-time exchange with the simulator: never beside another test
 def test_franka_franky_backend_tracks_targets_on_franky_sim(franka_sim):
     arm = build_driver("franka", {"ip": franka_sim, "model": "fr3", "dynamics": "0.3"})
     try:
@@ -183,6 +184,7 @@ print("MOVED", q1[0] - q0[0], np.abs(q1[1:] - q0[1:]).max())
 
 @pytest.mark.skipif(not (HAS["pylibfranka"] and HAS["franky_sim"]),
                     reason="needs pylibfranka and franky-sim (a libfranka-protocol simulator)")
+@pytest.mark.serial  # libfranka's 1 kHz real-time exchange with the simulator: never beside another test
 def test_franka_pylibfranka_backend_tracks_targets_on_franky_sim(franka_sim):
     # its own process: pylibfranka and franky register the same libfranka types and refuse to share one
     out = subprocess.run([sys.executable, "-c", PYLIBFRANKA_RUN, franka_sim], capture_output=True, text=True,

@@ -151,6 +151,7 @@ def test_a_failing_sink_is_counted_and_the_others_still_write(tmp_path):
     assert len(good.episodes) == 1 and good.episodes[0].columns["truncated"][-1]
 
 
+@pytest.mark.serial  # a 100 Hz control loop must keep every tick: never beside another test
 def test_a_slow_sink_drops_ticks_loudly_and_never_stalls_the_control_loop():
     """A sink that takes a second per episode: the recorder's queue (32 ticks) overflows while it writes, the drops
     are counted (metric, stats, and the next kept episode's dropped_ticks); the loop's ticks keep their deadlines and
