@@ -338,7 +338,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             "torch_rng": torch.get_rng_state(),
             "generator": self.generator.get_state(),
             "numpy_rng": torch.from_numpy(np_state[1].astype(np.int64)),
-            "numpy_rng_pos": torch.tensor(list(np_state[2:4]) + [float(np_state[4])], dtype=torch.float64),
+            "numpy_rng_pos": torch.tensor(list(np_state[2:4]) + [float(np_state[4])], dtype=torch.float64, device="cpu"),
         }
         key = key or ckpt.periodic_key(self.version)
         data = ckpt.pack(state)

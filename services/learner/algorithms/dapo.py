@@ -68,8 +68,8 @@ class DAPO(GRPO):
         r, group = self.rewards(batch), batch["group"]
         _, inverse = torch.unique(group, return_inverse=True)
         n = int(inverse.max()) + 1
-        lo = torch.full((n,), float("inf")).scatter_reduce(0, inverse, r, "amin")
-        hi = torch.full((n,), float("-inf")).scatter_reduce(0, inverse, r, "amax")
+        lo = torch.full((n,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amin")
+        hi = torch.full((n,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, "amax")
         keep = (hi > lo)[inverse]
         self.last_kept_groups = int((hi > lo).sum())
         if keep.any():

@@ -109,12 +109,12 @@ def shared_prefixes(tokens: torch.Tensor, attn: torch.Tensor, loss_mask: torch.T
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
     """r_i - mean of its group (divided by the group's std when ``scale``)."""
     _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    sums = torch.zeros(len(counts), dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
     mean = (sums / counts)[inverse]
     centred = rewards - mean
     if not scale:
         return centred
-    var = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, centred.pow(2))
+    var = torch.zeros(len(counts), dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centred.pow(2))
     std = (var / (counts - 1).clamp(min=1)).sqrt()[inverse]
     return centred / (std + eps)
 
