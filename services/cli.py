@@ -75,7 +75,7 @@ def _local_stack(spec: str | Path, overrides: list[str], run_dir, log_dir, what:
     threads = (raw.get("runtime") or {}).get("torch_threads", 1) if isinstance(raw.get("runtime"), dict) else 1
     run_dir = run_dir(name).resolve()
     fresh = not run_dir.exists()
-    stack = LocalStack(log_dir=log_dir(run_dir), runs_root=run_dir.parent, roles=(),
+    stack = LocalStack(log_dir=log_dir(run_dir), runs_root=run_dir.parent, roles=(), allow_import_paths=True,
                        torch_threads=threads if isinstance(threads, int) and 1 <= threads <= 256 else 1)
     try:
         with console.status("starting services..."):
@@ -400,7 +400,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                      f"clear. Fix: --tls auto (a private CA for this stack), bind 127.0.0.1, or pass "
                      f"--insecure-plaintext on a network you trust", 2)
     stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host,
-                       take_up_runs=True, tls=tls, insecure_plaintext=args.insecure_plaintext)
+                       take_up_runs=True, tls=tls, insecure_plaintext=args.insecure_plaintext,
+                       allow_import_paths=args.allow_import_paths)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job may inherit SIGINT as ignored
         signal.signal(sig, lambda *_: stop.append(1))
@@ -787,6 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "over HTTPS; required for a non-loopback --host unless --insecure-plaintext")
     p.add_argument("--insecure-plaintext", action="store_true",
                    help="serve a non-loopback --host without TLS (the services log a warning)")
+    p.add_argument("--allow-import-paths", action="store_true",
+                   help="let run specs name code by import path (package.module:attr); anyone holding the token "
+                        "can then run any installed code on these services: only where clients are trusted")
     p = sub.add_parser("certs", help="a private CA and the services' and clients' certificates of a deployment")
     p.add_argument("out_dir")
     p.add_argument("--hosts", required=True, help="every name or address clients and peers dial, comma-separated "

@@ -290,7 +290,8 @@ def prestart(torch_threads: int = 1) -> None:
 class LocalStack:
     def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
                  heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
-                 token: str | None = None, take_up_runs: bool = False, tls=None, insecure_plaintext: bool = False):
+                 token: str | None = None, take_up_runs: bool = False, tls=None, insecure_plaintext: bool = False,
+                 allow_import_paths: bool = False):
         """``token``: the stack's secret (every port checks it; default: the deployment's RLFABRIC_TOKEN when set,
         so the stack's services reach other services of the deployment such as a robot gateway, else a new one per
         stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only).
@@ -298,7 +299,8 @@ class LocalStack:
         does; ``train``/``resume`` run one run of their own). A restarted coordinator always takes up its runs.
         ``tls``: the services' auth.TLSFiles (certificate, key and CA: gRPC with mTLS, metrics over HTTPS; this
         process calls them with the same identity). ``insecure_plaintext``: let a non-loopback ``host`` serve
-        without TLS (the services warn)."""
+        without TLS (the services warn). ``allow_import_paths``: every service resolves code a run spec names by
+        import path (--allow-import-paths): for a stack whose user is its operator (``train``), never by default."""
         self.take_up_runs = take_up_runs
         self.log_dir = Path(log_dir)
         self.runs_root = Path(runs_root)
@@ -307,6 +309,7 @@ class LocalStack:
         self.host = host
         self.tls = tls
         self.insecure_plaintext = insecure_plaintext
+        self.allow_import_paths = allow_import_paths
         self.torch_threads = torch_threads
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args): how to start it again
@@ -344,7 +347,10 @@ class LocalStack:
         return proc
 
     def _security_flags(self) -> list[str]:
+        from services.core.registry import IMPORT_PATHS_FLAG
+
         flags = ["--insecure-plaintext"] if self.insecure_plaintext else []
+        flags += [IMPORT_PATHS_FLAG] if self.allow_import_paths else []
         if self.tls is not None and self.tls.enabled:
             flags += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--metrics-tls",
                       *(["--tls-ca", self.tls.ca] if self.tls.ca else [])]

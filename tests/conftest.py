@@ -101,6 +101,16 @@ def _security(request):
     auth.configure("")
 
 
+def wait_for_workers(stack, count: int, timeout_s: float = 90.0) -> None:
+    """Until ``count`` workers of ``stack`` are registered and alive; fails at once if a service exited."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len([w for w in stack.client.workers() if w.alive]) < count:
+        assert time.monotonic() < deadline and not stack.dead(), f"workers did not register: {stack.dead()}"
+        time.sleep(0.2)
+
+
 def grpc_channel(address: str):
     """A blocking channel to a service that presents this process's secret."""
     return auth.sync_channel(address, GRPC_OPTIONS)

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.core.algorithm import ALGORITHMS, load_algorithms
+from services.core.registry import import_paths_allowed, is_literal, refuse_import_path
 from services.core.spec_yaml import ConfigError, read_spec, read_spec_file
 
 
@@ -657,6 +658,26 @@ class RunConfig(_Strict):
     def progress(self) -> tuple[str, int]:
         """What progress counts: env steps, or iterations for an algorithm that collects nothing."""
         return ("env steps", self.train.total_env_steps) if self.collects else ("iterations", self.iterations())
+
+    def import_paths(self) -> list[tuple[str, str]]:
+        """(field, value) of every field that names code by its import path (``package.module:attr``), env.id
+        also in gymnasium's ``module:EnvId`` form (gymnasium imports the module to find the id)."""
+        named = [("env.adapter", self.env.adapter), ("env.id", self.env.id), ("policy.name", self.policy.name),
+                 ("rollout.backend", self.rollout.backend), ("rollout.collector", self.rollout.collector)]
+        for section in ("options", "eval_options"):
+            reward = getattr(self.env, section).get("reward")
+            if isinstance(reward, str):
+                named.append((f"env.{section}.reward", reward))
+        return [(f, v) for f, v in named if is_literal(v) or (f == "env.id" and ":" in v)]
+
+    @model_validator(mode="after")
+    def _code_by_import_path(self) -> RunConfig:
+        """Before anything below resolves a name (a policy's check imports it): a service whose operator did not
+        allow import paths refuses a spec that names code by one (services/core/registry.py says why)."""
+        if not import_paths_allowed():
+            for field, name in self.import_paths():
+                raise refuse_import_path(field, name)
+        return self
 
     @model_validator(mode="after")
     def _held_out_evaluation(self) -> RunConfig:

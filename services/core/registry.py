@@ -8,8 +8,13 @@ A name resolves, in order, through
     a literal      ``package.module:attr`` (or ``package.module``) written in the run spec, imported as named
 
 Nothing is imported until a name is asked for, so an extension whose dependencies are an optional extra costs
-nothing until a run names it. A literal imports a module that is installed where the service runs: the run spec
-comes from an authenticated client, and naming code in it is the point (veRL's ``custom_reward_function.path``).
+nothing until a run names it.
+
+A literal can name any module installed where the service runs (``subprocess:Popen``, ``os:system``), and a run
+spec comes from the network: a token holder is not the operator who chose what code a host runs. So a service
+resolves literals only when its operator started it with ``--allow-import-paths`` (``allow_import_paths``; a
+local ``rlfabric train`` does, as its user is its operator). A process that is not a service (the CLI, a notebook,
+a test) resolves what its own user names.
 """
 
 from __future__ import annotations
@@ -17,12 +22,38 @@ from __future__ import annotations
 import importlib
 import re
 import threading
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
 GROUP_PREFIX = "rlfabric."
 BUILTIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 LITERAL = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$", re.ASCII)
+IMPORT_PATHS_FLAG = "--allow-import-paths"
+_import_paths = True  # a service sets its operator's choice at start (run_service); other processes are their user's
+
+
+def allow_import_paths(allowed: bool) -> None:
+    """Whether this process resolves ``package.module:attr`` names from run specs (a service: its operator's
+    ``--allow-import-paths``)."""
+    global _import_paths
+    _import_paths = allowed
+
+
+def import_paths_allowed() -> bool:
+    return _import_paths
+
+
+class ImportPathRefused(ValueError):
+    """A run spec named code by its import path on a service whose operator did not allow it."""
+
+
+def refuse_import_path(field: str, name: str) -> ImportPathRefused:
+    return ImportPathRefused(
+        f"{field} {name[:200]!r} names code by its import path, and this service resolves only built-in and "
+        f"installed (entry-point) names: a run spec comes from the network, so it may not choose what a host "
+        f"imports. Fix: install a package that registers it as an entry point, or have the operator start every "
+        f"service with {IMPORT_PATHS_FLAG} (a local `rlfabric train` does)")
 
 
 def is_literal(name: str) -> bool:
@@ -61,12 +92,14 @@ def load_target(target: str) -> Any:
 class Registry:
     """The entries of one kind of extension. ``field`` is the run-spec field that names one (for errors),
     ``home`` where a built-in of this kind lives, ``protocol`` what a loaded entry must provide (checked on load).
-    ``literals=False`` resolves installed names only: for a name that arrives from the network rather than a run
-    spec (a robot driver on the gateway beside an arm), so a caller cannot make the process import any module."""
+    ``literals=False`` resolves installed names only, whatever the operator allows (a robot driver on the gateway
+    beside an arm). ``check``, when given, vets a loaded value as this kind before anything calls it (a Task is a
+    class with ``problem``, a reward takes ``(prompt, completion, answer)``), raising ValueError with the reason."""
 
     def __init__(self, kind: str, field: str, builtins: dict[str, str], home: str, protocol: type | None = None,
-                 noun: str | None = None, literals: bool = True):
+                 noun: str | None = None, literals: bool = True, check: Callable[[Any], None] | None = None):
         self.kind, self.field, self.home, self.protocol, self.literals = kind, field, home, protocol, literals
+        self.kind_check = check
         self.group = GROUP_PREFIX + kind
         self.noun = noun or kind.removesuffix("s").replace("_", " ")
         self._builtins = dict(builtins)
@@ -95,28 +128,35 @@ class Registry:
         """Every name this process can resolve, with its target. A built-in wins over an entry point of its name."""
         return {**self.entry_points(), **self._builtins}
 
+    def _literals(self) -> bool:
+        return self.literals and _import_paths
+
     def __contains__(self, name: str) -> bool:
-        return name in self._builtins or (self.literals and is_literal(name)) or name in self.entry_points()
+        return name in self._builtins or (self._literals() and is_literal(name)) or name in self.entry_points()
 
     def target(self, name: str) -> str:
         if name in self._builtins:
             return self._builtins[name]
-        if self.literals and is_literal(name):
-            return name
         found = self.entry_points()
         if name in found:
             return found[name]
+        if is_literal(name) and self.literals:
+            if not _import_paths:
+                raise refuse_import_path(self.field, name)
+            return name
         raise ValueError(self.unknown(name))
 
     def unknown(self, name: str) -> str:
         literal = ("; or name it as package.module:attr in the run spec (installed wherever the service runs)"
-                   if self.literals else "")
+                   if self._literals() else "")
         return (f"{self.field} {name!r} is not a registered {self.noun}; available: {sorted(self.available())}. "
                 f"To add one: a built-in in {self.home}; an entry point in group {self.group!r} of an installed "
                 f"package ([project.entry-points.\"{self.group}\"] NAME = \"package.module:attr\"){literal}")
 
     def load(self, name: str) -> Any:
         """The object ``name`` names, imported once per process; checked against the kind's Protocol."""
+        if not _import_paths and is_literal(name) and name not in self._builtins:
+            self.target(name)  # refused unless an installed entry point has this name, even when loaded before
         with self._lock:
             if name in self._loaded:
                 return self._loaded[name]
@@ -140,6 +180,11 @@ class Registry:
         return value
 
     def _check(self, name: str, target: str, value: Any) -> None:
+        if self.kind_check is not None:
+            try:
+                self.kind_check(value)
+            except ValueError as exc:
+                raise ValueError(f"{self.field} {name!r}: {target!r} is not a {self.noun}: {exc}") from None
         if self.protocol is None:
             if not callable(value):
                 raise ValueError(f"{self.field} {name!r}: {target!r} is not callable; a {self.noun} is")

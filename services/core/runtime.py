@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 from services.core import auth
 from services.core.logs import setup_logging
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.core.registry import IMPORT_PATHS_FLAG, allow_import_paths
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,11 @@ class ServiceOptions:
                                  "message cross the network readable); a warning is logged at start")
         parser.add_argument("--metrics-tls", action="store_true",
                             help="serve metrics over HTTPS with --tls-cert/--tls-key")
+        parser.add_argument(IMPORT_PATHS_FLAG, action="store_true",
+                            help="resolve code a run spec names by import path (package.module:attr as env.id, "
+                                 "env.options.reward, policy.name, rollout.backend, ...), which runs that code "
+                                 "here for anyone holding the token; without it only built-in and installed "
+                                 "entry-point names resolve")
         parser.add_argument("--pool", default="", help="the resource pool this worker belongs to: a run places a "
                                                         "stage on the workers of the pool scheduling.placement names")
 
@@ -396,6 +402,7 @@ def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace],
     args = parser.parse_args(argv)
     set_process_title(role)
     setup_logging(role, args.log_file or None)
+    allow_import_paths(args.allow_import_paths)
     try:
         security = auth.from_environment(args.token_file, auth.TLSFiles(args.tls_cert, args.tls_key, args.tls_ca))
     except auth.AuthError as exc:

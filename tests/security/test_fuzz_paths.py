@@ -13,7 +13,7 @@ import pytest
 
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 from services.launcher import LocalStack
-from tests.conftest import short_config
+from tests.conftest import short_config, wait_for_workers
 
 ROLES = ("env", "replay", "learner", "rollout")
 TERMINAL = (coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED)
@@ -34,10 +34,7 @@ def confined_stack(tmp_path):
                                                        f"{data}{os.pathsep}{runs}", "--allow-endpoints", ""])
     stack.client = CoordinatorClient(stack.address)
     try:
-        deadline = time.monotonic() + 90
-        while len([w for w in stack.client.workers() if w.alive]) < len(ROLES):
-            assert time.monotonic() < deadline and not stack.dead(), f"workers did not register: {stack.dead()}"
-            time.sleep(0.2)
+        wait_for_workers(stack, len(ROLES))
         yield stack, data, outside
     finally:
         stack.client.close()

@@ -4,6 +4,7 @@ lists what exists and how to add one; ``rollout.collector: auto`` takes the coll
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -240,3 +241,76 @@ def test_a_policy_from_an_entry_point_serves_the_algorithm_it_declares(tmp_path,
     with pytest.raises(ConfigError, match=r"policy.name 'rlf_test_policy:Nope': .* does not resolve"):
         parse_config("policy: {name: 'rlf_test_policy:Nope'}")
     del sys.modules["rlf_test_policy"]
+
+
+@pytest.fixture
+def service_without_the_flag():
+    """This process as a service its operator started without --allow-import-paths."""
+    from services.core import registry
+
+    registry.allow_import_paths(False)
+    yield
+    registry.allow_import_paths(True)
+
+
+def test_a_service_without_the_flag_refuses_import_paths_even_ones_it_loaded_before(service_without_the_flag):
+    from services.core.registry import IMPORT_PATHS_FLAG, ImportPathRefused, allow_import_paths
+    from services.env.tasks import TASKS
+
+    allow_import_paths(True)
+    assert COLLECTORS.load("services.rollout.collectors.gym:GymCollector")  # now cached in this process
+    allow_import_paths(False)
+    for registry, name in ((COLLECTORS, "services.rollout.collectors.gym:GymCollector"), (TASKS, "os:system"),
+                           (ENV_ADAPTERS, "subprocess"), (ENV_ADAPTERS, "services.env.adapters.gymnasium")):
+        with pytest.raises(ValueError) as info:
+            registry.load(name)
+        if is_literal(name):
+            assert isinstance(info.value, ImportPathRefused) and IMPORT_PATHS_FLAG in str(info.value)
+            assert registry.field in str(info.value) and name not in registry
+        else:  # a plain name that is no built-in or entry point is unknown, and the error offers no import path
+            assert "not a registered" in str(info.value) and "package.module:attr in the run spec" not in str(
+                info.value)
+    assert TASKS.load("arith").__name__ == "ArithTask" and COLLECTORS.load("gym")  # built-ins still resolve
+
+
+@pytest.mark.parametrize("field, spec", [
+    ("env.id", {"env": {"adapter": "text", "id": "subprocess:Popen"}}),
+    ("env.id", {"env": {"id": "os:CartPole-v1"}}),  # gymnasium's module:EnvId imports the module
+    ("env.options.reward", {"env": {"adapter": "text", "id": "arith", "options": {"reward": "os:system"}}}),
+    ("env.eval_options.reward", {"env": {"adapter": "text", "id": "arith", "eval_options": {"reward": "os:system"}}}),
+    ("env.adapter", {"env": {"adapter": "os:system"}}),
+    ("policy.name", {"policy": {"name": "os:system"}}),
+    ("rollout.backend", {"rollout": {"backend": "builtins:exec"}}),
+    ("rollout.collector", {"rollout": {"collector": "builtins:exec"}}),
+])
+def test_a_spec_naming_code_is_refused_by_a_service_without_the_flag_and_read_by_the_users_process(
+        field, spec, service_without_the_flag):
+    from services.core import registry
+    from services.core.config import parse_config
+    from services.core.spec_yaml import ConfigError
+
+    text = json.dumps(spec)
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "spec")
+    assert field in str(info.value) and registry.IMPORT_PATHS_FLAG in str(info.value)
+    registry.allow_import_paths(True)  # the user's own process (CLI, notebook): its user names the code
+    try:
+        parse_config(text, "spec")
+    except ConfigError as exc:  # a name that is not of its kind may still fail, but not for its import path
+        assert registry.IMPORT_PATHS_FLAG not in str(exc)
+
+
+@pytest.mark.parametrize("registry, name, why", [
+    ("tasks", "subprocess:Popen", "a class with a problem"),
+    ("rewards", "os:system", "Python function"),
+    ("rewards", "builtins:exec", "Python function"),
+    ("rewards", "subprocess:Popen", "Python function"),
+    ("rewards", "services.env.tasks.arith:ArithTask", "Python function"),
+])
+def test_a_resolved_name_is_checked_as_its_kind_before_anything_calls_it(registry, name, why):
+    from services.env.tasks import TASKS
+    from services.env.tasks.rewards import REWARDS
+
+    kind = {"tasks": TASKS, "rewards": REWARDS}[registry]
+    with pytest.raises(ValueError, match=why):
+        kind.load(name)

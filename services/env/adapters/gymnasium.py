@@ -17,6 +17,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 import services.env.sims  # noqa: F401  (registers rlfabric's own simulated tasks as gymnasium ids)
+from services.core.registry import import_paths_allowed, refuse_import_path
 from services.env.chunking import ActionChunk
 
 collector = "gym"  # rollout.collector auto: gym stepping
@@ -27,6 +28,8 @@ class UnknownEnvError(ValueError):
 
 
 def check_env_id(env_id: str) -> None:
+    if ":" in env_id and not import_paths_allowed():  # gymnasium imports "module:EnvId"'s module to find the id
+        raise refuse_import_path("env.id", env_id)
     try:
         gym.spec(env_id)
     except gym.error.Error as exc:

@@ -16,11 +16,19 @@ from typing import Any
 
 from services.core.registry import Registry
 
+
+def check_task(value: Any) -> None:
+    """A task is a class with ``problem(rng)``, built with the run's ``env.options``: checked before that call, so a
+    name that resolves to another callable (``subprocess:Popen``) is never called with options from a spec."""
+    if not isinstance(value, type) or not callable(getattr(value, "problem", None)):
+        raise ValueError("a text task is a class with a problem(rng) method")
+
+
 TASKS = Registry("tasks", "env.id", {
     "arith": "services.env.tasks.arith:ArithTask",  # "Q: 12+7= A:" -> "19"
     "arith_tool": "services.env.tasks.tools:ToolArithTask",  # the same problems, with a calculator and a search tool
     "dataset": "services.env.tasks.dataset:DatasetTask",  # rows of a user's JSONL/Parquet file (GSM8K, MATH, ...)
-}, home="services/env/tasks", noun="text task")
+}, home="services/env/tasks", noun="text task", check=check_task)
 
 
 def register_task(name: str, target: Any) -> None:

@@ -85,13 +85,29 @@ def math_verify_match(prompt: str, completion: str, answer: str, **fields: Any) 
     return 1.0 if verify(gold, pred, timeout_seconds=5 if main else None) else 0.0
 
 
+def check_reward(fn: Any) -> None:
+    """A reward is a Python function (or a callable object) that takes ``(prompt, completion, answer)``: checked
+    before the pool calls it, so a name that resolves to something else (``os:system``) is never called."""
+    if isinstance(fn, type) or not callable(fn) or inspect.isbuiltin(fn):
+        raise ValueError("a reward is a Python function reward(prompt, completion, answer, **fields) -> float")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError("it has no Python signature (a builtin?); a reward is a function reward(prompt, "
+                         "completion, answer, **fields) -> float") from None
+    try:
+        signature.bind_partial("prompt", "completion", "answer")  # (its other parameters are data fields)
+    except TypeError as exc:
+        raise ValueError(f"it cannot take (prompt, completion, answer): {exc}") from None
+
+
 REWARDS = Registry("rewards", "env.options.reward", {
     "exact_match": "services.env.tasks.rewards:exact_match",
     "format_match": "services.env.tasks.rewards:format_match",
     "signed_match": "services.env.tasks.rewards:signed_match",
     "gsm8k": "services.env.tasks.rewards:gsm8k",
     "math": "services.env.tasks.rewards:math_verify_match",
-}, home="services/env/tasks/rewards.py")  # entry points rlfabric.rewards, or package.module:function in the spec
+}, home="services/env/tasks/rewards.py", check=check_reward)  # entry points rlfabric.rewards, or package.module:function in the spec
 
 
 def register_reward(name: str, fn: Reward | str) -> None:
