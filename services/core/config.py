@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.core.algorithm import ALGORITHMS, load_algorithms
-from services.core.registry import import_paths_allowed, is_literal, refuse_import_path
+from services.core.registry import IMPORT_PATHS_FLAG, import_paths_allowed, is_literal, refuse_import_path
 from services.core.spec_yaml import ConfigError, read_spec, read_spec_file
 
 
@@ -677,6 +677,11 @@ class RunConfig(_Strict):
         if not import_paths_allowed():
             for field, name in self.import_paths():
                 raise refuse_import_path(field, name)
+            if self.policy.vlm.trust_remote_code:  # a checkpoint's own modeling code: the operator's choice too
+                raise ValueError(f"policy.vlm.trust_remote_code: true runs the checkpoint's own Python on this "
+                                 f"service, and this service runs only installed code. Fix: leave it false (a "
+                                 f"transformers-native checkpoint needs none), or have the operator start every "
+                                 f"service with {IMPORT_PATHS_FLAG}")
         return self
 
     @model_validator(mode="after")

@@ -282,6 +282,7 @@ def test_a_service_without_the_flag_refuses_import_paths_even_ones_it_loaded_bef
     ("policy.name", {"policy": {"name": "os:system"}}),
     ("rollout.backend", {"rollout": {"backend": "builtins:exec"}}),
     ("rollout.collector", {"rollout": {"collector": "builtins:exec"}}),
+    ("policy.vlm.trust_remote_code", {"policy": {"name": "vlm", "vlm": {"trust_remote_code": True}}}),
 ])
 def test_a_spec_naming_code_is_refused_by_a_service_without_the_flag_and_read_by_the_users_process(
         field, spec, service_without_the_flag):
