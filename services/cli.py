@@ -742,6 +742,37 @@ def cmd_teleop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_robot(args: argparse.Namespace) -> int:
+    """What only the operator of a robot gateway does (``clear-estop``): the call carries a credential derived from
+    the operator's own secret, which no run holds."""
+    import grpc
+
+    from services.core import auth
+    from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from services.core.runtime import GRPC_OPTIONS
+
+    path = args.operator_token_file or os.environ.get(auth.OPERATOR_TOKEN_FILE_ENV, "")
+    if not path:
+        return _fail(f"clearing an e-stop takes the operator's secret: give --operator-token-file FILE (or "
+                     f"{auth.OPERATOR_TOKEN_FILE_ENV}), the file the gateway's --operator-token-file names", 2)
+    try:
+        auth.from_environment(args.token_file)
+        operator = auth.read_token_file(path)
+    except auth.AuthError as exc:
+        return _fail(str(exc), 2)
+    with auth.sync_channel(args.gateway, GRPC_OPTIONS) as channel:
+        try:
+            state = robot_gateway_pb2_grpc.RobotGatewayStub(channel).ClearEStop(
+                pb.RobotRef(robot_id=args.robot_id), timeout=15,
+                metadata=((auth.OPERATOR_METADATA_KEY, auth.operator_credential(operator)),))
+        except grpc.RpcError as exc:
+            return _fail(f"{exc.code().name}: {exc.details()}", 1)
+    console.print(f"{args.robot_id}: e-stop and faults cleared; the arm holds ({state.hold_reason or 'hold'}) "
+                  f"until a fresh command", soft_wrap=True)
+    return 0
+
+
 def cmd_export_lerobot(args: argparse.Namespace, rest: list[str]) -> int:
     from services.robot_gateway.export import main as export_main
 
@@ -867,6 +898,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--driver", default="sim", help="whose kinematics the expert uses")
     p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN)")
     _client_tls(p)
+    p = sub.add_parser("robot", help="the operator's actions on a robot gateway (clear-estop)")
+    robot = p.add_subparsers(dest="robot_command", required=True)
+    p = robot.add_parser("clear-estop", help="clear an arm's e-stop and latched faults (the operator only; the "
+                                             "arm then holds until a fresh command)")
+    p.add_argument("robot_id")
+    p.add_argument("--gateway", required=True, help="the robot gateway's HOST:PORT")
+    p.add_argument("--operator-token-file", default="", help="the operator's secret, as the gateway's "
+                                                             "--operator-token-file [env RLFABRIC_OPERATOR_TOKEN_FILE]")
+    p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN)")
+    _client_tls(p)
     sub.add_parser("export-lerobot", help="export recorded robot episodes to a LeRobot data set (its flags follow)",
                    add_help=False)
     return parser
@@ -885,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
                 "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect,
                 "import-lerobot": cmd_import_lerobot,
-                "teleop": cmd_teleop, "certs": cmd_certs, "scrape-token": cmd_scrape_token}
+                "teleop": cmd_teleop, "robot": cmd_robot, "certs": cmd_certs, "scrape-token": cmd_scrape_token}
     sys.exit(handlers[args.command](args))
 
 

@@ -12,12 +12,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+OPERATOR_SECRET = "the-operators-own-secret-not-the-deployments"  # what a test gateway's operator holds
+
+
+def as_operator(secret: str = OPERATOR_SECRET) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call made as the gateway's operator (ClearEStop takes it; a run never has it)."""
+    from services.core import auth
+
+    return ((auth.OPERATOR_METADATA_KEY, auth.operator_credential(secret)),)
+
 
 @contextmanager
-def gateway_process(workdir: Path, token: str, *args: str) -> Iterator[str]:
-    """``rlfabric serve robot_gateway`` with ``token`` (and extra flags); yields its address, stops it after. Its
-    log is ``workdir/gateway.log``."""
+def gateway_process(workdir: Path, token: str, *args: str, operator: str = OPERATOR_SECRET) -> Iterator[str]:
+    """``rlfabric serve robot_gateway`` with ``token`` (and extra flags), its operator holding ``operator`` (""
+    for none); yields its address, stops it after. Its log is ``workdir/gateway.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if operator:
+        from services.core import auth
+
+        operator_file = auth.write_token_file(workdir / "operator-token", operator)
+        args = ("--operator-token-file", str(operator_file), *args)
     port_file = workdir / "port"
     port_file.unlink(missing_ok=True)
     log_path = workdir / "gateway.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the gateway
@@ -74,7 +88,7 @@ def gateway_in_process(**service_kwargs) -> Iterator[tuple]:
 
     async def serve() -> None:
         server = grpc.aio.server()
-        made["service"] = RobotGatewayService(runtime, **service_kwargs)
+        made["service"] = RobotGatewayService(runtime, **{"operator_secret": OPERATOR_SECRET, **service_kwargs})
         robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(made["service"], server)
         made["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()

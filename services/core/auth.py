@@ -167,6 +167,26 @@ def current() -> Security:
     return _current
 
 
+OPERATOR_METADATA_KEY = "rlfabric-operator"
+OPERATOR_TOKEN_FILE_ENV = "RLFABRIC_OPERATOR_TOKEN_FILE"
+
+
+def operator_credential(operator_secret: str) -> str:
+    """What a call that acts as the operator carries (``rlfabric-operator`` metadata, beside the deployment's
+    bearer): derived from the operator's own secret, which run services never hold, so a token holder cannot
+    present it. Clearing a robot's e-stop or latched fault takes it."""
+    return base64.urlsafe_b64encode(derive(operator_secret, "rlfabric/robot-operator")).rstrip(b"=").decode()
+
+
+def operator_accepts(operator_secret: str, value: str | bytes | None) -> bool:
+    """Constant-time check of a call's operator credential; with no operator secret, nothing is accepted."""
+    if not operator_secret:
+        return False
+    if isinstance(value, str):
+        value = value.encode(errors="replace")
+    return hmac.compare_digest(value or b"", operator_credential(operator_secret).encode())
+
+
 def generate_token() -> str:
     return secrets.token_urlsafe(32)
 
@@ -536,7 +556,8 @@ def metrics_headers(security: Security | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {security.scrape_token}"} if security.token else {}
 
 
-__all__ = ["AuthError", "MetricsServer", "Security", "TLSFiles", "TokenInterceptor", "add_port", "aio_channel",
+__all__ = ["OPERATOR_METADATA_KEY", "OPERATOR_TOKEN_FILE_ENV", "AuthError", "MetricsServer", "Security", "TLSFiles",
+           "TokenInterceptor", "add_port", "aio_channel", "operator_accepts", "operator_credential",
            "configure", "current", "derive", "from_environment", "generate_token", "is_loopback", "read_token_file",
            "secure_client_socket", "secure_server_socket", "server_ssl_context", "start_metrics_server",
            "sync_channel", "write_private_file", "write_token_file", "metrics_headers"]

@@ -7,8 +7,8 @@ the loop skips to the next deadline ahead instead of bursting). The thread asks 
 pinned core and says what it got.
 
 What the arm does each tick, in order of precedence:
-    e-stop latched     hold, until ClearEStop
-    fault latched      hold, until ClearEStop (a jump, a workspace exit, a malformed command)
+    e-stop latched     hold, until the operator's ClearEStop
+    fault latched      hold, until the operator's ClearEStop (a jump, a workspace exit, a malformed command)
     no valid command   hold, once the newest command is older than the watchdog window (or none came yet)
     otherwise          the newest command through the safety filter
 A hold keeps the current target: the last target sent (the measured position only before any was), never the

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from services.core import auth
 from services.core.config import ConfigError, StorageConfig
 from services.core.objectstore import ObjectStore, open_store
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
@@ -106,7 +107,9 @@ def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
 
 class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     def __init__(self, runtime: ServiceRuntime, storage: StorageConfig | None = None,
-                 storage_default_root: str = "recordings", replay_endpoints: frozenset[str] = frozenset()):
+                 storage_default_root: str = "recordings", replay_endpoints: frozenset[str] = frozenset(),
+                 operator_secret: str = ""):
+        self.operator_secret = operator_secret  # --operator-token-file: what clearing a latch takes (never a run's)
         self.loops: dict[str, ControlLoop] = {}
         self.drivers: dict[str, str] = {}
         self.devices: dict[str, Device] = {}  # by device key
@@ -279,7 +282,8 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             loop.set_limits(stretched(device.limits, loop.hard, loop.target)
                             if device.limits.position_min.shape == loop.hard.position_min.shape else loop.hard)
             loop.latch_fault(f"the limits kept for device {device.key} do not fit it now ({exc}); they were widened "
-                             f"just enough to hold the arm. Fix: check the arm, SetLimits, then ClearEStop")
+                             f"just enough to hold the arm. Fix: check the arm, SetLimits, then the operator clears it "
+                             f"(rlfabric robot clear-estop)")
 
     async def Disconnect(self, request, context):
         async with self._id_lock(request.robot_id):
@@ -438,8 +442,26 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         return state_message(request.robot_id, await self._next_tick(loop, time.monotonic()))
 
     async def ClearEStop(self, request, context):
+        """Only the operator clears an e-stop or a latched fault (a deliberate human act, as ISO 13850 asks): the
+        call carries the operator's credential beside the deployment's bearer, which every run holds. Clearing
+        moves nothing: the arm holds until a fresh command arrives."""
+        rid = request.robot_id[:200]
+        if not self.operator_secret:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"ClearEStop of {rid!r}: this gateway was started without an operator secret, so no "
+                                f"call may clear a latch. Fix: restart it with --operator-token-file FILE (a secret "
+                                f"of the operator's, not the deployment's token) and clear with `rlfabric robot "
+                                f"clear-estop {rid} --gateway ADDRESS --operator-token-file FILE`")
+        metadata = dict(context.invocation_metadata() or ())
+        if not auth.operator_accepts(self.operator_secret, metadata.get(auth.OPERATOR_METADATA_KEY)):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"ClearEStop of {rid!r} takes the operator's credential: the deployment's token, "
+                                f"which every run holds, cannot clear an e-stop or a latched fault. Fix: the "
+                                f"operator checks the arm, then runs `rlfabric robot clear-estop {rid} --gateway "
+                                f"ADDRESS --operator-token-file FILE`")
         loop = await self._loop(request.robot_id, context)
         loop.clear()
+        log.warning("e-stop and faults cleared by the operator", extra={"robot": rid})
         return state_message(request.robot_id, await self._next_tick(loop, time.monotonic()))
 
     @staticmethod
@@ -583,6 +605,10 @@ def _storage_args(parser) -> None:
     parser.add_argument("--storage-bucket", default="rlfabric", help="S3 bucket")
     parser.add_argument("--storage-prefix", default="", help="key prefix inside the bucket")
     parser.add_argument("--storage-secure", default="false", choices=("true", "false"), help="S3 over TLS")
+    parser.add_argument("--operator-token-file", default="",
+                        help="a file holding the operator's own secret (not the deployment's token): ClearEStop "
+                             "takes a credential derived from it, so no run can clear an e-stop or a fault; "
+                             "without it no call can clear one")
     parser.add_argument("--replay-endpoints", default="",
                         help="comma-separated replay data-plane endpoints (tcp://host:port) a StartRecording may "
                              "name; none by default (a client never chooses where the gateway connects)")
@@ -610,8 +636,19 @@ async def _build(runtime: ServiceRuntime, args) -> None:
     except ValueError as exc:
         raise SystemExit(f"rlfabric serve robot_gateway: error: --replay-endpoints: {exc}. Fix: give "
                          f"tcp://host:port[,...]") from None
+    operator = ""
+    if args.operator_token_file:
+        try:
+            operator = auth.read_token_file(args.operator_token_file)
+        except auth.AuthError as exc:
+            raise SystemExit(f"rlfabric serve robot_gateway: error: --operator-token-file: {exc}") from None
+        if len(operator) < auth.MIN_TOKEN_CHARS or operator == auth.current().token:
+            raise SystemExit("rlfabric serve robot_gateway: error: --operator-token-file must hold a secret of at "
+                             f"least {auth.MIN_TOKEN_CHARS} characters that is not the deployment's token (every "
+                             "run holds that one). Fix: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+                             " > FILE; chmod 600 FILE")
     robot_gateway_pb2_grpc.add_RobotGatewayServicer_to_server(
-        RobotGatewayService(runtime, storage, args.storage_root, allowed), runtime.server)
+        RobotGatewayService(runtime, storage, args.storage_root, allowed, operator), runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ from services.core.config import EnvConfig  # noqa: E402
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
 from services.env.pool import EnvPool  # noqa: E402
 from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
-from tests.robot_support import gateway_process  # noqa: E402
+from tests.robot_support import as_operator, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # real-time chunking against a 100 Hz arm: never beside another test
 
@@ -74,19 +74,57 @@ def test_a_scripted_policy_reaches_targets_through_the_gateway(gateway_address):
         pool.close()
 
 
-def test_a_gateway_hold_ends_the_episode_with_its_reason(gateway_address):
+def estopped_env(address: str, latch_wait_s: float):
+    """A one-arm robot env, reset, whose arm a token holder has just e-stopped; and the arm's RobotRef."""
     from services.env.adapters.robot import RobotVectorEnv
 
     auth.configure(TOKEN)
     env = RobotVectorEnv(EnvConfig(adapter="robot", id="reach", num_envs=1,
-                                   options={"gateway": gateway_address, "hz": 100}), 1)
+                                   options={"gateway": address, "hz": 100, "latch_wait_s": latch_wait_s}), 1)
+    env.reset(seed=1)
+    env.stub.EStop(pb.EStopRequest(robot_id=env.ids[0], reason="operator"), timeout=5)
+    return env, pb.RobotRef(robot_id=env.ids[0])
+
+
+def test_an_estop_ends_the_episode_and_the_reset_never_clears_it(gateway_address):
+    """Training never clears an operator's e-stop: the auto-reset waits (env.options.latch_wait_s) with the arm held
+    still, then fails naming the arm and the fix; the latch is still there after."""
+    env, ref = estopped_env(gateway_address, latch_wait_s=1.5)
     try:
-        env.reset(seed=1)
-        env.stub.EStop(pb.EStopRequest(robot_id=env.ids[0], reason="operator"), timeout=5)
-        _, _, terminated, truncated, info = env.step(np.zeros((1, 3), np.float32))
+        before = np.asarray(env.stub.GetState(ref, timeout=5).position)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            env.step(np.ones((1, 3), np.float32))  # the episode ends in the hold; its reset waits, then gives up
+        assert time.monotonic() - t0 >= 1.5
+        assert env.ids[0] in str(err.value) and "rlfabric robot clear-estop" in str(err.value)
+        state = env.stub.GetState(ref, timeout=5)
+        assert state.estopped and state.holding and state.hold_reason == "e-stop"
+        assert np.abs(np.asarray(state.position) - before).max() < 1e-3
+    finally:
+        env.close()
+
+
+def test_once_the_operator_clears_the_estop_the_waiting_reset_walks_the_arm_back(gateway_address):
+    import threading
+
+    env, ref = estopped_env(gateway_address, latch_wait_s=20)
+    try:
+        positions = []
+
+        def operator() -> None:  # watches the held arm for a second, then clears it as the operator
+            for _ in range(20):
+                positions.append(np.asarray(env.stub.GetState(ref, timeout=5).position))
+                time.sleep(0.05)
+            env.stub.ClearEStop(ref, timeout=5, metadata=as_operator())
+
+        clearing = threading.Thread(target=operator)
+        clearing.start()
+        _, _, terminated, truncated, info = env.step(np.ones((1, 3), np.float32))
+        clearing.join()
         assert truncated[0] and not terminated[0] and info["hold_reason"][0] == "e-stop"
-        state = env.stub.GetState(pb.RobotRef(robot_id=env.ids[0]), timeout=5)
-        assert not state.estopped  # the auto-reset cleared it and walked the arm back
+        assert np.abs(np.asarray(positions) - positions[0]).max() < 1e-3  # still while the reset waited
+        state = env.stub.GetState(ref, timeout=5)
+        assert not state.estopped and np.abs(np.asarray(state.target) - env.start).max() < 1e-6  # walked back
     finally:
         env.close()
     from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc

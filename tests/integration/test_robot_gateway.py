@@ -20,7 +20,7 @@ from services.core import auth  # noqa: E402
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
 from services.core.runtime import GRPC_OPTIONS  # noqa: E402
-from tests.robot_support import gateway_process  # noqa: E402
+from tests.robot_support import OPERATOR_SECRET, as_operator, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a 100 Hz deadline loop: timed, so never beside another test
 
@@ -117,7 +117,12 @@ def test_estop_latches_and_limits_cannot_be_widened_through_the_api(gateway):
     assert stopped.estopped and stopped.holding and stopped.hold_reason == "e-stop"
     states = stub.Control(iter([pb.JointCommand(robot_id="arm", seq=1, position=START)]), timeout=5)
     assert all(s.estopped and s.holding for s, _ in zip(states, range(10), strict=False))
-    cleared = stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5)
+    for metadata in ((), as_operator("a-guess-at-the-operators-secret")):  # a token holder's, a wrong one
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "clear-estop" in err.value.details()
+    assert stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).estopped
+    cleared = stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=as_operator())
     assert not cleared.estopped and cleared.holding  # no fresh command yet
 
     hard = info.limits
@@ -139,7 +144,7 @@ def test_a_scripted_expert_takes_over_when_the_policy_drifts_and_hands_back(gate
     import threading
 
     address, stub, info = gateway
-    stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5)
+    stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=as_operator())
     stub.SetLimits(pb.SafetyLimits(robot_id="arm", jump_max=info.limits.jump_max), timeout=5)
     expert_events: queue.Queue = queue.Queue()
     watch = stub.StreamInterventions(pb.RobotRef(robot_id="arm"), timeout=20)
@@ -214,3 +219,26 @@ def test_disconnect_stops_and_frees_a_robot(gateway):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     stub.Connect(pb.ConnectRequest(robot_id="spare", driver="sim"), timeout=30)  # the id is free again
     stub.Disconnect(pb.RobotRef(robot_id="spare"), timeout=10)
+
+
+def test_rlfabric_robot_clear_estop_clears_with_the_operators_file_and_only_with_it(gateway, tmp_path):
+    address, stub, _ = gateway
+    assert stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5).estopped
+    right = auth.write_token_file(tmp_path / "operator", OPERATOR_SECRET)
+    wrong = auth.write_token_file(tmp_path / "guess", "a-guess-at-the-operators-secret")
+
+    def clear(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
+        return subprocess.run([sys.executable, "-m", "services.cli", "robot", "clear-estop", "arm", "--gateway",
+                               address, *args], env={**env, "RLFABRIC_TOKEN": TOKEN}, capture_output=True,
+                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+    missing = clear()
+    assert missing.returncode == 2 and "--operator-token-file" in missing.stderr + missing.stdout
+    refused = clear("--operator-token-file", str(wrong))
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr + refused.stdout
+    assert stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).estopped
+    cleared = clear("--operator-token-file", str(right))
+    assert cleared.returncode == 0, cleared.stderr
+    state = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)
+    assert not state.estopped and state.holding  # cleared, and still holding until a fresh command

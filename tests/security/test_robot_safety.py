@@ -117,7 +117,7 @@ from services.robot_gateway.drivers import register_driver  # noqa: E402
 from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
 from services.robot_gateway.loop import ControlLoop  # noqa: E402
 from services.robot_gateway.recording import Recorder  # noqa: E402
-from tests.robot_support import gateway_in_process, gateway_process  # noqa: E402
+from tests.robot_support import as_operator, gateway_in_process, gateway_process  # noqa: E402
 
 # every test below drives a live 100 Hz gateway loop: timed, so never beside another test
 live_loop = pytest.mark.serial
@@ -253,7 +253,7 @@ def test_the_estop_latch_and_narrowed_limits_survive_disconnect_and_connect(gate
     assert state.estopped and state.holding, state  # no ClearEStop: still latched
     kept = stub.SetLimits(pb.SafetyLimits(robot_id="arm"), timeout=5)
     assert list(kept.velocity_max) == list(narrowed.velocity_max) and kept.jump_max == pytest.approx(0.2)
-    assert not stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5).estopped
+    assert not stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=as_operator()).estopped
 
 
 @live_loop
@@ -335,7 +335,7 @@ def test_estop_answers_within_a_tick_while_a_driver_builds_or_closes_for_seconds
         took_build = time.monotonic() - t0
         assert not slow.done()
         slow.result(timeout=30)
-        stub.ClearEStop(pb.RobotRef(robot_id="fast"), timeout=5)
+        stub.ClearEStop(pb.RobotRef(robot_id="fast"), timeout=5, metadata=as_operator())
         gone = pool.submit(stub.Disconnect, pb.RobotRef(robot_id="slow"), timeout=30)
         time.sleep(0.5)  # the slow close is running now
         t0 = time.monotonic()

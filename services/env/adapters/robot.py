@@ -13,8 +13,11 @@ moved by up to ``start_noise`` rad at random. Every step reports whether a human
 that was executed in the policy's units (``info["intervened"]``, ``info["executed_action"]``): the rollout sends
 intervened steps to replay's "interventions" source. One
 vector step commands every robot, then waits for the first state of each that used its command (one control tick).
-A latched hold the gateway imposes (fault, e-stop) ends the episode as truncated with the reason in ``info["hold_reason"]``; reset clears it and walks the arm back
-to its start pose within the gateway's limits.
+A latched hold the gateway imposes (fault, e-stop) ends the episode as truncated with the reason in
+``info["hold_reason"]``. Training never clears one: only the gateway's operator does (``rlfabric robot
+clear-estop``). The reset of an arm that is still latched waits for that, up to ``latch_wait_s`` (keep it below
+data_plane.timeout_s), with the arm held still, and then fails the step with the arm's id and the fix; once the latch
+is cleared the reset walks the arm back to its start pose within the gateway's limits.
 
 Camera (``camera: S``): the gateway renders each arm's camera at S x S pixels and serves the newest frame on its
 camera data plane (ZeroMQ, never gRPC); the observation becomes a Dict of ``state`` (the vector above) and
@@ -59,7 +62,8 @@ from services.robot_gateway.cameras import FRAME_BYTES
 collector = "gym"  # rollout.collector auto: gym stepping (the gateway keeps its own deadlines)
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
            "action_scale": (int, float), "success_distance": (int, float), "start": str, "spin_s": (int, float),
-           "start_noise": (int, float), "target": str, "realtime_chunks": bool, "camera": int}
+           "start_noise": (int, float), "target": str, "realtime_chunks": bool, "camera": int,
+           "latch_wait_s": (int, float)}
 TASKS = ("reach",)
 log = logging.getLogger(__name__)
 _pools = itertools.count()
@@ -71,7 +75,8 @@ def _options(env_cfg: Any) -> dict[str, Any]:
         raise ValueError(f"env.options {unknown} are not robot options; use {sorted(OPTIONS)}")
     opts = {"gateway": "", "driver": "sim", "hz": 50, "watchdog_s": 0.2,
             "episode_steps": 100, "action_scale": 0.05, "success_distance": 0.05, "start": "0,-0.3,0.6",
-            "spin_s": -1, "start_noise": 0.0, "target": "random", "realtime_chunks": False, "camera": 0} | dict(env_cfg.options)
+            "spin_s": -1, "start_noise": 0.0, "target": "random", "realtime_chunks": False, "camera": 0,
+            "latch_wait_s": 10.0} | dict(env_cfg.options)
     for key, kind in OPTIONS.items():
         if not isinstance(opts[key], kind) or (isinstance(opts[key], bool) and kind is not bool):
             raise ValueError(f"env.options.{key}={opts[key]!r}: expected {kind}")
@@ -85,6 +90,9 @@ def _options(env_cfg: Any) -> dict[str, Any]:
     if not 0 <= opts["start_noise"] <= 1:
         raise ValueError(f"env.options.start_noise={opts['start_noise']}: give 0..1 rad (each joint's start is "
                          f"drawn within +-start_noise of start)")
+    if not 0 <= opts["latch_wait_s"] <= 3600:
+        raise ValueError(f"env.options.latch_wait_s={opts['latch_wait_s']}: give 0..3600 s (how long a reset waits "
+                         f"for the operator to clear an arm's e-stop; below data_plane.timeout_s)")
     if opts["camera"] and not 8 <= opts["camera"] <= 256:
         raise ValueError(f"env.options.camera={opts['camera']}: give the frame size in pixels (8..256), or 0 for no "
                          f"camera")
@@ -228,10 +236,34 @@ class RobotVectorEnv(gym.vector.VectorEnv):
             return np.stack(observations)
         return {k: np.stack([o[k] for o in observations]) for k in ("image", "state")}
 
+    def _unlatched(self, i: int):
+        """The arm's state once no e-stop or fault is latched on it. Training never clears one (ISO 13850: a
+        deliberate human act resets an e-stop): it waits ``latch_wait_s`` for the operator, the arm held still by
+        the gateway, then fails naming the arm and the fix."""
+        ref = self.pb.RobotRef(robot_id=self.ids[i])
+        state = self.stub.GetState(ref, timeout=10)
+        if not (state.estopped or state.fault):
+            return state
+        what = "e-stopped" if state.estopped else f"held by a latched fault ({state.fault})"
+        fix = (f"the operator checks the arm, then runs `rlfabric robot clear-estop {self.ids[i]} --gateway "
+               f"{self.opts['gateway']} --operator-token-file FILE`")
+        log.warning("robot %s is %s: the run waits for the operator (up to %g s). Fix: %s", self.ids[i], what,
+                    self.opts["latch_wait_s"], fix)
+        deadline = time.monotonic() + self.opts["latch_wait_s"]
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            state = self.stub.GetState(ref, timeout=10)
+            if not (state.estopped or state.fault):
+                log.warning("robot %s was cleared by the operator: the run goes on", self.ids[i])
+                return state
+        raise RuntimeError(f"robot {self.ids[i]} is {what}, and training never clears an operator's e-stop or a "
+                           f"latched fault; it waited {self.opts['latch_wait_s']:g} s (env.options.latch_wait_s). "
+                           f"Fix: {fix}; then `rlfabric resume RUN_DIR` continues the run")
+
     def _reset_one(self, i: int) -> np.ndarray:
-        """Clear any hold, walk back to the start pose (steps the gateway accepts), draw a reachable target."""
-        self.stub.ClearEStop(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
-        state = self.stub.GetState(self.pb.RobotRef(robot_id=self.ids[i]), timeout=10)
+        """Walk back to the start pose (steps the gateway accepts) once nothing latched holds the arm, draw a
+        reachable target."""
+        state = self._unlatched(i)
         target = np.asarray(state.position)
         noise = self.opts["start_noise"]
         start = self.start + (self.rng.uniform(-noise, noise, self.start.shape) if noise else 0.0)
