@@ -111,21 +111,23 @@ async def _random_calls(address: str, count: int, concurrency: int = 128) -> dic
     return codes
 
 
-def test_100k_random_method_names_leave_the_service_rss_flat_and_the_rpc_counter_bounded(service):
-    """Finding 5: the RPC counter labelled each call with the path the caller sent, before the token check."""
+def test_30k_random_method_names_leave_the_service_rss_flat_and_the_rpc_counter_bounded(service):
+    """Finding 5: the RPC counter labelled each call with the path the caller sent, before the token check. A label
+    per distinct name costs over 1 KiB, so 30k calls would grow RSS past the 10 MiB bound (100k calls, its first
+    form, took 35-110 s of the fast tier on 2 cores and proved no more)."""
     address, pid, metrics_port, _ = service
     asyncio.run(_random_calls(address, 5_000))  # warm-up: arenas, caches, the counter's one "unknown" child
     before = _rss_kib(pid)
     started = time.monotonic()
-    codes = asyncio.run(_random_calls(address, 100_000))
+    codes = asyncio.run(_random_calls(address, 30_000))
     elapsed = time.monotonic() - started
     after = _rss_kib(pid)
-    assert after - before < 10 * 1024, f"RSS grew {(after - before) / 1024:.1f} MiB over 100k calls ({elapsed:.0f} s)"
+    assert after - before < 10 * 1024, f"RSS grew {(after - before) / 1024:.1f} MiB over 30k calls ({elapsed:.0f} s)"
     methods = {line.split('method="', 1)[1].split('"', 1)[0] for line in _rpc_series(metrics_port)}
     assert len(methods) < 20 and not any(m.startswith("M") for m in methods), len(methods)  # no caller's label
     assert "unknown" in methods
     # a stranger learns nothing, not even that a method does not exist; a token holder is told it does not
-    assert codes == {"UNAUTHENTICATED": 50_000, "UNIMPLEMENTED": 50_000}, codes
+    assert codes == {"UNAUTHENTICATED": 15_000, "UNIMPLEMENTED": 15_000}, codes
 
 
 def test_a_call_without_the_token_is_refused_before_anything_counts_it(service):
