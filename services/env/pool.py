@@ -236,3 +236,24 @@ class EnvPools:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
+
+
+def add_host_arguments(parser) -> None:
+    """The operator's flags of a worker that hosts env pools (the env service; a rollout worker in collocated
+    plans): where a spec's files may be, which endpoints it may name, and the most its rewards may take."""
+    from services.core.paths import add_arguments
+    from services.env import reward_pool
+
+    add_arguments(parser)
+    reward_pool.add_arguments(parser)
+
+
+def apply_host_arguments(args) -> None:
+    """This process's env pools follow those flags: data-set files (and corpora) only under --data-root, rewards
+    within the operator's limits."""
+    from services.core.paths import DataRoots
+    from services.env import reward_pool
+    from services.env.tasks.dataset import set_data_roots
+
+    set_data_roots(DataRoots.parse(args.data_root))
+    reward_pool.apply_arguments(args)

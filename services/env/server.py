@@ -19,12 +19,11 @@ from services.core.batch import TensorBatch
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataServer, Reply
 from services.core.ownership import check_owner
-from services.core.paths import add_arguments as add_path_arguments
 from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
 from services.env.adapters.gymnasium import UnknownEnvError, bounds
-from services.env.pool import EnvPools
+from services.env.pool import EnvPools, add_host_arguments, apply_host_arguments
 
 log = logging.getLogger(__name__)
 ENV_STEPS = Counter("rlfabric_env_steps_total", "env steps simulated", ["pool"])
@@ -125,17 +124,14 @@ class EnvService(env_pb2_grpc.EnvServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
-    from services.core.paths import DataRoots
-    from services.env.tasks.dataset import set_data_roots
-
-    set_data_roots(DataRoots.parse(args.data_root))  # data-set tasks read their files (and corpora) under these
+    apply_host_arguments(args)
     env_pb2_grpc.add_EnvServicer_to_server(EnvService(runtime, args.host), runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
     # Every worker takes the operator's --data-root and --allow-endpoints (a launcher passes them to all alike);
     # the env service reads data-set files only under --data-root and connects to no endpoint a run spec names.
-    run_service("env", _build, argv, add_path_arguments)
+    run_service("env", _build, argv, add_host_arguments)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ from prometheus_client import Counter, Gauge
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import PeerTimeout, RemoteError
 from services.core.ownership import check_owner
-from services.core.paths import DataRoots, Endpoints, add_arguments, confine_model, confine_storage
+from services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
 from services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.core.stats import episode_stats
+from services.env.pool import add_host_arguments, apply_host_arguments
 from services.rollout.worker import CollectResult, RolloutWorker, Stopped
 
 log = logging.getLogger(__name__)
@@ -205,12 +206,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
+    apply_host_arguments(args)  # collocated plans host the run's env pools (and their files, rewards) here
     service = RolloutService(runtime, DataRoots.parse(args.data_root), Endpoints.parse(args.allow_endpoints))
     rollout_pb2_grpc.add_RolloutServicer_to_server(service, runtime.server)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_service("rollout", _build, argv, add_arguments)
+    run_service("rollout", _build, argv, add_host_arguments)
 
 
 if __name__ == "__main__":

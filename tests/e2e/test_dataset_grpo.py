@@ -1,5 +1,5 @@
 """A config-only GRPO run on a user's JSONL file with a user's ``module:function`` reward that, for some rows,
-sleeps forever, raises, or exits its process: ``rlfabric train`` exits 0, the env service that ran the rewards
+sleeps forever, raises (KeyboardInterrupt too), or exits its process: ``rlfabric train`` exits 0, the env service that ran the rewards
 is still SERVING (and was never restarted), metrics.csv's ``reward_failures`` counts every failed sample, the env
 log names each one, and no reward worker outlives the stack."""
 
@@ -21,7 +21,7 @@ from services.coordinator.client import CoordinatorClient
 from services.core.healthcheck import check
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 
-MODES = ["ok", "sleep", "raise", "exit"]
+MODES = ["ok", "sleep", "raise", "exit", "interrupt"]
 REWARD = """
     import os
     import time
@@ -35,12 +35,15 @@ REWARD = """
             raise ValueError("this row confuses the judge")
         if mode == "exit":
             os._exit(3)
+        if mode == "interrupt":  # once took the env service's data plane down with it
+            raise KeyboardInterrupt
         return 1.0 if completion.strip() == answer else 0.0
 """
 
 
 def _up(tmp_path, env: dict) -> tuple[subprocess.Popen, str, CoordinatorClient]:
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs"),
+                           "--allow-import-paths"],  # the spec names its reward as module:function
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env)
     address = up.stdout.readline().strip()
     client = CoordinatorClient(address, token_file=str(tmp_path / "runs" / ".rlfabric" / "token"))
@@ -57,7 +60,7 @@ def test_hostile_rewards_cost_their_samples_and_the_env_service_keeps_serving(tm
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "rlf_e2e_judge.py").write_text(textwrap.dedent(REWARD))
     calls = tmp_path / "calls"
-    train = tmp_path / "train.jsonl"  # 4 rows: one of each mode; every prompt is answered by a group of 4 samples
+    train = tmp_path / "train.jsonl"  # a row of each mode; every prompt is answered by a group of 4 samples
     train.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "answer": str(2 * i), "mode": m}) + "\n"
                              for i, m in enumerate(MODES)))
     held = tmp_path / "held_out.jsonl"  # evaluation scores only well-behaved rows

@@ -20,9 +20,34 @@ from services.env.reward_pool import RewardCall, RewardPool
 REWARD = "rlf_hostile_reward:judge"
 HOSTILE = """
     import os
+    import socket
+    import subprocess
     import time
 
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no message for you")
+
     def judge(prompt, completion, answer, **fields):
+        if completion == "interrupt":
+            raise KeyboardInterrupt
+        if completion == "unprintable":
+            raise Unprintable()
+        if completion in ("spawn", "spawn_hang"):  # a child left behind: returning, or hung past the timeout
+            child = subprocess.Popen(["sleep", "1000"])
+            with open(os.environ["RLF_CHILDREN"], "a") as f:
+                f.write(f"{child.pid}\\n")
+            if completion == "spawn_hang":
+                time.sleep(10_000)
+            return 0.5
+        if completion == "daemon":  # a grandchild whose parent exits at once: no longer the worker's child
+            out = subprocess.run(["sh", "-c", "sleep 1000 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+            with open(os.environ["RLF_CHILDREN"], "a") as f:
+                f.write(out.stdout)
+            return 0.5
+        if completion == "socket":
+            socket.create_connection(("127.0.0.1", int(os.environ["RLF_PORT"])), timeout=2).close()
+            return 1.0
         if completion == "sleep":
             time.sleep(10_000)
         if completion == "raise":
@@ -158,3 +183,62 @@ def test_a_step_of_hung_rewards_ends_by_its_step_deadline(hostile, caplog):
         assert [s.value for s in pool.score(_calls(["42"]), 1.0, 0.0, 2.0)] == [1.0]
     finally:
         pool.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_no_process_a_reward_starts_outlives_its_call_and_nothing_it_raises_escapes(hostile, tmp_path, monkeypatch,
+                                                                                       caplog):
+    """KeyboardInterrupt, an exception whose message raises, a child left behind, a grandchild of a shell that
+    exited, and a child of a call that hangs past its timeout: each call ends with everything it started."""
+    children = tmp_path / "children"
+    monkeypatch.setenv("RLF_CHILDREN", str(children))
+    pool = RewardPool(workers=2, memory_mb=1024)
+    try:
+        pool.resolve(REWARD, REWARD)
+        with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
+            scored = pool.score(_calls(["interrupt", "unprintable", "spawn", "daemon", "spawn_hang", "42"]),
+                                timeout_s=2.0, failure_reward=-1.0)
+        assert [(s.value, s.failure) for s in scored] == [
+            (-1.0, "raised"), (-1.0, "raised"), (0.5, None), (0.5, None), (-1.0, "timeout"), (1.0, None)]
+        lines = " ".join(r.getMessage() for r in caplog.records)
+        assert "KeyboardInterrupt" in lines and "Unprintable (its message could not be read)" in lines
+        pids = [int(p) for p in children.read_text().split()]
+        assert len(pids) == 3
+        deadline = time.monotonic() + 5
+        while any(_running(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if _running(p)]
+            time.sleep(0.05)
+        assert [s.value for s in pool.score(_calls(["42", "41"]), 2.0, -1.0)] == [1.0, 0.0]  # still working
+    finally:
+        pool.close()
+
+
+def test_a_reward_reaches_no_host_where_the_kernel_gives_it_a_network_namespace(hostile, monkeypatch):
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    monkeypatch.setenv("RLF_PORT", str(listener.getsockname()[1]))
+    pool = RewardPool(workers=1, memory_mb=1024)
+    try:
+        pool.resolve(REWARD, REWARD)
+        [scored] = pool.score(_calls(["socket"]), timeout_s=5.0, failure_reward=-1.0)
+        why = next((w for w in pool.network().values() if w), "")
+    finally:
+        pool.close()
+    if why:
+        pytest.skip(f"this kernel gives the reward workers no network namespace ({why}): run as root or with "
+                    f"unprivileged user namespaces (docs/deployment.md)")
+    assert scored.failure == "raised" and scored.value == -1.0
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nothing connected
+    listener.close()

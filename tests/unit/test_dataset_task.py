@@ -104,6 +104,26 @@ def test_bad_options_and_rows_name_the_option_the_row_and_the_fix(data, options,
         text.check(_env(**options))
 
 
+def test_a_spec_may_lower_the_operators_reward_limits_never_lift_them(data):
+    from services.env import reward_pool
+    from services.env.adapters import text
+
+    reward_pool.set_operator_limits(reward_pool.OperatorLimits(memory_mb=1024, timeout_s=5.0))
+    try:
+        for options, message in (({"reward_memory_mb": 0}, r"reward_memory_mb=0: MiB in \[256, 1024\].*--reward-memory-mb"),
+                                 ({"reward_memory_mb": 4096}, r"reward_memory_mb=4096.*never lift it"),
+                                 ({"reward_timeout_s": 10.0}, r"reward_timeout_s=10.0: seconds in \(0, 5\].*"
+                                                              r"--reward-timeout-s")):
+            with pytest.raises(ValueError, match=message):
+                text.check(_env(path=data, prompt_field="question", **options))
+        opts, _ = text._options(_env(path=data, prompt_field="question", reward_timeout_s=2.0))
+        assert opts["reward_memory_mb"] == 1024  # the operator's limit, unless the spec asks less
+        opts, _ = text._options(_env(path=data, prompt_field="question", reward_memory_mb=512, reward_timeout_s=2.0))
+        assert opts["reward_memory_mb"] == 512
+    finally:
+        reward_pool.set_operator_limits(reward_pool.OperatorLimits())
+
+
 def test_a_row_missing_its_answer_is_named_by_number(tmp_path):
     path = _jsonl(tmp_path / "gap.jsonl", [*ROWS[:5], {"question": "What?"}, *ROWS[5:10]])
     with pytest.raises(ValueError, match=r"row 5 has no 'answer' field"):

@@ -50,8 +50,8 @@ ADAPTER_OPTIONS: dict[str, tuple[type, Any, str]] = {
     "reward_step_timeout_s": (float, 20.0, "seconds one env step may spend scoring all its answers, queueing "
                                            "included; answers unscored by then score failure_reward. Keep it under "
                                            "data_plane.timeout_s (default 20)"),
-    "reward_memory_mb": (int, 2048, "address-space limit of each reward worker process, in MiB; 0 for none "
-                                    "(default 2048)"),
+    "reward_memory_mb": (int, 0, "address-space limit of each reward worker process, in MiB, at most the "
+                                 "service operator's --reward-memory-mb (default: that limit, 2048 unless set)"),
     "reward_workers": (int, 2, "reward worker processes per env process (default 2)"),
     "failure_reward": (float, 0.0, "the reward of a sample whose reward raised, timed out or killed its worker "
                                    "(default 0.0)"),
@@ -132,14 +132,21 @@ def _options(env_cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"env.options.max_turns={opts['max_turns']}: in [1, 64]")
     if not 16 <= opts["max_chars"] <= 1 << 16:
         raise ValueError(f"env.options.max_chars={opts['max_chars']}: in [16, 65536]")
-    if not 0 < opts["reward_timeout_s"] <= 3600:
-        raise ValueError(f"env.options.reward_timeout_s={opts['reward_timeout_s']}: seconds in (0, 3600]")
+    limits = reward_pool.operator_limits()
+    if "reward_timeout_s" not in given:
+        opts["reward_timeout_s"] = min(opts["reward_timeout_s"], limits.timeout_s)
+    if not 0 < opts["reward_timeout_s"] <= limits.timeout_s:
+        raise ValueError(f"env.options.reward_timeout_s={opts['reward_timeout_s']}: seconds in (0, "
+                         f"{limits.timeout_s:g}], the most this service's operator allows (--reward-timeout-s)")
     if not opts["reward_timeout_s"] <= opts["reward_step_timeout_s"] <= 3600:
         raise ValueError(f"env.options.reward_step_timeout_s={opts['reward_step_timeout_s']}: seconds in "
                          f"[reward_timeout_s={opts['reward_timeout_s']}, 3600] (a step waits for at least one call)")
-    if not (opts["reward_memory_mb"] == 0 or 256 <= opts["reward_memory_mb"] <= 1 << 20):
-        raise ValueError(f"env.options.reward_memory_mb={opts['reward_memory_mb']}: MiB in [256, 1048576], or 0 "
-                         f"for no limit")
+    if "reward_memory_mb" not in given:
+        opts["reward_memory_mb"] = limits.memory_mb
+    elif not 256 <= opts["reward_memory_mb"] <= (limits.memory_mb or 1 << 20):
+        raise ValueError(f"env.options.reward_memory_mb={opts['reward_memory_mb']}: MiB in [256, "
+                         f"{limits.memory_mb or 1 << 20}]; a run spec may lower this service operator's limit "
+                         f"(--reward-memory-mb), never lift it")
     if not 1 <= opts["reward_workers"] <= 64:
         raise ValueError(f"env.options.reward_workers={opts['reward_workers']}: processes in [1, 64]")
     for key in _required(cls) - set(task_opts):
