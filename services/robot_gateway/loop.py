@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.robot_gateway.drivers import Driver
 from services.robot_gateway.safety import LimitError, Limits, SafetyFilter
+from services.robot_gateway.series import robot_series
 
 log = logging.getLogger(__name__)
 BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 1.0)
@@ -103,6 +104,8 @@ class _Command:
 class ControlLoop:
     def __init__(self, robot_id: str, driver: Driver, hz: float, watchdog_s: float, spin_s: float = SPIN_S):
         self.robot_id, self.driver = robot_id, driver
+        self.holding_metric, self.lateness_metric, self.jitter_metric, self.overruns_metric, self.intervened_metric = (
+            robot_series(m, robot_id) for m in (HOLDING, LATENESS, JITTER, OVERRUNS, INTERVENED))  # once, not per tick
         self.period, self.watchdog_s = 1.0 / hz, watchdog_s
         self.spin_s = spin_s  # precision for CPU: many arms on one host may spin less (or not at all)
         self.hard = driver.hard_limits()
@@ -191,7 +194,7 @@ class ControlLoop:
                 self.counts.success_without_intervention += int(outcome == "success" and not intervened)
             self.episode += 1
             self.episode_intervened = 0
-        EPISODES.labels(self.robot_id, outcome, str(intervened).lower()).inc()
+        robot_series(EPISODES, self.robot_id, outcome, str(intervened).lower()).inc()
         log.info("episode ended", extra={"robot": self.robot_id, "outcome": outcome, "intervened": intervened})
         return self.counts
 
@@ -234,7 +237,7 @@ class ControlLoop:
         self._stop.set()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout=2)
-        HOLDING.labels(self.robot_id).set(1)
+        self.holding_metric.set(1)
         self.driver.brake()
 
     def health(self) -> str | None:
@@ -281,11 +284,11 @@ class ControlLoop:
                 now = time.monotonic()
                 lateness, jitter = now - deadline, abs((now - woke_last) - self.period)
                 woke_last = now
-                LATENESS.labels(self.robot_id).observe(lateness)
-                JITTER.labels(self.robot_id).observe(jitter)
+                self.lateness_metric.observe(lateness)
+                self.jitter_metric.observe(jitter)
                 if lateness > self.period:
                     self.overruns += 1
-                    OVERRUNS.labels(self.robot_id).inc()
+                    self.overruns_metric.inc()
                     log.warning("control tick overran", extra={"robot": self.robot_id, "late_s": round(lateness, 6),
                                                                "overruns": self.overruns})
                     k = math.floor((now - start) / self.period)  # skip to the next deadline ahead
@@ -296,7 +299,7 @@ class ControlLoop:
             try:
                 self.driver.brake()
             finally:
-                HOLDING.labels(self.robot_id).set(1)
+                self.holding_metric.set(1)
 
     def _tick(self, k: int, now: float, lateness: float, jitter: float) -> None:
         position, velocity = self.driver.read()
@@ -326,7 +329,7 @@ class ControlLoop:
         if not reason:  # a hold keeps the target (the last one sent), never re-targets the measured position
             self.target = verdict.target
         self.driver.command(self.target, self.period)
-        HOLDING.labels(self.robot_id).set(1 if reason else 0)
+        self.holding_metric.set(1 if reason else 0)
         with self.lock:
             fault = self.fault
             if intervening:
@@ -334,7 +337,7 @@ class ControlLoop:
                 self.counts.intervened_ticks += 1
             episode, episode_intervened = self.episode, self.episode_intervened
         if intervening:
-            INTERVENED.labels(self.robot_id).inc()
+            self.intervened_metric.inc()
         tick = Tick(k, now, position, velocity, self.target.copy(), estopped, fault, bool(reason), reason,
                     lateness, jitter, self.overruns, command.seq if command is not None else -1,
                     bool(verdict and verdict.clipped), bool(verdict and verdict.slowed), intervening, episode,

@@ -40,6 +40,7 @@ from prometheus_client import Counter
 from services.core.batch import TensorBatch
 from services.core.objectstore import ObjectStore
 from services.robot_gateway.loop import Tick
+from services.robot_gateway.series import robot_series
 
 log = logging.getLogger(__name__)
 FORMAT = "rlfabric.robot_episode/1"
@@ -265,7 +266,7 @@ class Recorder:
         self._first_episode: int | None = None
         self._stopping = False
         self.error: BaseException | None = None  # why the recorder thread died (the gateway's health says so)
-        self._dropped_metric = DROPPED.labels(robot_id, "queue_full")
+        self._dropped_metric = robot_series(DROPPED, robot_id, "queue_full")
         self.thread = threading.Thread(target=self._run, name=f"recorder-{robot_id}", daemon=True)
 
     # -- the loop thread: never blocks ---------------------------------------------------------------------------
@@ -331,11 +332,11 @@ class Recorder:
                     if current[1].n < self.max_episode_ticks:
                         current[1].append(item)
                         self.stats.ticks_recorded += 1
-                        RECORDED.labels(self.robot_id).inc()
+                        robot_series(RECORDED, self.robot_id).inc()
                     else:
                         current[1].capped += 1
                         self.stats.cap_dropped += 1
-                        DROPPED.labels(self.robot_id, "episode_cap").inc()
+                        robot_series(DROPPED, self.robot_id, "episode_cap").inc()
                 elif current is not None and self._verdict(current[0], pop=False) is not None:
                     # a verdict and no later tick for a while: the loop stopped; the episode is complete
                     self._close(*current)
@@ -375,7 +376,7 @@ class Recorder:
         if outcome is None or outcome not in KEPT:
             fate = "discarded" if outcome == "rerecord" else "unfinished"
             self.stats.episodes_discarded += int(outcome == "rerecord")
-            EPISODES.labels(self.robot_id, fate).inc()
+            robot_series(EPISODES, self.robot_id, fate).inc()
             log.info(f"episode {fate}", extra={"robot": self.robot_id, "episode": episode, "ticks": cols.n})
             if self.on_episode:
                 self.on_episode(Episode(episode, outcome or "", {}, {}), fate)
@@ -401,19 +402,19 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001 — one sink failing must not stop the others or the recorder
                 self.stats.write_errors += 1
                 self.stats.last_error = f"{sink.name}: {exc.__class__.__name__}: {exc}"[:2000]
-                WRITE_ERRORS.labels(self.robot_id, sink.name).inc()
+                robot_series(WRITE_ERRORS, self.robot_id, sink.name).inc()
                 log.error("could not write a recorded episode", extra={"robot": self.robot_id, "episode": episode,
                                                                        "sink": sink.name, "error": str(exc)[:500]})
         if not written:  # no sink has it: lost, and said so (never counted kept)
             self.stats.episodes_failed += 1
-            EPISODES.labels(self.robot_id, "failed").inc()
+            robot_series(EPISODES, self.robot_id, "failed").inc()
             log.error("a recorded episode was lost: every sink refused it", extra={
                 "robot": self.robot_id, "episode": episode, "outcome": outcome, "last_error": self.stats.last_error})
             if self.on_episode:
                 self.on_episode(ep, "failed")
             return
         self.stats.episodes_kept += 1
-        EPISODES.labels(self.robot_id, "kept").inc()
+        robot_series(EPISODES, self.robot_id, "kept").inc()
         log.info("episode recorded", extra={"robot": self.robot_id, "episode": episode, "outcome": outcome,
                                             "ticks": cols.n, "intervened": meta["intervened_ticks"]})
         if self.on_episode:

@@ -16,6 +16,7 @@ whatever else is going on. See docs/robot_safety.md."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes.util
 import logging
 import os
@@ -34,6 +35,7 @@ from services.core.objectstore import ObjectStore, open_store
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
+from services.robot_gateway import series
 from services.robot_gateway.cameras import CameraFeed, FrameServer
 from services.robot_gateway.drivers import Driver, build_driver, driver_class
 from services.robot_gateway.loop import ControlLoop, TakeoverError, Tick
@@ -114,7 +116,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         self.drivers: dict[str, str] = {}
         self.devices: dict[str, Device] = {}  # by device key
         self.device_of: dict[str, str] = {}  # robot id -> device key, while connected
-        self.id_locks: dict[str, asyncio.Lock] = {}  # Connect and Disconnect of one robot id, one at a time
+        self.id_locks: dict[str, list] = {}  # robot id -> [lock, calls holding or waiting]: see _id_lock
         self.replay_endpoints = replay_endpoints
         self.recorders: dict[str, Recorder] = {}  # a stopped one stays, so GetRecording reports how it ended
         self.recording_requests: dict[str, pb.RecordingRequest] = {}
@@ -149,8 +151,19 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                             camera_endpoint=self.frames.endpoint if camera else "",
                             camera_size=camera.size if camera else 0)
 
-    def _id_lock(self, robot_id: str) -> asyncio.Lock:
-        return self.id_locks.setdefault(robot_id, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _id_lock(self, robot_id: str):
+        """Connect and Disconnect of one robot id, one at a time. Ids come from clients: an entry lives only while a
+        call holds or waits for it, so a stream of fresh ids leaves nothing behind."""
+        entry = self.id_locks.setdefault(robot_id, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.id_locks[robot_id]
 
     async def Connect(self, request, context):
         rid = request.robot_id
@@ -303,6 +316,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 device.limits = None if limits.same_as(loop.hard) else limits
                 device.holder = None
                 self._forget_if_clear(device)
+                series.forget(request.robot_id)  # (the device keeps what latched; the id's series go)
         log.info("robot disconnected", extra={"robot": request.robot_id, "device": device.key,
                                               "estopped": device.estopped})
         return state_message(request.robot_id, loop.last)

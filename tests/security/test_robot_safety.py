@@ -423,3 +423,25 @@ def test_kept_limits_that_no_longer_hold_the_arm_latch_a_fault_and_never_yank_it
     assert state.holding and "do not fit" in state.fault and state.target[0] == pytest.approx(0.5), state
     limits = stub.SetLimits(pb.SafetyLimits(robot_id="arm"), timeout=5)
     assert limits.position_max[0] == pytest.approx(0.5) and limits.position_max[1] == pytest.approx(1.6)
+
+
+@live_loop
+def test_robots_that_come_and_go_leave_no_series_and_no_lock_behind(gateway):
+    """Robot ids are the clients': each fresh id used to add Prometheus series and an id-lock entry for good."""
+    from prometheus_client import REGISTRY
+
+    stub, service, _ = gateway
+
+    def series_of(rid: str) -> int:
+        return sum(s.labels.get("robot") == rid for m in REGISTRY.collect() for s in m.samples)
+
+    for n in range(4):
+        rid = f"visitor-{n}"
+        connect(stub, rid)
+        stub.EStop(pb.EStopRequest(robot_id=rid, reason="test"), timeout=5)  # (the device keeps its latch)
+        assert series_of(rid) > 0
+        stub.Disconnect(pb.RobotRef(robot_id=rid), timeout=10)
+        assert series_of(rid) == 0, rid
+    with pytest.raises(grpc.RpcError):  # a refused Connect leaves nothing either
+        stub.Connect(pb.ConnectRequest(robot_id="bad", driver="no-such-driver"), timeout=10)
+    assert service.id_locks == {}
