@@ -302,6 +302,10 @@ def test_device_keys_name_the_physical_device_however_it_is_written(tmp_path):
 
     assert FrankaArm.device_key({"ip": "172.16.0.2"}, "a") == FrankaArm.device_key({"ip": " 172.16.0.2 "}, "b")
     assert FrankaArm.device_key({"ip": "172.16.0.2"}, "a") != FrankaArm.device_key({"ip": "172.16.0.3"}, "a")
+    # the forms the resolver (and so libfranka) reads as one address each get the one latch, a host name too
+    for alias in ("172.16.0.02", "172.16.2"):
+        assert FrankaArm.device_key({"ip": alias}, "c") == FrankaArm.device_key({"ip": "172.16.0.2"}, "a"), alias
+    assert FrankaArm.device_key({"ip": "localhost"}, "d") == FrankaArm.device_key({"ip": "127.0.0.1"}, "a")
     port = tmp_path / "ttyACM0"
     port.touch()
     (tmp_path / "by-id").symlink_to(port)

@@ -119,12 +119,17 @@ class FrankaArm(Driver):
 
     @classmethod
     def device_key(cls, options: dict[str, str], robot_id: str) -> str:
-        """The control unit's address (an IP written two ways is one robot; a host name is compared as written)."""
+        """The address the driver would connect to, as the resolver reads ``ip`` (172.16.0.02, 172.16.2 and a host
+        name for 172.16.0.2 are one robot, so one latch). A name that does not resolve cannot connect: it is kept
+        as written."""
         ip = options.get("ip", "").strip()
         try:
             ip = str(ipaddress.ip_address(ip))
         except ValueError:
-            ip = ip.lower()
+            try:
+                ip = socket.getaddrinfo(ip, FCI_PORT, type=socket.SOCK_STREAM)[0][4][0] if ip else ""
+            except (OSError, UnicodeError):
+                ip = ip.lower()
         return f"franka:{ip or robot_id}"
 
     # -- connection ------------------------------------------------------------------------------------------
