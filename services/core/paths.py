@@ -141,6 +141,21 @@ class Endpoints:
             f"start the worker with {ALLOW_ENDPOINTS_FLAG} {endpoint} (env RLFABRIC_ALLOW_ENDPOINTS)")
 
 
+_process_endpoints: Endpoints | None = None
+
+
+def set_process_endpoints(endpoints: Endpoints | None) -> None:
+    """What this worker process may connect to where a run spec says, for code that has no worker object at hand
+    (an env adapter dialing a robot gateway): the service's ``--allow-endpoints``."""
+    global _process_endpoints
+    _process_endpoints = endpoints
+
+
+def process_endpoints() -> Endpoints:
+    """The service's allow-list, else any endpoint (a user's own process: the CLI, a notebook, a test)."""
+    return _process_endpoints if _process_endpoints is not None else Endpoints(frozenset({ANY_ENDPOINT}))
+
+
 def s3_endpoint(endpoint: str) -> str:
     """storage.endpoint as host:port (the scheme, if any, dropped; port 80 or 443 by it when missing)."""
     text = endpoint.strip()
@@ -182,14 +197,15 @@ def add_arguments(parser: argparse.ArgumentParser, endpoints: bool = True) -> No
 def local_stack_args(host: str, runs_root: str | Path) -> list[str]:
     """A local stack's worker flags. One bound to loopback serves only the user who started it (its secret is
     made per stack), so its workers read what that user names and reach the endpoints the user's spec names; one
-    bound to another interface reads under the directory it was started in and its runs root, and connects where
-    the launcher's own RLFABRIC_ALLOW_ENDPOINTS says."""
+    bound to another interface reads under the launcher's RLFABRIC_DATA_ROOT (else the directory it was started in)
+    and its runs root, and connects where the launcher's own RLFABRIC_ALLOW_ENDPOINTS says."""
     from services.core import auth
 
     cwd = os.getcwd()
     if auth.is_loopback(host):
         return [DATA_ROOT_FLAG, os.pathsep.join([cwd, "/"]), ALLOW_ENDPOINTS_FLAG, ANY_ENDPOINT]
-    return [DATA_ROOT_FLAG, os.pathsep.join([cwd, str(Path(runs_root).resolve())]),
+    roots = os.environ.get("RLFABRIC_DATA_ROOT", "").strip()
+    return [DATA_ROOT_FLAG, os.pathsep.join([roots or cwd, str(Path(runs_root).resolve())]),
             ALLOW_ENDPOINTS_FLAG, os.environ.get("RLFABRIC_ALLOW_ENDPOINTS", "")]
 
 

@@ -7,6 +7,7 @@ validates the actions it receives, tracks episode return/length, and reports fin
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -31,6 +32,21 @@ def concat_obs(parts: list[Any]) -> Any:
     return np.concatenate(parts)
 
 
+FILE_KWARG = re.compile(r"(^|_)(file|path|dir|xml|urdf|mjcf)$")  # xml_file, model_path, asset_dir, ...
+FILE_SUFFIXES = (".xml", ".urdf", ".mjcf", ".obj", ".stl", ".png", ".json", ".yaml", ".npz")
+
+
+def check_kwarg_files(env_cfg: Any) -> None:
+    """Every ``env.kwargs`` value that names a file (by its key, e.g. MuJoCo's ``xml_file``, or its suffix) must
+    resolve under this process's data roots: the simulator reads it, so a spec may not point it outside them
+    (PathRefused names the field, the roots and the flag)."""
+    from services.env.tasks.dataset import data_roots
+
+    for key, value in dict(getattr(env_cfg, "kwargs", {}) or {}).items():
+        if isinstance(value, str) and (FILE_KWARG.search(key.lower()) or value.lower().endswith(FILE_SUFFIXES)):
+            data_roots().confine(value, f"env.kwargs.{key}")
+
+
 class EnvPool:
     def __init__(self, env_cfg: Any, num_envs: int, chunks: int = 1, vectorization: str = "sync"):
         if num_envs % chunks:
@@ -39,6 +55,7 @@ class EnvPool:
         self.num_envs = num_envs
         self.chunk_size = num_envs // chunks
         make = adapter(env_cfg.adapter).make_vector_env
+        check_kwarg_files(env_cfg)
         self.envs = [make(env_cfg, self.chunk_size, vectorization) for _ in range(chunks)]
         self.single_observation_space = self.envs[0].single_observation_space
         self.single_action_space = self.envs[0].single_action_space
@@ -249,11 +266,12 @@ def add_host_arguments(parser) -> None:
 
 
 def apply_host_arguments(args) -> None:
-    """This process's env pools follow those flags: data-set files (and corpora) only under --data-root, rewards
-    within the operator's limits."""
-    from services.core.paths import DataRoots
+    """This process's env pools follow those flags: data-set files (and corpora) and env kwargs' files only under
+    --data-root, connections (a robot gateway) only to --allow-endpoints, rewards within the operator's limits."""
+    from services.core.paths import DataRoots, Endpoints, set_process_endpoints
     from services.env import reward_pool
     from services.env.tasks.dataset import set_data_roots
 
     set_data_roots(DataRoots.parse(args.data_root))
+    set_process_endpoints(Endpoints.parse(args.allow_endpoints))  # (a robot env's gateway, for one)
     reward_pool.apply_arguments(args)

@@ -97,3 +97,45 @@ def test_a_local_stack_refuses_devices_and_fifos_as_checkpoints(stack, tmp_path)
         final = stack.client.wait(status.run_id)
         assert final.state == coordinator_pb2.FAILED and final.bad_input, final.reason
         assert f"policy.init_checkpoint='{path}'" in final.reason and f"is {kind}, not a regular file" in final.reason
+
+
+def test_a_spec_cannot_aim_a_robot_env_at_a_gateway_the_operator_did_not_allow():
+    from services.core.config import EnvConfig
+    from services.core.paths import EndpointRefused, Endpoints, set_process_endpoints
+    from services.env.adapters import robot
+
+    cfg = EnvConfig(adapter="robot", id="reach", num_envs=1, options={"gateway": "10.1.2.3:50051"})
+    set_process_endpoints(Endpoints.parse("127.0.0.1:7000"))  # the env service's --allow-endpoints
+    try:
+        with pytest.raises(EndpointRefused, match=r"env.options.gateway=.*--allow-endpoints 10.1.2.3:50051"):
+            robot.check(cfg)
+        robot.check(cfg.model_copy(update={"options": {"gateway": "127.0.0.1:7000"}}))  # the allowed one
+    finally:
+        set_process_endpoints(None)
+
+
+def test_env_kwargs_that_name_files_are_confined_to_the_data_roots(tmp_path):
+    from services.core.config import EnvConfig
+    from services.core.paths import DataRoots, PathRefused
+    from services.env.pool import EnvPool
+    from services.env.tasks.dataset import set_data_roots
+
+    (tmp_path / "data").mkdir()
+    set_data_roots(DataRoots.parse(str(tmp_path / "data")))
+    try:
+        for kwargs, field in (({"xml_file": "/etc/passwd"}, "env.kwargs.xml_file"),
+                              ({"xml_file": "../outside.xml"}, "env.kwargs.xml_file"),
+                              ({"scene": str(tmp_path / "elsewhere.urdf")}, "env.kwargs.scene")):
+            with pytest.raises(PathRefused, match=field):
+                EnvPool(EnvConfig(id="CartPole-v1", kwargs=kwargs), 1)
+    finally:
+        set_data_roots(None)
+
+
+def test_a_public_local_stack_takes_the_launchers_data_root(tmp_path, monkeypatch):
+    from services.core.paths import local_stack_args
+
+    monkeypatch.setenv("RLFABRIC_DATA_ROOT", str(tmp_path / "datasets"))
+    args = local_stack_args("0.0.0.0", tmp_path / "runs")
+    roots = args[args.index("--data-root") + 1].split(os.pathsep)
+    assert roots == [str(tmp_path / "datasets"), str((tmp_path / "runs").resolve())]

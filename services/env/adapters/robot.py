@@ -85,6 +85,9 @@ def _options(env_cfg: Any) -> dict[str, Any]:
                          "robot_gateway --port-file FILE writes it)")
     if env_cfg.id not in TASKS:
         raise ValueError(f"env.id={env_cfg.id!r}: robot tasks are {list(TASKS)}")
+    from services.core.paths import process_endpoints
+
+    process_endpoints().check(opts["gateway"].strip().lower(), "env.options.gateway")  # a spec dials no host it likes
     if not 1 <= opts["episode_steps"] <= 100_000 or not 0 < opts["action_scale"] <= 0.5:
         raise ValueError("env.options: episode_steps in [1, 100000], action_scale in (0, 0.5] rad")
     if not 0 <= opts["start_noise"] <= 1:
