@@ -432,19 +432,20 @@ def cmd_certs(args: argparse.Namespace) -> int:
     """A private CA and certificates for a deployment (services/core/certs.py)."""
     from services.core import certs
 
-    out = Path(args.out_dir)
-    if certs.existing(out) and args.if_missing:  # a compose one-shot: made on the first `up`, kept afterwards
+    out, key_dir = Path(args.out_dir), args.ca_key_dir or None
+    if certs.existing(out, key_dir) and args.if_missing:  # a compose one-shot: made on the first `up`, kept after
         print(out)
         return 0
-    if certs.existing(out) and not args.force:
+    if certs.existing(out, key_dir) and not args.force:
         return _fail(f"{out} already holds a deployment CA and certificates; pass --force to replace them (every "
                      f"service and client then needs the new files)", 2)
     hosts = [*args.hosts.split(","), *(certs.LOOPBACK if not args.no_loopback else ())]
     try:
-        paths = certs.generate(out, list(dict.fromkeys(h.strip() for h in hosts if h.strip())), args.days)
+        paths = certs.generate(out, list(dict.fromkeys(h.strip() for h in hosts if h.strip())), args.days, key_dir)
     except auth.AuthError as exc:
         return _fail(str(exc), 2)
-    console.print(f"CA, services' and clients' certificates in {out} (keys owner-only; keep ca.key offline):\n"
+    console.print(f"CA, services' and clients' certificates in {out} (keys owner-only; keep {paths['ca.key']} "
+                  f"offline: it mints any service's identity):\n"
                   f"  services: --tls-cert {paths['server.pem']} --tls-key {paths['server.key']} "
                   f"--tls-ca {paths['ca.pem']}\n"
                   f"  clients:  RLFABRIC_TLS_CERT={paths['client.pem']} RLFABRIC_TLS_KEY={paths['client.key']} "
@@ -829,6 +830,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-loopback", action="store_true", help="leave localhost, 127.0.0.1 and ::1 out")
     p.add_argument("--days", type=int, default=825, help="validity of the services' and clients' certificates")
     p.add_argument("--force", action="store_true", help="replace the CA and certificates already in OUT_DIR")
+    p.add_argument("--ca-key-dir", default="", help="write the CA's private key here instead of OUT_DIR: a "
+                                                   "directory no service mounts (compose: its own volume)")
     p.add_argument("--if-missing", action="store_true", help="keep the CA and certificates OUT_DIR holds already "
                                                              "(exit 0); make them only where there are none")
     p = sub.add_parser("scrape-token", help="print the metrics scrape token of the deployment's secret")

@@ -26,9 +26,12 @@ def local_hosts(host: str = "") -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
-def generate(out_dir: str | Path, hosts: list[str], days: int = 825) -> dict[str, Path]:
+def generate(out_dir: str | Path, hosts: list[str], days: int = 825, ca_key_dir: str | Path | None = None
+             ) -> dict[str, Path]:
     """Write FILES into ``out_dir`` (made 0700): a CA valid 10 years, and the services' and clients'
-    certificates valid ``days`` (825: what browsers and most TLS stacks still accept). Returns name -> path."""
+    certificates valid ``days`` (825: what browsers and most TLS stacks still accept). ``ca_key_dir``: the CA's
+    key goes there instead (a place no service mounts: whoever holds it can mint any service's identity).
+    Returns name -> path."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -80,7 +83,9 @@ def generate(out_dir: str | Path, hosts: list[str], days: int = 825) -> dict[str
         "server": ("rlfabric service", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], hosts),
         "client": ("rlfabric client", [ExtendedKeyUsageOID.CLIENT_AUTH], None),
     }
-    paths = {"ca.pem": out / "ca.pem", "ca.key": write_private_file(out / "ca.key", pem_key(ca_key))}
+    key_dir = Path(ca_key_dir) if ca_key_dir else out
+    key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = {"ca.pem": out / "ca.pem", "ca.key": write_private_file(key_dir / "ca.key", pem_key(ca_key))}
     paths["ca.pem"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     for name, (common_name, usages, sans) in leaves.items():
         key = ec.generate_private_key(ec.SECP256R1())
@@ -92,9 +97,10 @@ def generate(out_dir: str | Path, hosts: list[str], days: int = 825) -> dict[str
     return paths
 
 
-def existing(out_dir: str | Path) -> dict[str, Path] | None:
-    """The files of an earlier ``generate`` in ``out_dir``, or None unless every one is there."""
-    paths = {name: Path(out_dir) / name for name in FILES}
+def existing(out_dir: str | Path, ca_key_dir: str | Path | None = None) -> dict[str, Path] | None:
+    """The files of an earlier ``generate`` in ``out_dir`` (the CA's key in ``ca_key_dir`` if given), or None
+    unless every one is there."""
+    paths = {name: Path(ca_key_dir if name == "ca.key" and ca_key_dir else out_dir) / name for name in FILES}
     return paths if all(p.is_file() for p in paths.values()) else None
 
 

@@ -161,6 +161,7 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
         tls = {env[f"RLFABRIC_TLS_{k}"] for k in ("CERT", "KEY", "CA")}
         assert all(path.startswith("/srv/rlfabric/certs/") for path in tls) and len(tls) == 3
         assert "certs:/srv/rlfabric/certs:ro" in svc["volumes"]
+        assert not any(v.startswith("ca-key:") for v in svc["volumes"])  # no service holds the CA's key
         assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
         port = env["RLFABRIC_PORT"]
         ports.add(port)
@@ -319,12 +320,15 @@ def test_certs_one_shot_makes_the_ca_once_and_keeps_it_on_every_later_up(compose
     lock out every client that copied the old one); without --if-missing the same command refuses to replace it."""
     command = compose["services"]["certs"]["command"]
     assert command[0] == "certs" and "--if-missing" in command
-    out = tmp_path / "certs"
-    argv = [sys.executable, "-m", "services.cli", *[str(out) if a == "/srv/rlfabric/certs" else a for a in command]]
+    out, key_dir = tmp_path / "certs", tmp_path / "ca-key"
+    volumes = {"/srv/rlfabric/certs": str(out), "/srv/rlfabric/ca-key": str(key_dir)}
+    assert set(volumes) == {v.split(":")[1] for v in compose["services"]["certs"]["volumes"]}
+    argv = [sys.executable, "-m", "services.cli", *[volumes.get(a, a) for a in command]]
     first = subprocess.run(argv, capture_output=True, text=True, env=_clean_env(), timeout=60)
     assert first.returncode == 0, first.stderr
     ca = (out / "ca.pem").read_bytes()
     assert (out / "server.key").stat().st_mode & 0o077 == 0
+    assert not (out / "ca.key").exists() and (key_dir / "ca.key").stat().st_mode & 0o077 == 0  # kept apart
     from cryptography import x509
 
     names = x509.load_pem_x509_certificate((out / "server.pem").read_bytes()).extensions.get_extension_for_class(
