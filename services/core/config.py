@@ -452,8 +452,9 @@ class ReplayConfig(_Strict):
     capacity_transitions: int = Field(1_000_000, ge=1, description="rows each replay source keeps; the oldest go "
                                                                    "first")
     capacity_bytes: int | None = Field(None, ge=1 << 20, description="memory store: bytes each source keeps, the "
-                                                                     "oldest batches going first (default: half of "
-                                                                     "the replay host's memory)")
+                                       "oldest batches going first; all sources together at most the replay "
+                                       "service's --max-memory-bytes (default: that budget split evenly over the "
+                                       "run's sources)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when store is redis")
     key_prefix: str = Field("rlfabric", description="Redis keys live under <key_prefix>:<run_id>:")
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -517,7 +518,8 @@ class StorageConfig(_Strict):
 
 
 class DataPlaneConfig(_Strict):
-    max_message_bytes: int = Field(256 * 2**20, ge=1024)
+    max_message_bytes: int = Field(256 * 2**20, ge=1024, le=2**31, description="the largest data-plane message "
+                                   "a service of the run accepts (at most 2 GiB: each one is held in memory whole)")
     timeout_s: float = Field(30.0, gt=0, description="how long a data-plane request waits for its peer")
     high_water_mark: int = Field(64, ge=1)
 

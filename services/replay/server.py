@@ -43,7 +43,7 @@ from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2, replay_pb2_g
 from services.core.runtime import ServiceRuntime, run_service
 from services.replay.datasets import DatasetError, chunks, load_dataset
 from services.replay.stores import MAX_SAMPLE_ROWS, ReplayStore, check_sample, open_replay_store
-from services.replay.stores.memory import MemoryStore
+from services.replay.stores.memory import MemoryStore, default_capacity_bytes
 from services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable, redact_url
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         # where a run spec's data sets and object store may lie, and the Redis/S3 endpoints it may name (the operator's)
         self.roots = roots if roots is not None else DataRoots.parse(".")
         self.endpoints = endpoints if endpoints is not None else Endpoints.parse("")
+        self.max_memory_bytes = default_capacity_bytes()  # --max-memory-bytes: a run's memory sources together
         self.lock = threading.Lock()
         self.stores: dict[str, ReplayStore] = {DEFAULT_SOURCE: MemoryStore(RunConfig().replay.capacity_transitions)}
         self.rng = np.random.default_rng(0)
@@ -277,6 +278,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                 objects = open_store(storage, run_dir, run_id=run_id)
         stores: dict[str, ReplayStore] = {}
         loaded: dict[str, int] = {}
+        if config.replay.store == "memory":
+            config = within_memory_budget(config, self.max_memory_bytes)
         try:
             stores[DEFAULT_SOURCE] = open_replay_store(config, run_id, objects)
             for name in config.spec.data(config.algorithm).source_names:  # sources the run fills (interventions)
@@ -355,13 +358,41 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
                                 else grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
 
+def within_memory_budget(config: RunConfig, budget: int) -> RunConfig:
+    """A memory store's sources share ``budget`` (the service's --max-memory-bytes): each gets the spec's capacity_bytes,
+    or its even share of the budget; a spec whose sources together ask more is refused (ConfigError)."""
+    if config.replay.store != "memory":
+        return config
+    sources = {DEFAULT_SOURCE, *config.spec.data(config.algorithm).source_names, *config.replay.datasets}
+    asked = config.replay.capacity_bytes
+    if asked is None:
+        share = max(1 << 20, budget // len(sources))
+        return config.model_copy(update={"replay": config.replay.model_copy(update={"capacity_bytes": share})})
+    if asked * len(sources) > budget:
+        raise ConfigError(f"replay.capacity_bytes={asked} for each of the run's {len(sources)} sources "
+                          f"({', '.join(sorted(sources))}) asks {asked * len(sources)} bytes, over this replay "
+                          f"service's --max-memory-bytes={budget}. Fix: lower it, use "
+                          f"replay.store=redis, or have the operator raise --max-memory-bytes")
+    return config
+
+
 async def _build(runtime: ServiceRuntime, args) -> None:
     service = ReplayService(runtime, args.host, DataRoots.parse(args.data_root), Endpoints.parse(args.allow_endpoints))
+    if args.max_memory_bytes < 1 << 20:
+        raise SystemExit("rlfabric serve replay: error: --max-memory-bytes must be at least 1 MiB (1048576)")
+    service.max_memory_bytes = args.max_memory_bytes
     replay_pb2_grpc.add_ReplayServicer_to_server(service, runtime.server)
 
 
+def _arguments(parser) -> None:
+    paths.add_arguments(parser)
+    parser.add_argument("--max-memory-bytes", type=int, default=default_capacity_bytes(),
+                        help="what a run's memory replay may hold, all its sources together (default: half of "
+                             "this host's memory); a spec's replay.capacity_bytes may ask less, never more")
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_service("replay", _build, argv, paths.add_arguments)
+    run_service("replay", _build, argv, _arguments)
 
 
 if __name__ == "__main__":

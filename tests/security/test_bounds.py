@@ -302,7 +302,8 @@ def test_a_data_set_larger_than_the_byte_capacity_is_refused_not_cut(tmp_path):
 
     np.savez(tmp_path / "demos.npz", obs=np.zeros((4096, 128), np.float32))  # 2 MiB
     np.savez(tmp_path / "small_rows.npz", obs=np.zeros((65536, 8), np.float32))  # 2 MiB in chunks under 1 MiB
-    worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse(""))
+    worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse(""),
+                             max_memory_bytes=1 << 30)
     for file in ("demos.npz", "small_rows.npz"):
         config = short_config(replay={"capacity_bytes": 1 << 20, "datasets": {"demos": file}})
         with pytest.raises(DatasetError, match="replay.capacity_bytes"):
@@ -310,3 +311,22 @@ def test_a_data_set_larger_than_the_byte_capacity_is_refused_not_cut(tmp_path):
     config = short_config(replay={"capacity_bytes": 4 << 20, "datasets": {"demos": "demos.npz"}})
     stores, loaded = ReplayService._open_stores(worker, config, "r", str(tmp_path))
     assert loaded == {"demos": 4096} and stores["demos"].transitions == 4096
+
+
+def test_a_runs_memory_replay_sources_share_the_operators_budget_and_messages_are_bounded():
+    """replay.capacity_bytes defaulted to half the host's memory for each source (a run with a data set and
+    interventions asked for 1.5x the host); data_plane.max_message_bytes had no upper bound."""
+    import pydantic
+
+    from services.core.config import ConfigError
+    from services.replay.server import within_memory_budget
+
+    two = {"datasets": {"demos": "demos.npz"}}  # the online source and the data set's
+    assert within_memory_budget(short_config(replay=two), 64 << 20).replay.capacity_bytes == 32 << 20
+    assert within_memory_budget(short_config(replay={"capacity_bytes": 16 << 20, **two}),
+                                64 << 20).replay.capacity_bytes == 16 << 20
+    with pytest.raises(ConfigError, match=r"asks 100663296 bytes, over this replay service's "
+                                          r"--max-memory-bytes=67108864"):
+        within_memory_budget(short_config(replay={"capacity_bytes": 48 << 20, **two}), 64 << 20)
+    with pytest.raises(pydantic.ValidationError, match="max_message_bytes"):
+        short_config(data_plane={"max_message_bytes": 2**33})

@@ -121,7 +121,7 @@ def test_replay_refuses_a_redis_url_not_allowed_before_connecting(layout):
     """The replay service opens Redis where the spec says only if its operator allowed it (SSRF otherwise)."""
     from services.replay.server import ReplayService
 
-    worker = SimpleNamespace(roots=layout.roots, endpoints=Endpoints.parse("redis:6379"))
+    worker = SimpleNamespace(roots=layout.roots, endpoints=Endpoints.parse("redis:6379"), max_memory_bytes=1 << 30)
     config = short_config(replay={"store": "redis", "redis_url": "redis://:hunter2@10.0.0.1:6380/0"})
     with pytest.raises(EndpointRefused) as info:
         ReplayService._open_stores(worker, config, "r", str(layout.root))
