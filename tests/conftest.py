@@ -22,7 +22,13 @@ class Aborted(Exception):
 
 
 class AbortingContext:
-    """The part of a gRPC servicer context a handler called in-process uses to refuse."""
+    """The part of a gRPC servicer context a handler called in-process uses to refuse (and the call's metadata)."""
+
+    def __init__(self, metadata: tuple = ()):
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple:
+        return self.metadata
 
     async def abort(self, code, details):
         raise Aborted(code, details)

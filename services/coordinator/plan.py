@@ -83,7 +83,7 @@ class PlanExecutor:
                  release: Callable[[Worker], None] | None = None):
         self.run = run
         self.cfg: RunConfig = run.config
-        self.pools: dict[str, list[Stage]] = {role: [Stage.of(w) for w in ws] for role, ws in workers.items()}
+        self.pools: dict[str, list[Stage]] = {role: [Stage.of(w, self.run.key) for w in ws] for role, ws in workers.items()}
         self.acquire, self.release = acquire, release
         self._sched: SchedulingConfig = self.cfg.scheduling
         self.plan_name = self._sched.mode
@@ -280,7 +280,7 @@ class PlanExecutor:
     def _open(self, stage: Stage, first: int, count: int, k: int, failure: list[RunFailed],
               arrived: asyncio.Event) -> Producer:
         call = stage.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=first, max_batches=count,
-                                                             staleness=k))
+                                                             staleness=k), metadata=stage.metadata())
         producer = Producer(stage, call, last_index=first - 1)
 
         async def consume() -> None:
@@ -377,7 +377,7 @@ class PlanExecutor:
         """A worker joins a live run only if its health check answers SERVING (a registered worker may be dead or
         fake); otherwise every joiner goes back, the unhealthy ones are never placed again, and the request fails.
         (A joiner is version-synced when configured: its first batch waits for the run's current weights.)"""
-        stages = [Stage.of(w) for w in joiners]
+        stages = [Stage.of(w, self.run.key) for w in joiners]
         try:
             bad = [w for w, _ in await unreachable(stages)]
         finally:
@@ -404,7 +404,7 @@ class PlanExecutor:
                 continue
             stages = self.pools[change.role]
             leaving = stages[change.target:]
-            kept = stages[:change.target] + [Stage.of(w) for w in change.joiners]
+            kept = stages[:change.target] + [Stage.of(w, self.run.key) for w in change.joiners]
             if change.role == "env":
                 for stage in kept[len(stages):]:
                     await self.configure_env(stage)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +25,7 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
     run_id: str = ""
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # its heartbeats carry it (and only it has it)
 
     def describe(self) -> str:
         return f"{self.role} worker {self.worker_id} (pid {self.pid} on {self.host}, {self.grpc})"
@@ -90,8 +93,12 @@ class WorkerRegistry:
         self.workers[worker.worker_id] = worker
         return worker
 
-    def heartbeat(self, worker_id: str) -> bool:
+    def heartbeat(self, worker_id: str, key: str) -> bool:
+        """Whether the worker is known and alive (then seen now); PermissionError for a caller without its key."""
         worker = self.workers.get(worker_id)
+        if worker is not None and not hmac.compare_digest(worker.key.encode(), key.encode(errors="replace")):
+            raise PermissionError(f"heartbeat for {worker_id} without that worker's key: only the worker itself "
+                                  f"speaks for it")
         if worker is None or not worker.alive:
             return False
         worker.last_seen = time.monotonic()

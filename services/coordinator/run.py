@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class StopRequested(Exception):
 class Run:
     def __init__(self, run_id: str, config: RunConfig, run_dir: Path):
         self.run_id = run_id
+        self.key = secrets.token_urlsafe(24)  # its workers' admin calls carry it (stages.Stage.run_key)
         self.config = config
         self.run_dir = run_dir
         self.state = coordinator_pb2.PENDING

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 import os
@@ -106,17 +107,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("worker registered", extra={"worker_id": worker.worker_id, "grpc": worker.grpc})
         return coordinator_pb2.RegisterWorkerReply(worker_id=worker.worker_id,
-                                                   heartbeat_interval_s=self.registry.heartbeat_interval_s)
+                                                   heartbeat_interval_s=self.registry.heartbeat_interval_s,
+                                                   worker_key=worker.key)
 
     async def Heartbeat(self, request, context):
-        known = self.registry.heartbeat(request.worker_id)
-        return coordinator_pb2.HeartbeatReply(known=known, run_id=self._owner(request.worker_id))
+        try:
+            known = self.registry.heartbeat(request.worker_id, request.worker_key)
+        except PermissionError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        run = self._owning_run(request.worker_id)
+        return coordinator_pb2.HeartbeatReply(known=known, run_id=run.run_id if run else "",
+                                              run_key=run.key if run else "")
+
+    def _owning_run(self, worker_id: str) -> Run | None:
+        """The running run that holds this worker, or None."""
+        worker = self.registry.workers.get(worker_id)
+        run = self.runs.get(worker.run_id) if worker is not None else None
+        return run if run is not None and not run.finished else None
 
     def _owner(self, worker_id: str) -> str:
         """The id of the running run that holds this worker, or ""."""
-        worker = self.registry.workers.get(worker_id)
-        run = self.runs.get(worker.run_id) if worker is not None else None
-        return run.run_id if run is not None and not run.finished else ""
+        run = self._owning_run(worker_id)
+        return run.run_id if run is not None else ""
 
     async def DeregisterWorker(self, request, context):
         owner = self._owner(request.worker_id)
@@ -125,6 +137,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                 f"worker {request.worker_id} is in use by run {owner}: deregistering it would fail "
                                 f"that run. Fix: stop the run first (rlfabric stop {owner}), or stop the worker "
                                 f"itself (it deregisters with force as it leaves)")
+        worker = self.registry.workers.get(request.worker_id)
+        if worker is not None and not hmac.compare_digest(worker.key.encode(),
+                                                          request.worker_key.encode(errors="replace")):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"deregistering {request.worker_id} takes that "
+                                                                   f"worker's key: only the worker itself leaves. "
+                                                                   f"Fix: stop the worker's process")
         worker = self.registry.deregister(request.worker_id)
         if worker is not None:
             log.info("worker left", extra={"worker_id": worker.worker_id, "reason": request.reason})

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.coordinator.registry import Worker
 from services.coordinator.run import RunFailed
+from services.core.ownership import RUN_KEY_METADATA
 from services.core.proto.rlfabric.v1 import env_pb2_grpc, learner_pb2_grpc, replay_pb2_grpc, rollout_pb2_grpc
 from services.core.runtime import channel
 
@@ -22,16 +23,22 @@ STUBS = {
 
 @dataclass
 class Stage:
-    """A worker taking part in a run and the stub the coordinator drives it with."""
+    """A worker taking part in a run and the stub the coordinator drives it with. Every call carries the run's key
+    (``run_key``): a worker the run holds takes Configure and admin calls only with it (services/core/ownership.py),
+    so another token holder who knows the run's id cannot reconfigure the run's workers."""
 
     worker: Worker
     channel: grpc.aio.Channel
     stub: object
+    run_key: str = ""
 
     @classmethod
-    def of(cls, worker: Worker) -> Stage:
+    def of(cls, worker: Worker, run_key: str = "") -> Stage:
         ch = channel(worker.grpc)
-        return cls(worker, ch, STUBS[worker.role](ch))
+        return cls(worker, ch, STUBS[worker.role](ch), run_key)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((RUN_KEY_METADATA, self.run_key),) if self.run_key else ()
 
 
 class Unresponsive(RunFailed):
@@ -48,7 +55,7 @@ async def rpc(stage: Stage, method: str, request, timeout: float | None = None):
     when the call's own deadline passed)."""
     started = time.monotonic()
     try:
-        return await getattr(stage.stub, method)(request, timeout=timeout)
+        return await getattr(stage.stub, method)(request, timeout=timeout, metadata=stage.metadata())
     except grpc.aio.AioRpcError as exc:
         detail = exc.details() or exc.code().name
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and \

@@ -223,7 +223,9 @@ class ServiceRuntime:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.stopping = asyncio.Event()
         self.worker_id = ""
+        self.worker_key = ""  # this registration's secret (its heartbeats carry it)
         self.owner_run = ""  # the running run that holds this worker, as the coordinator's heartbeats say
+        self.owner_key = ""  # and that run's key, which the coordinator's calls for it carry
         self.port = 0
         self.state = "idle"
         self.data_endpoint = ""
@@ -331,7 +333,7 @@ class ServiceRuntime:
                                                       pid=os.getpid(), host=socket.gethostname(),
                                                       labels=self.options.labels),
                 timeout=10, wait_for_ready=True)
-        self.worker_id = reply.worker_id
+        self.worker_id, self.worker_key = reply.worker_id, reply.worker_key
         self.heartbeat_interval = reply.heartbeat_interval_s or 0.5
         log.info("registered", extra={"worker_id": self.worker_id, "coordinator": self.options.coordinator})
 
@@ -340,8 +342,9 @@ class ServiceRuntime:
             stub = coordinator_pb2_grpc.CoordinatorStub(ch)
             while not self.stopping.is_set():
                 try:
-                    reply = await stub.Heartbeat(
-                        coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, state=self.state), timeout=5)
+                    reply = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                        worker_id=self.worker_id, state=self.state, worker_key=self.worker_key), timeout=5)
+                    self.owner_key = reply.run_key
                     if reply.run_id != self.owner_run:  # placed in a run, or freed when it ended: the title says so
                         self.owner_run = reply.run_id
                         set_process_title(self.options.role, reply.run_id, self.port)
@@ -372,7 +375,7 @@ class ServiceRuntime:
                 async with channel(self.options.coordinator) as ch:
                     await coordinator_pb2_grpc.CoordinatorStub(ch).DeregisterWorker(
                         coordinator_pb2.DeregisterWorkerRequest(worker_id=self.worker_id, reason="shutdown",
-                                                                force=True),
+                                                                force=True, worker_key=self.worker_key),
                         timeout=1)
             except grpc.aio.AioRpcError:
                 pass

@@ -348,6 +348,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"replay is in use by run {owner}: clearing it would take the data from under that "
                                 f"run. Fix: stop the run first (rlfabric stop {owner}), then clear")
+        await check_owner(self.runtime, request.run_id, context)  # naming the run takes its key too
         try:
             return await asyncio.to_thread(self._locked_clear, request.source, request.pending_only)
         except ValueError as exc:

@@ -114,6 +114,10 @@ def test_admin_calls_that_would_break_a_running_run_are_refused_while_it_owns_th
             assert client.wait(status.run_id).state != coordinator_pb2.FAILED
             time.sleep(1.0)  # the next heartbeat frees the replay
             assert replay.Clear(replay_pb2.ClearRequest(), timeout=10).transitions == 0
+            with pytest.raises(grpc.RpcError) as err:  # an idle worker is still not an outsider's to deregister
+                coordinator.DeregisterWorker(coordinator_pb2.DeregisterWorkerRequest(
+                    worker_id=replay_worker.worker_id, reason="operator"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "run=" not in title.read_bytes().decode(errors="replace")  # its title no longer names the run
 
 

@@ -311,7 +311,8 @@ def test_a_worker_that_does_not_answer_is_not_placed_by_scale(private_stack, tmp
 
     def beat() -> None:  # it keeps its heartbeats up, so only a probe can tell
         while not done.wait(0.2):
-            stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=fake.worker_id), timeout=5)
+            stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=fake.worker_id, worker_key=fake.worker_key),
+                           timeout=5)
 
     threading.Thread(target=beat, daemon=True).start()
     try:

@@ -1,6 +1,7 @@
 """Finding 8, ownership: every worker's Configure checks that the caller's run holds the worker. A Configure for
 another run while one holds it is refused (FAILED_PRECONDITION naming the holder); the worker asks the coordinator
-before it refuses, so a run placed (or a worker freed) since the last heartbeat is not refused by a stale copy."""
+before it refuses, so a run placed (or a worker freed) since the last heartbeat is not refused by a stale copy. A
+Configure naming the holder must carry the holder's key (issue 39: a run id is no secret), else PERMISSION_DENIED."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ class _Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request, context):
         self.asked += 1
-        return coordinator_pb2.HeartbeatReply(known=True, run_id=self.holder)
+        return coordinator_pb2.HeartbeatReply(known=True, run_id=self.holder, run_key=key_of(self.holder))
+
+
+def key_of(run_id: str) -> str:
+    return f"key-of-{run_id}" if run_id else ""
 
 
 class _Runtime:
@@ -32,6 +37,7 @@ class _Runtime:
         self.options = SimpleNamespace(role=role, host="127.0.0.1", coordinator=coordinator)
         self.advertise_host, self.data_endpoint, self.port = "127.0.0.1", "", 0
         self.worker_id, self.owner_run, self.state = f"{role}-1", owner_run, "idle"
+        self.worker_key, self.owner_key = "worker-key", key_of(owner_run)
 
     def on_shutdown(self, hook) -> None:
         pass
@@ -58,9 +64,14 @@ def _service(role: str, runtime):
     return LearnerService(runtime, "127.0.0.1", 1)
 
 
-def _configure(role: str, cached_owner: str, holder: str, run_id: str) -> tuple[Aborted | None, int, str]:
+def _configure(role: str, cached_owner: str, holder: str, run_id: str, key: str | None = None
+               ) -> tuple[Aborted | None, int, str]:
     """Configure a ``role`` worker whose last heartbeat named ``cached_owner`` while the coordinator says ``holder``
-    holds it, for ``run_id`` with a config_json that is not JSON: (the abort, questions asked, owner after)."""
+    holds it, for ``run_id`` (with ``key``, by default that run's, as the coordinator sends it) and a config_json
+    that is not JSON: (the abort, questions asked, owner after)."""
+    from services.core.ownership import RUN_KEY_METADATA
+
+    key = key_of(run_id) if key is None else key
 
     async def main():
         server = grpc.aio.server()
@@ -71,7 +82,8 @@ def _configure(role: str, cached_owner: str, holder: str, run_id: str) -> tuple[
         runtime = _Runtime(role, f"127.0.0.1:{port}", cached_owner)
         service = _service(role, runtime)
         try:
-            await service.Configure(common_pb2.ConfigureRequest(run_id=run_id, config_json="{not json"), AbortingContext())
+            await service.Configure(common_pb2.ConfigureRequest(run_id=run_id, config_json="{not json"),
+                                    AbortingContext(((RUN_KEY_METADATA, key),)))
             aborted = None
         except Aborted as exc:
             aborted = exc
@@ -116,6 +128,16 @@ def test_a_worker_freed_since_the_last_heartbeat_takes_the_next_run():
 def test_the_holder_itself_is_not_asked_about():
     aborted, asked, _ = _configure("replay", cached_owner="run-a", holder="run-a", run_id="run-a")
     assert aborted.code == grpc.StatusCode.INVALID_ARGUMENT and asked == 0
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_configure_naming_the_holder_without_its_key_is_refused(role):
+    """ListWorkers shows which run holds each worker: naming it is not enough. The worker asks the coordinator once
+    (a restarted coordinator gives a run a new key) before it refuses."""
+    for key in ("", "key-of-run-b"):
+        aborted, asked, _ = _configure(role, cached_owner="run-a", holder="run-a", run_id="run-a", key=key)
+        assert aborted is not None and aborted.code == grpc.StatusCode.PERMISSION_DENIED, aborted
+        assert "run's key" in aborted.details and asked == 1
 
 
 def test_a_stack_run_still_configures_its_workers(stack, tmp_path):

@@ -45,38 +45,46 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_common_pb2.Endpoint, _Mapping]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_s")
+    __slots__ = ("worker_id", "heartbeat_interval_s", "worker_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    worker_key: str
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., worker_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "state")
+    __slots__ = ("worker_id", "state", "worker_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: str
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+    worker_key: str
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., worker_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "run_id")
+    __slots__ = ("known", "run_id", "run_key")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     known: bool
     run_id: str
-    def __init__(self, known: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
+    run_key: str
+    def __init__(self, known: _Optional[bool] = ..., run_id: _Optional[str] = ..., run_key: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "reason", "force")
+    __slots__ = ("worker_id", "reason", "force", "worker_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     reason: str
     force: bool
-    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    worker_key: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., force: _Optional[bool] = ..., worker_key: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "endpoint", "pid", "host", "alive", "seconds_since_heartbeat", "run_id")
