@@ -104,8 +104,7 @@ def test_a_check_over_its_budget_is_killed(tmp_path):
     assert rows(doc)["pi0"]["status"] == "failed: over its 1.5 s budget", rows(doc)["pi0"]
 
 
-@pytest.mark.serial  # an in-process vLLM engine: see tests/integration/test_vllm_backend.py
-def test_vllm_check_runs_on_vllm_cpu(tmp_path):
+def test_vllm_check_runs_on_vllm_cpu(tmp_path):  # (gpu_check runs in a fresh process: no numba beside vLLM there)
     """Generate, reload a perturbed version, match HF's greedy outputs: the same code as on CUDA (~30 s here)."""
     pytest.importorskip("vllm")
     proc, doc = run(tmp_path, "--device", "cpu", "--only", "vllm", timeout=240)
