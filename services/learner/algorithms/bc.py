@@ -34,7 +34,7 @@ class BC(OfflineAlgorithm):
 
     def update(self, batch: dict) -> dict[str, float]:
         """One gradient step per minibatch of a [U, B, ...] batch."""
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=batch["actions"].device)
         for u in range(batch["actions"].shape[0]):
             b = tree_map(lambda x, u=u: x[u], batch)
             loss = -self.policy.log_prob(b["obs"], b["actions"].float()).mean()

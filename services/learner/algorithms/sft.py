@@ -32,7 +32,7 @@ class SFTConfig(OfflineConfig):
 def model_token_mask(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(attention mask [B, L], mask of the predicted tokens that carry loss [B, L-1]) of a right-padded batch."""
     longest = int(lengths.max())
-    attn = (torch.arange(longest)[None, :] < lengths[:, None]).long()
+    attn = (torch.arange(longest, device=lengths.device)[None, :] < lengths[:, None]).long()
     return attn, loss_mask[:, 1:longest].float() * attn[:, 1:]
 
 
@@ -69,7 +69,7 @@ class SFT(OfflineAlgorithm):
         total, tokens = 0.0, 0.0
         for u in range(batch["tokens"].shape[0]):
             lengths, loss_mask = batch["lengths"][u].long(), batch["loss_mask"][u]
-            rows, share = self.shard(torch.arange(len(lengths)))  # this rank's rows (all of them on one rank)
+            rows, share = self.shard(torch.arange(len(lengths), device=lengths.device))  # this rank's rows (all of them on one rank)
             whole = model_token_mask(lengths, loss_mask)[1].sum()  # the minibatch's loss tokens, all ranks'
             loss, n = response_nll(self.policy, batch["tokens"][u][rows].long(), lengths[rows], loss_mask[rows],
                                    whole)
