@@ -361,7 +361,8 @@ class LocalStack:
         remaining work (validating the spec, starting workers) while the coordinator comes up."""
         from services.core import auth
 
-        auth.configure(self.token, self.tls or auth.current().tls)  # this process is the stack's client
+        # this process is the stack's client, in the clear where the operator said so
+        auth.configure(self.token, self.tls or auth.current().tls, self.insecure_plaintext or None)
         self.port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
         if self.preload:
             prestart(self.torch_threads)

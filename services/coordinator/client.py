@@ -31,7 +31,8 @@ class CoordinatorClient:
         if token is not None:
             environment = auth.tls_from_environment()
             security = auth.Security(token, tls or (environment if environment.ca or environment.enabled
-                                                    else auth.current().tls))
+                                                    else auth.current().tls),
+                                     auth.current().plaintext_ok or auth.plaintext_from_environment())
         elif token_file or tls is not None or not auth.current().enabled:
             security = auth.from_environment(token_file, tls)
         else:

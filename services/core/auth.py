@@ -44,6 +44,7 @@ from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 TOKEN_ENV, TOKEN_FILE_ENV = "RLFABRIC_TOKEN", "RLFABRIC_TOKEN_FILE"
+PLAINTEXT_ENV = "RLFABRIC_INSECURE_PLAINTEXT"  # --insecure-plaintext's variable; for clients too
 TLS_ENV = {"cert": "RLFABRIC_TLS_CERT", "key": "RLFABRIC_TLS_KEY", "ca": "RLFABRIC_TLS_CA"}
 METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
@@ -92,10 +93,15 @@ def derive(secret: str, label: str) -> bytes:
     return hmac.new(prk, label.encode() + b"\x01", hashlib.sha256).digest()
 
 
+class PlaintextRefused(AuthError):
+    """A channel that would carry the deployment's bearer in clear to another host."""
+
+
 @dataclass(frozen=True)
 class Security:
     token: str = ""
     tls: TLSFiles = TLSFiles()
+    plaintext_ok: bool = False  # the operator's --insecure-plaintext (or RLFABRIC_INSECURE_PLAINTEXT=1)
 
     @property
     def enabled(self) -> bool:
@@ -153,14 +159,23 @@ _lock = threading.Lock()
 _authenticator = None
 
 
-def configure(token: str = "", tls: TLSFiles | None = None) -> Security:
-    """Set this process's security (every channel, data socket and server made afterwards uses it)."""
+def configure(token: str = "", tls: TLSFiles | None = None, plaintext_ok: bool | None = None) -> Security:
+    """Set this process's security (every channel, data socket and server made afterwards uses it).
+    ``plaintext_ok`` (default: RLFABRIC_INSECURE_PLAINTEXT=1) lets its channels carry the bearer in clear to a host
+    other than this one; without it such a channel is refused (``check_plaintext``)."""
     global _current
     if token and len(token) < MIN_TOKEN_CHARS:
         raise AuthError(f"the token has {len(token)} characters; use at least {MIN_TOKEN_CHARS} (e.g. "
                         f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
-    _current = Security(token, tls or TLSFiles())
+    if plaintext_ok is None:
+        plaintext_ok = plaintext_from_environment()
+    _current = Security(token, tls or TLSFiles(), plaintext_ok)
     return _current
+
+
+def plaintext_from_environment() -> bool:
+    """RLFABRIC_INSECURE_PLAINTEXT=1: the operator lets this process's clients talk to other hosts without TLS."""
+    return os.environ.get(PLAINTEXT_ENV, "").strip().lower() in ("1", "true", "yes", "on")  # as the flag's env
 
 
 def current() -> Security:
@@ -237,12 +252,12 @@ def write_private_file(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def from_environment(token_file: str = "", tls: TLSFiles | None = None) -> Security:
+def from_environment(token_file: str = "", tls: TLSFiles | None = None, plaintext_ok: bool | None = None) -> Security:
     """The token from ``token_file``, RLFABRIC_TOKEN_FILE or RLFABRIC_TOKEN (in that order), TLS files from the
     arguments or RLFABRIC_TLS_*; configured for this process."""
     path = token_file or os.environ.get(TOKEN_FILE_ENV, "")
     token = read_token_file(path) if path else os.environ.get(TOKEN_ENV, "").strip()
-    return configure(token, tls or tls_from_environment())
+    return configure(token, tls or tls_from_environment(), plaintext_ok)
 
 
 def tls_from_environment() -> TLSFiles:
@@ -359,9 +374,33 @@ def _channel_credentials(security: Security) -> grpc.ChannelCredentials:
                                         certificate_chain=cert if mutual else None)
 
 
+def host_of(address: str) -> str:
+    """The host of a gRPC target: ``host:port``, ``[v6]:port``, ``dns:///host:port``, ``ipv4:host:port``."""
+    target = address.split("///", 1)[-1]
+    for scheme in ("ipv4:", "ipv6:", "dns:"):
+        target = target.removeprefix(scheme)
+    if target.startswith("unix:"):
+        return "localhost"  # a socket file: this host
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
+    return host.strip("[]")
+
+
+def check_plaintext(address: str, security: Security) -> None:
+    """Refuse a channel that would carry the bearer in clear off this host: with a token and no TLS, only loopback
+    peers, unless the operator said otherwise (--insecure-plaintext, RLFABRIC_INSECURE_PLAINTEXT=1)."""
+    if security.token and not security.tls.client_enabled and not security.plaintext_ok \
+            and not is_loopback(host_of(address)):
+        raise PlaintextRefused(
+            f"refusing to send the deployment's bearer to {address} in the clear: anyone on the network could read "
+            f"it and then drive every service. Fix: give this client the deployment's CA ({TLS_ENV['ca']}, or "
+            f"--tls-ca on a service; `rlfabric certs` makes it) so it speaks TLS, or, on a network you trust, set "
+            f"{PLAINTEXT_ENV}=1 (a service: --insecure-plaintext)")
+
+
 def aio_channel(address: str, options: list, security: Security | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel that presents this process's token (and TLS, when configured)."""
     security = security or _current
+    check_plaintext(address, security)
     interceptors = [cls(security.metadata()) for cls in (_AioTokenUU, _AioTokenUS, _AioTokenSU, _AioTokenSS)] \
         if security.token else None
     if security.tls.client_enabled:
@@ -373,6 +412,7 @@ def aio_channel(address: str, options: list, security: Security | None = None) -
 def sync_channel(address: str, options: list, security: Security | None = None) -> grpc.Channel:
     """A blocking channel (clients, the CLI, health probes) that presents this process's token."""
     security = security or _current
+    check_plaintext(address, security)
     if security.tls.client_enabled:
         channel = grpc.secure_channel(address, _channel_credentials(security), options=options)
     else:
@@ -556,8 +596,9 @@ def metrics_headers(security: Security | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {security.scrape_token}"} if security.token else {}
 
 
-__all__ = ["OPERATOR_METADATA_KEY", "OPERATOR_TOKEN_FILE_ENV", "AuthError", "MetricsServer", "Security", "TLSFiles",
-           "TokenInterceptor", "add_port", "aio_channel", "operator_accepts", "operator_credential",
-           "configure", "current", "derive", "from_environment", "generate_token", "is_loopback", "read_token_file",
-           "secure_client_socket", "secure_server_socket", "server_ssl_context", "start_metrics_server",
-           "sync_channel", "write_private_file", "write_token_file", "metrics_headers"]
+__all__ = ["OPERATOR_METADATA_KEY", "OPERATOR_TOKEN_FILE_ENV", "PLAINTEXT_ENV", "AuthError", "MetricsServer",
+           "PlaintextRefused", "Security", "TLSFiles", "TokenInterceptor", "add_port", "aio_channel",
+           "check_plaintext", "configure", "current", "derive", "from_environment", "generate_token", "host_of",
+           "is_loopback", "metrics_headers", "operator_accepts", "operator_credential", "plaintext_from_environment",
+           "read_token_file", "secure_client_socket", "secure_server_socket", "server_ssl_context",
+           "start_metrics_server", "sync_channel", "write_private_file", "write_token_file"]

@@ -93,8 +93,9 @@ class ServiceOptions:
         parser.add_argument("--tls-ca", default="", help="PEM CA that signs every service's certificate: peers are "
                                                          "verified with it and must present one (mTLS)")
         parser.add_argument("--insecure-plaintext", action="store_true",
-                            help="serve gRPC without TLS on a non-loopback --host (the bearer and every control "
-                                 "message cross the network readable); a warning is logged at start")
+                            help="serve gRPC without TLS on a non-loopback --host, and call other hosts' services "
+                                 "without TLS (the bearer and every control message cross the network readable); a "
+                                 "warning is logged at start")
         parser.add_argument("--metrics-tls", action="store_true",
                             help="serve metrics over HTTPS with --tls-cert/--tls-key")
         parser.add_argument(IMPORT_PATHS_FLAG, action="store_true",
@@ -407,7 +408,8 @@ def run_service(role: str, build: Callable[[ServiceRuntime, argparse.Namespace],
     setup_logging(role, args.log_file or None)
     allow_import_paths(args.allow_import_paths)
     try:
-        security = auth.from_environment(args.token_file, auth.TLSFiles(args.tls_cert, args.tls_key, args.tls_ca))
+        security = auth.from_environment(args.token_file, auth.TLSFiles(args.tls_cert, args.tls_key, args.tls_ca),
+                                         plaintext_ok=args.insecure_plaintext or None)
     except auth.AuthError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if bool(args.tls_cert) != bool(args.tls_key):

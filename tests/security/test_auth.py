@@ -296,3 +296,53 @@ def test_launcher_logs_are_owner_only_and_its_directories_0700(tmp_path):
     logs = private_dir(tmp_path / "runs" / "r1" / "logs")
     for d in (logs, logs.parent, logs.parent.parent):
         assert d.stat().st_mode & 0o777 == 0o700, d
+
+
+def _outbound_address() -> str | None:
+    """This host's address on its default route (a UDP connect sends nothing), or None where it has only loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: routed, never reached
+            host = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if auth.is_loopback(host) else host
+
+
+def test_a_client_without_tls_never_sends_the_bearer_off_this_host(tmp_path):
+    """Issue 39, finding 10(a): with a token and no CA, a client sent the bearer in clear to any host. Now every
+    channel to another host is refused before it connects, naming both fixes; loopback, TLS and the operator's
+    explicit plaintext still connect."""
+    plain = auth.Security(TOKEN)
+    for address in ("10.1.2.3:5000", "dns:///10.1.2.3:5000", "ipv4:192.0.2.7:50051", "[2001:db8::1]:50051"):
+        with pytest.raises(auth.PlaintextRefused) as refused:
+            auth.sync_channel(address, GRPC_OPTIONS, plain)
+        for named in ("in the clear", auth.TLS_ENV["ca"], f"{auth.PLAINTEXT_ENV}=1", "--insecure-plaintext"):
+            assert named in str(refused.value), (named, str(refused.value))
+        with pytest.raises(auth.PlaintextRefused):
+            auth.aio_channel(address, GRPC_OPTIONS, plain)
+    for address in ("127.0.0.1:5000", "localhost:5000", "[::1]:5000", "dns:///127.0.0.1:1"):
+        auth.sync_channel(address, GRPC_OPTIONS, plain).close()
+    tls = certs.client_files(certs.generate(tmp_path / "tls", ["10.1.2.3"]))
+    for allowed in (auth.Security(TOKEN, tls), auth.Security(TOKEN, plaintext_ok=True),
+                    auth.Security()):  # TLS; the operator's word; no token, so no bearer to leak
+        auth.sync_channel("10.1.2.3:5000", GRPC_OPTIONS, allowed).close()
+
+    host = _outbound_address()
+    if host is None:
+        return
+    listener = socket.socket()  # a peer on this host's own network address: nothing may reach it in clear
+    listener.bind((host, 0))
+    listener.listen(4)
+    listener.settimeout(1.0)
+    try:
+        env = _clean_env(RLFABRIC_TOKEN=TOKEN)
+        code = ("import rlfabric, sys\n"
+                f"try:\n    rlfabric.Client('{host}:{listener.getsockname()[1]}').workers()\n"
+                "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert "PlaintextRefused" in proc.stdout and auth.PLAINTEXT_ENV in proc.stdout, (proc.stdout, proc.stderr)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # no connection was even opened
+    finally:
+        listener.close()
