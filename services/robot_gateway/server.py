@@ -37,7 +37,14 @@ from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.robot_gateway import series
 from services.robot_gateway.cameras import CameraFeed, FrameServer
-from services.robot_gateway.drivers import Driver, build_driver, driver_class
+from services.robot_gateway.drivers import (
+    Driver,
+    DriverConnectionError,
+    DriverOptionError,
+    DriverUnavailable,
+    build_driver,
+    driver_class,
+)
 from services.robot_gateway.loop import ControlLoop, TakeoverError, Tick
 from services.robot_gateway.recording import (
     ObjectStoreSink,
@@ -189,8 +196,11 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         try:  # importing a driver's module may take a while: off the event loop
             cls = await asyncio.to_thread(driver_class, request.driver)
             key = cls.device_key(options, rid)
-        except (ValueError, TypeError, ImportError) as exc:
+        except (ValueError, TypeError) as exc:  # a driver name or device address the request got wrong
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
+        except ImportError as exc:  # a registered driver whose module this host cannot import: its operator's fix
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"driver {request.driver!r} cannot be imported "
+                                                                     f"on this gateway's host: {exc}")
         async with self._id_lock(rid):  # two Connects of one id never both build a loop
             if rid in self.loops:
                 if self.drivers[rid] != request.driver or self.device_of[rid] != key:
@@ -259,8 +269,18 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
 
         try:
             driver, capture, loop = await asyncio.to_thread(build)
-        except (ValueError, TypeError) as exc:
+        except (DriverOptionError, DriverConnectionError, TypeError) as exc:  # the request's options (TypeError:
+            # an option the driver's constructor does not take)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
+        except DriverUnavailable as exc:  # this host lacks the driver's library: its operator's to install
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"driver {request.driver!r}: {exc}")
+        except Exception as exc:  # the driver or its device failed (a simulator's ValueError included): not the
+            # caller's fault, so not INVALID_ARGUMENT
+            log.exception("driver failed to start", extra={"robot": rid, "driver": request.driver})
+            await context.abort(grpc.StatusCode.INTERNAL, f"driver {request.driver!r} failed to start "
+                                                          f"({type(exc).__name__}: {str(exc)[:300]}): a fault of "
+                                                          f"the driver or its device, not of this request. The "
+                                                          f"gateway's log has the traceback")
         self._restore(loop, device)
         loop.start()
         if capture is not None:

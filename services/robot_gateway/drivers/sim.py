@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.robot_gateway.drivers import Driver
+from services.robot_gateway.drivers import Driver, DriverOptionError
 from services.robot_gateway.safety import Limits
 
 MJCF = """
@@ -60,8 +60,8 @@ class SimArm(Driver):
 
         unknown = sorted(set(options) - {"start", "name"})
         if unknown:
-            raise ValueError(f"driver sim takes the options start (comma-separated joint positions) and name, not "
-                             f"{unknown}")
+            raise DriverOptionError(f"driver sim takes the options start (comma-separated joint positions) and "
+                                    f"name, not {unknown}")
         self.mujoco = mujoco
         self.model = mujoco.MjModel.from_xml_string(MJCF)
         self.data = mujoco.MjData(self.model)
@@ -69,7 +69,13 @@ class SimArm(Driver):
         self.site = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_SITE, "ee")
         self.lock = threading.Lock()  # the physics step vs the camera's copy of the pose
         if "start" in options:
-            start = np.array([float(v) for v in options["start"].split(",")])
+            try:
+                start = np.array([float(v) for v in options["start"].split(",")])
+            except ValueError:
+                start = np.zeros(0)
+            if start.shape != (len(self.joint_names),) or not np.isfinite(start).all():
+                raise DriverOptionError(f"options.start={options['start'][:80]!r}: give {len(self.joint_names)} "
+                                        f"finite comma-separated joint positions in radians, e.g. 0,0.3,0.5")
             self.data.qpos[:] = start
             self.data.ctrl[:] = start
         mujoco.mj_forward(self.model, self.data)
@@ -100,7 +106,7 @@ class SimArm(Driver):
 
     def camera(self, size: int) -> Callable[[], np.ndarray]:
         if not 8 <= size <= 256:
-            raise ValueError(f"camera_size={size}: the sim camera renders 8..256 pixels a side")
+            raise DriverOptionError(f"camera_size={size}: the sim camera renders 8..256 pixels a side")
         mujoco, view = self.mujoco, self.mujoco.MjData(self.model)
         renderer = None
 
