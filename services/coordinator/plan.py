@@ -32,11 +32,10 @@ Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
 # Deadlines of Train and Collect. The worker bounds its own waits for peers by data_plane.timeout_s (the learner's
 # wait for a batch's shards, a rollout's env steps and weight fetch: each ends in an error of its own by then, give
 # or take a few seconds of transport slack); the rest is compute, which no config field bounds. So a call may take
-# data_plane.timeout_s of waiting plus the largest of WORK_MIN_S, WORK_FACTOR x data_plane.timeout_s and
-# SLOWEST_FACTOR x the slowest call of its kind in this placement (work that grows, such as longer LM responses).
-# A worker past that is wedged (its heartbeats and health check may still say it is fine) and the run loses it:
-# recovery re-places the run without it. Defaults: 30 s + 300 s.
-WORK_MIN_S = 30.0
+# data_plane.timeout_s of waiting plus the largest of runtime.min_work_s (30 s by default), WORK_FACTOR x
+# data_plane.timeout_s and SLOWEST_FACTOR x the slowest call of its kind in this placement (work that grows, such as
+# longer LM responses). A worker past that is wedged (its heartbeats and health check may still say it is fine) and
+# the run loses it: recovery re-places the run without it. Defaults: 30 s + 300 s.
 WORK_FACTOR = 10.0
 SLOWEST_FACTOR = 3.0
 
@@ -219,9 +218,9 @@ class PlanExecutor:
 
     # -- iterations ----------------------------------------------------------------------------------------
     def deadline(self, method: str) -> float:
-        """Seconds a Train or Collect call may take (the rule above WORK_MIN_S)."""
+        """Seconds a Train or Collect call may take (the rule above WORK_FACTOR)."""
         wait = self.cfg.data_plane.timeout_s
-        return wait + max(WORK_MIN_S, WORK_FACTOR * wait, SLOWEST_FACTOR * self.slowest.get(method, 0.0))
+        return wait + max(self.cfg.runtime.min_work_s, WORK_FACTOR * wait, SLOWEST_FACTOR * self.slowest.get(method, 0.0))
 
     async def _work(self, stage: Stage, method: str, request):
         """Train or Collect under its deadline; a worker that misses it is lost to the run (the attempt ends and

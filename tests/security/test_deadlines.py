@@ -52,8 +52,8 @@ def _worker(role: str, address: str) -> Worker:
 
 @pytest.fixture
 def quick_deadlines(monkeypatch):
-    """Deadline = data_plane.timeout_s (0.5) + 0.5 s of work: the rule, at a scale a unit test can wait for."""
-    monkeypatch.setattr(plan_module, "WORK_MIN_S", 0.5)
+    """Deadline = data_plane.timeout_s (0.5) + 0.5 s of work (runtime.min_work_s in each test's config): the rule,
+    at a scale a unit test can wait for."""
     monkeypatch.setattr(plan_module, "WORK_FACTOR", 1.0)
 
 
@@ -66,7 +66,7 @@ def test_a_learner_whose_train_never_returns_is_lost_within_the_deadline(quick_d
     async def scenario() -> tuple[Run, Worker, float, BaseException]:
         server, address = await _serve(learner_pb2_grpc.add_LearnerServicer_to_server, Learner())
         worker = _worker("learner", address)
-        run = Run("wedged-learner", short_config(data_plane={"timeout_s": 0.5}), tmp_path)
+        run = Run("wedged-learner", short_config(data_plane={"timeout_s": 0.5}, runtime__min_work_s=0.5), tmp_path)
         plan = PlanExecutor(run, {"learner": [worker]})
         assert plan.deadline("Train") == 1.0
         started = time.monotonic()
@@ -99,7 +99,7 @@ def test_a_rollout_whose_collect_never_returns_is_lost_within_the_deadline(quick
     async def scenario() -> tuple[Run, Worker, BaseException]:
         server, address = await _serve(rollout_pb2_grpc.add_RolloutServicer_to_server, Rollout())
         worker = _worker("rollout", address)
-        run = Run("wedged-rollout", short_config(data_plane={"timeout_s": 0.5}), tmp_path)
+        run = Run("wedged-rollout", short_config(data_plane={"timeout_s": 0.5}, runtime__min_work_s=0.5), tmp_path)
         plan = PlanExecutor(run, {"rollout": [worker], "learner": [_worker("learner", "127.0.0.1:9")]})
         try:
             async for _ in plan._turns(0, 1):
@@ -125,7 +125,7 @@ def test_a_timeout_the_worker_reports_itself_is_not_mistaken_for_a_wedged_worker
 
     async def scenario() -> tuple[Run, BaseException]:
         server, address = await _serve(learner_pb2_grpc.add_LearnerServicer_to_server, Learner())
-        run = Run("slow-peers", short_config(data_plane={"timeout_s": 0.5}), tmp_path)
+        run = Run("slow-peers", short_config(data_plane={"timeout_s": 0.5}, runtime__min_work_s=0.5), tmp_path)
         plan = PlanExecutor(run, {"learner": [_worker("learner", address)]})
         try:
             await plan._train(0, 0)
@@ -147,7 +147,9 @@ def test_the_deadline_follows_the_data_plane_timeout_and_the_slowest_call(tmp_pa
     plan.slowest["Train"] = 200.0  # calls that legitimately grew: three times the slowest
     assert plan.deadline("Train") == 30 + 600 and plan.deadline("Collect") == 330
     assert PlanExecutor(Run("tiny", short_config(data_plane={"timeout_s": 0.1}), tmp_path), {}).deadline(
-        "Collect") == pytest.approx(30.1)  # work never gets less than WORK_MIN_S
+        "Collect") == pytest.approx(30.1)  # work never gets less than runtime.min_work_s
+    assert PlanExecutor(Run("tiny", short_config(data_plane={"timeout_s": 0.1}, runtime__min_work_s=5), tmp_path),
+                        {}).deadline("Collect") == pytest.approx(5.1)
 
 
 def test_a_run_whose_learner_wedges_recovers_instead_of_hanging(tmp_path, monkeypatch):
@@ -172,7 +174,8 @@ def test_a_run_whose_learner_wedges_recovers_instead_of_hanging(tmp_path, monkey
         client.wait_ready(30)
         stack.start_worker("learner")
         cfg = short_config(data_plane={"timeout_s": 1}, train={"total_env_steps": 320, "eval_every_iterations": 0},
-                           checkpoint={"every_iterations": 1}, runtime={"worker_wait_s": 60, "max_recoveries": 1})
+                           checkpoint={"every_iterations": 1},
+                           runtime={"worker_wait_s": 60, "max_recoveries": 1, "min_work_s": 1})
         status = client.submit(cfg)
         started = time.monotonic()
         final = client.wait(status.run_id)
@@ -183,8 +186,9 @@ def test_a_run_whose_learner_wedges_recovers_instead_of_hanging(tmp_path, monkey
         assert marker.exists() and final.recoveries == 1, logs
         recoveries = [e.recovery for e in events if e.HasField("recovery")]
         assert recoveries[0].role == "learner", recoveries
-        assert "did not answer Train within its 31s deadline" in recoveries[0].cause, recoveries
-        assert took < 120, f"the run took {took:.0f}s (one 31s deadline, then a recovery)"
+        # data_plane.timeout_s 1 + the largest of runtime.min_work_s 1 and 10 x 1: an 11 s deadline
+        assert "did not answer Train within its 11s deadline" in recoveries[0].cause, recoveries
+        assert took < 100, f"the run took {took:.0f}s (one 11s deadline, then a recovery)"
     finally:
         client.close()
         stack.stop()
