@@ -150,13 +150,22 @@ def pytest_terminal_summary(terminalreporter) -> None:
                                     ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 
+def pytest_configure(config) -> None:
+    # pytest-xdist's --dist loadfile hands out the files with the most tests first (its --loadscope-reorder, on by
+    # default), which would undo the order below: a one-test file of many minutes started last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest tests first (those whose own timeout exceeds the suite's): the tiers run two files at a time, and
-    a run of many minutes started last would leave the other worker idle while it ends the tier alone."""
+    """The longest files first: those whose own timeout exceeds the suite's, then those marked ``minutes(n)``, by
+    those numbers. The tiers run two files at a time, and a file of minutes started last would leave the other
+    worker idle while it ends the tier alone."""
     default = float(config.getini("timeout") or 0)
 
-    def own_timeout(item) -> float:
-        mark = item.get_closest_marker("timeout")
-        return float(mark.args[0]) if mark and mark.args else default
+    def weight(item) -> float:
+        timeout, minutes = item.get_closest_marker("timeout"), item.get_closest_marker("minutes")
+        own = float(timeout.args[0]) if timeout and timeout.args else 0.0
+        return max(own if own > default else 0.0, 60.0 * float(minutes.args[0]) if minutes else 0.0)
 
-    items.sort(key=lambda item: -own_timeout(item) if own_timeout(item) > default else 0.0)
+    items.sort(key=lambda item: -weight(item))

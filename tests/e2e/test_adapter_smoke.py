@@ -16,6 +16,8 @@ import textwrap
 import pytest
 import yaml
 
+pytestmark = pytest.mark.minutes(2.0)  # on CI's 2 cores: the tiers start long files first
+
 TOTAL_STEPS = 256
 CASES = {  # adapter -> (env id, the package it needs, the extra that brings it)
     "mujoco_pixels": ("Reacher-v5", "mujoco", "robotics"),

@@ -21,6 +21,8 @@ import redis
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 from tests.support_redis import redis_server  # noqa: F401
 
+pytestmark = pytest.mark.minutes(4.3)  # on CI's 2 cores: the tiers start long files first
+
 THRESHOLD = 475.0
 TERMINAL = (coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED)
 

@@ -15,6 +15,8 @@ import pytest
 
 from tests.lm_checkpoints import make_checkpoint
 
+pytestmark = pytest.mark.minutes(1.9)  # on CI's 2 cores: the tiers start long files first
+
 CLI = [sys.executable, "-m", "services.cli"]
 EVAL_ROWS = 256
 

@@ -36,6 +36,7 @@ def test_the_vla_policy_learns_to_reach_with_action_chunks_through_every_service
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(2.3)  # with the flow head's run, this file's share of the slow tier
 def test_a_cnn_policy_learns_to_reach_from_pixels_through_every_service(tmp_path):
     """The pixel task itself: 64x64 images rendered headless, chunks of 4, the hybrid plan. Seed 0 goes from eval
     return 0.17 to over 1.0 (most episodes touch the ball) in ~17k decisions and to 1.34 in 29k."""

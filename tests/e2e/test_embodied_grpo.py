@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.minutes(1.3)  # on CI's 2 cores: the tiers start long files first
+
 
 @pytest.mark.slow
 def test_grpo_with_episode_groups_learns_to_reach(tmp_path):

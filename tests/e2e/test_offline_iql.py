@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.minutes(1.5)  # on CI's 2 cores: the tiers start long files first
+
 CLI = [sys.executable, "-m", "services.cli"]
 
 

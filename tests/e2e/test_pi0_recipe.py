@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("transformers.models.pi0")
 pytest.importorskip("mujoco")
 
+pytestmark = pytest.mark.minutes(3.4)  # on CI's 2 cores: the tiers start long files first
+
 
 def rows(path) -> list[dict[str, str]]:
     return list(csv.DictReader(open(path)))

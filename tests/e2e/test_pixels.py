@@ -22,6 +22,8 @@ from services.core.runtime import ROLE_NAMES
 from tests.conftest import grpc_channel
 from tests.support_redis import redis_server  # noqa: F401
 
+pytestmark = pytest.mark.minutes(0.7)  # on CI's 2 cores: the tiers start long files first
+
 CONFIG = "examples/minigrid_pixels_ppo.yaml"
 IMAGE = (24, 24, 3)
 

@@ -15,6 +15,8 @@ import redis
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 from tests.support_redis import redis_server  # noqa: F401
 
+pytestmark = pytest.mark.minutes(1.1)  # on CI's 2 cores: the tiers start long files first
+
 CKPT_EVERY = 5
 
 

@@ -14,6 +14,8 @@ import torch
 pytest.importorskip("mujoco")
 pytest.importorskip("transformers.models.paligemma")
 
+pytestmark = pytest.mark.minutes(1.3)  # on CI's 2 cores: the tiers start long files first
+
 CLI = [sys.executable, "-m", "services.cli"]
 SPEC = """
 name: vlm-captions

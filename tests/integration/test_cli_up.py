@@ -14,6 +14,8 @@ import pytest
 from services.coordinator.client import CoordinatorClient
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 
+pytestmark = pytest.mark.minutes(0.4)  # on CI's 2 cores: the tiers start long files first
+
 
 def _serving(up: subprocess.Popen, tmp_path) -> tuple[str, CoordinatorClient]:
     """The address `rlfabric up` printed and a client holding its secret, once every worker is registered."""

@@ -21,6 +21,8 @@ from services.core.proto.rlfabric.v1 import (
 )
 from tests.conftest import grpc_channel, short_config
 
+pytestmark = pytest.mark.minutes(0.5)  # on CI's 2 cores: the tiers start long files first
+
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,

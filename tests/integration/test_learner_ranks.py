@@ -15,6 +15,8 @@ from services.core.config import parse_config  # noqa: E402
 from services.core.models import build_policy  # noqa: E402
 from tests.lm_support import SPEC  # noqa: E402
 
+pytestmark = pytest.mark.minutes(0.7)  # on CI's 2 cores: the tiers start long files first
+
 
 def run_config(agg: str, algorithm: str = "grpo", share_prompt: bool = False):
     return parse_config(f"""

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.rendering_support import run_rendering_cases
+
+pytestmark = pytest.mark.minutes(0.4)  # on CI's 2 cores: the tiers start long files first
 
 
 def test_lerobot_import_in_a_rendering_process():

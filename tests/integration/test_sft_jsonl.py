@@ -16,6 +16,8 @@ import torch
 
 from tests.lm_checkpoints import make_checkpoint
 
+pytestmark = pytest.mark.minutes(0.5)  # on CI's 2 cores: the tiers start long files first
+
 ROWS = [{"prompt": f"What is {a} plus {b}?", "completion": f"{a + b}"} for a in range(12) for b in range(8)]
 SYSTEM = "Answer with the number."
 

@@ -29,6 +29,8 @@ from services.core.runtime import GRPC_OPTIONS
 from services.launcher import open_private_log, private_dir
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.minutes(0.5)  # on CI's 2 cores: the tiers start long files first
+
 TOKEN = "security-test-secret-0123456789abcdef"
 
 

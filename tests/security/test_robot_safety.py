@@ -119,6 +119,8 @@ from services.robot_gateway.loop import ControlLoop  # noqa: E402
 from services.robot_gateway.recording import Recorder  # noqa: E402
 from tests.robot_support import as_operator, gateway_in_process, gateway_process  # noqa: E402
 
+pytestmark = pytest.mark.minutes(0.4)  # on CI's 2 cores: the tiers start long files first
+
 # every test below drives a live 100 Hz gateway loop: timed, so never beside another test
 live_loop = pytest.mark.serial
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.minutes(1.9)  # on CI's 2 cores: the tiers start long files first
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 CHECKS = ["pi0", "pi0_rl", "hf_rollout", "offload", "maniskill", "vllm", "nccl", "sglang", "sleep_wake"]
