@@ -97,14 +97,15 @@ def stretched(limits: Limits, hard: Limits, target: np.ndarray) -> Limits:
     return limits.merged(position_min=lo, position_max=np.maximum(hi, lo))
 
 
-def state_message(robot_id: str, t: Tick) -> pb.RobotState:
+def state_message(robot_id: str, t: Tick, estop_requested: bool = False) -> pb.RobotState:
+    """Tick ``t`` as a message; ``estop_requested``: the loop holds an e-stop latch that ``t`` may predate."""
     return pb.RobotState(robot_id=robot_id, seq=t.tick, time=t.time, position=t.position.tolist(),
                          velocity=t.velocity.tolist(), estopped=t.estopped, fault=t.fault, loop_jitter_s=t.jitter_s,
                          loop_lateness_s=t.lateness_s, overruns=t.overruns, holding=t.holding,
                          hold_reason=t.hold_reason, target=t.target.tolist(), command_seq=t.command_seq,
                          clipped=t.clipped, slowed=t.slowed, intervening=t.intervening, episode=t.episode,
                          episode_intervened_ticks=t.episode_intervened_ticks, end_effector=t.end_effector.tolist(),
-                         policy_seq=t.policy_seq)
+                         policy_seq=t.policy_seq, estop_requested=t.estopped or estop_requested)
 
 
 def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
@@ -471,9 +472,18 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         return limits_message(request.robot_id, limits)
 
     async def EStop(self, request, context):
+        """Latch the e-stop and answer with the first tick that applied it: ``estopped``. A loop that has not
+        ticked within 25 periods (stuck in its driver's I/O) cannot apply it yet; the reply then says the stop is
+        only requested (``estop_requested`` without ``estopped``), and the loop holds on its next tick."""
         loop = await self._loop(request.robot_id, context)
+        since = time.monotonic()
         loop.estop(request.reason[:200] or "requested")
-        return state_message(request.robot_id, await self._next_tick(loop, time.monotonic()))
+        tick = await self._next_tick(loop, since)
+        if not tick.estopped:
+            log.error("e-stop requested but not yet applied: the control loop has not ticked since (its driver may "
+                      "be stuck in I/O)", extra={"robot": request.robot_id[:200],
+                                                 "last_tick_age_s": round(time.monotonic() - tick.time, 3)})
+        return state_message(request.robot_id, tick, estop_requested=True)
 
     async def ClearEStop(self, request, context):
         """Only the operator clears an e-stop or a latched fault (a deliberate human act, as ISO 13850 asks): the

@@ -6,6 +6,7 @@ failures (recording memory, lost episodes, a dead recorder, replay endpoints).""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -346,6 +347,47 @@ def test_estop_answers_within_a_tick_while_a_driver_builds_or_closes_for_seconds
         gone.result(timeout=30)
     # one period to the next tick, a quarter period of polling, and scheduling slack on a loaded 2-core host
     assert took_build < period + 0.25 and took_close < period + 0.25, (took_build, took_close)
+
+
+class StuckSim(SimArm):
+    """A sim arm whose command blocks for ``stuck_s`` once the test sets ``stuck`` (a bus that hangs mid-write)."""
+
+    stuck = threading.Event()
+
+    def __init__(self, **options: str):
+        self.stuck_s = float(options.pop("stuck_s", "1"))
+        super().__init__(**options)
+
+    def command(self, target, dt: float) -> None:
+        if StuckSim.stuck.is_set():
+            StuckSim.stuck.clear()
+            time.sleep(self.stuck_s)
+        super().command(target, dt)
+
+
+register_driver("stuck_sim", f"{__name__}:StuckSim")
+
+
+@live_loop
+def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(gateway):
+    """Issue 39, finding 6: EStop only set a flag, and a loop stuck in its driver's I/O answered estopped=false as
+    if nothing were wrong. The reply now tells an applied stop from one only requested, and the stop holds the
+    arm on the loop's first tick back."""
+    stub, _, _ = gateway
+    connect(stub, "arm", driver="stuck_sim", stuck_s="1.5")
+    applied = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
+    assert applied.estopped and applied.estop_requested and applied.holding  # a live loop applies it at once
+    stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=as_operator())
+    StuckSim.stuck.set()
+    time.sleep(0.2)  # the loop is inside the driver's command now
+    t0 = time.monotonic()
+    requested = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
+    assert time.monotonic() - t0 < 1.0  # answered while the loop is still stuck
+    assert requested.estop_requested and not requested.estopped, requested
+    time.sleep(1.6)
+    back = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)
+    assert back.estopped and back.holding and back.hold_reason == "e-stop", back
+    assert back.seq > requested.seq
 
 
 # -- recording: memory, lost episodes, a dead recorder, replay endpoints --------------------------------------------

@@ -87,7 +87,7 @@ class JointCommand(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ...) -> None: ...
 
 class RobotState(_message.Message):
-    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector", "policy_seq")
+    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector", "policy_seq", "estop_requested")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class RobotState(_message.Message):
     EPISODE_INTERVENED_TICKS_FIELD_NUMBER: _ClassVar[int]
     END_EFFECTOR_FIELD_NUMBER: _ClassVar[int]
     POLICY_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ESTOP_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     seq: int
     time: float
@@ -132,7 +133,8 @@ class RobotState(_message.Message):
     episode_intervened_ticks: int
     end_effector: _containers.RepeatedScalarFieldContainer[float]
     policy_seq: int
-    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ..., policy_seq: _Optional[int] = ...) -> None: ...
+    estop_requested: bool
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ..., policy_seq: _Optional[int] = ..., estop_requested: _Optional[bool] = ...) -> None: ...
 
 class TeleopEvent(_message.Message):
     __slots__ = ("robot_id", "kind", "command")
