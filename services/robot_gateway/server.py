@@ -126,7 +126,8 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         self.device_of: dict[str, str] = {}  # robot id -> device key, while connected
         self.id_locks: dict[str, list] = {}  # robot id -> [lock, calls holding or waiting]: see _id_lock
         self.replay_endpoints = replay_endpoints
-        self.recorders: dict[str, Recorder] = {}  # a stopped one stays, so GetRecording reports how it ended
+        # a stopped one stays while its robot is connected, so GetRecording reports how it ended; Disconnect drops it
+        self.recorders: dict[str, Recorder] = {}
         self.recording_requests: dict[str, pb.RecordingRequest] = {}
         self.storage, self.storage_default_root = storage or StorageConfig(), storage_default_root
         self.store: ObjectStore | None = None
@@ -331,6 +332,8 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 await asyncio.to_thread(loop.driver.close)
                 await self._stop_recorder(request.robot_id, loop)
             finally:  # what latched stays with the device, whatever failed above
+                self.recorders.pop(request.robot_id, None)  # ids are the clients': nothing of one outlives it
+                self.recording_requests.pop(request.robot_id, None)
                 with loop.lock:
                     device.estopped, device.fault = loop.estopped, loop.fault
                     limits = loop.safety.limits

@@ -471,7 +471,8 @@ def test_kept_limits_that_no_longer_hold_the_arm_latch_a_fault_and_never_yank_it
 
 @live_loop
 def test_robots_that_come_and_go_leave_no_series_and_no_lock_behind(gateway):
-    """Robot ids are the clients': each fresh id used to add Prometheus series and an id-lock entry for good."""
+    """Robot ids are the clients': each fresh id used to add Prometheus series, an id-lock entry and a recorder
+    for good."""
     from prometheus_client import REGISTRY
 
     stub, service, _ = gateway
@@ -482,10 +483,11 @@ def test_robots_that_come_and_go_leave_no_series_and_no_lock_behind(gateway):
     for n in range(4):
         rid = f"visitor-{n}"
         connect(stub, rid)
+        stub.StartRecording(pb.RecordingRequest(robot_id=rid, dataset="d"), timeout=10)
         stub.EStop(pb.EStopRequest(robot_id=rid, reason="test"), timeout=5)  # (the device keeps its latch)
-        assert series_of(rid) > 0
+        assert series_of(rid) > 0 and rid in service.recorders
         stub.Disconnect(pb.RobotRef(robot_id=rid), timeout=10)
         assert series_of(rid) == 0, rid
     with pytest.raises(grpc.RpcError):  # a refused Connect leaves nothing either
         stub.Connect(pb.ConnectRequest(robot_id="bad", driver="no-such-driver"), timeout=10)
-    assert service.id_locks == {}
+    assert service.id_locks == {} and service.recorders == {} and service.recording_requests == {}
