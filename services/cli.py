@@ -137,9 +137,8 @@ def _warm_start(args: argparse.Namespace) -> int | None:
         return None
     import yaml
 
-    from services.core.batch import TensorBatch
-    from services.replay.datasets import DatasetError, load_dataset, save_dataset
-    from services.rollout.evaluate import collect_dataset, merge_datasets
+    from services.replay.datasets import load_dataset, save_dataset
+    from services.rollout.evaluate import merge_datasets
 
     try:
         config = _load(args.config, args.set)
@@ -164,18 +163,9 @@ def _warm_start(args: argparse.Namespace) -> int | None:
     if warm.demos:
         demos = stage / "demos.npz"
         files.append(demos)
-        if not demos.exists():
-            try:
-                with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
-                    batch, returns = collect_dataset(args.config, warm.demos, warm.demos_seed, expert=True,
-                                                     overrides=args.set)
-                # the supervised stage reads obs and actions: next_obs would double every sample replay sends it
-                save_dataset(demos, TensorBatch({k: v for k, v in batch.tensors.items()
-                                                 if not k.startswith("next_obs")}, version=0, dims=("sample",)))
-            except (ValueError, DatasetError) as exc:
-                return _fail(f"warm_start.demos: {exc}", 2)
-            console.print(f"warm start: {len(returns)} expert episodes (mean return "
-                          f"{sum(returns) / len(returns):.2f}), {batch.rows} transitions -> {demos}")
+        failed = _demos_stage(args.config, args.set, warm, demos)
+        if failed is not None:
+            return failed
     if warm.dataset:
         imported = stage / "lerobot.npz"
         files.append(imported)
@@ -206,6 +196,28 @@ def _warm_start(args: argparse.Namespace) -> int | None:
             return code
     args.set = [*args.set, f"policy.init_checkpoint={final.resolve()}"]
     console.print(f"warm start done: the run starts from {final}")
+    return None
+
+
+def _demos_stage(spec: str, sets: list[str], warm, demos: Path) -> int | None:
+    """warm_start.demos: the env's scripted expert plays ``warm.demos`` episodes of the spec (with ``sets``) into
+    ``demos`` (obs and actions; a stage already done there is kept). None, or an exit code."""
+    if demos.exists():
+        return None
+    from services.core.batch import TensorBatch
+    from services.replay.datasets import DatasetError, save_dataset
+    from services.rollout.evaluate import collect_dataset
+
+    try:
+        with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
+            batch, returns = collect_dataset(spec, warm.demos, warm.demos_seed, expert=True, overrides=sets)
+        # the supervised stage reads obs and actions: next_obs would double every sample replay sends it
+        save_dataset(demos, TensorBatch({k: v for k, v in batch.tensors.items() if not k.startswith("next_obs")},
+                                        version=0, dims=("sample",)))
+    except (ValueError, DatasetError) as exc:
+        return _fail(f"warm_start.demos: {exc}", 2)
+    console.print(f"warm start: {len(returns)} expert episodes (mean return {sum(returns) / len(returns):.2f}), "
+                  f"{batch.rows} transitions -> {demos}")
     return None
 
 

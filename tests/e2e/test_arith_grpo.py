@@ -12,6 +12,10 @@ import sys
 import numpy as np
 import pytest
 
+from tests.artefacts import cached
+
+pytestmark = pytest.mark.minutes(1.6)  # on CI's 2 cores: the tiers start long files first
+
 CLI = [sys.executable, "-m", "services.cli"]
 SFT_UPDATES = 500
 EPISODES = 64 * 100  # 100 iterations of 8 prompts x 8 samples
@@ -29,16 +33,21 @@ def _accuracy(checkpoint) -> float:
 
 
 @pytest.fixture(scope="module")
-def warm_start(tmp_path_factory):
+def warm_start(request):
+    """The SFT checkpoint and its held-out accuracy, built once for both tiers (tests/artefacts.py): the fast tier's
+    GRPO and the slow tier's DAPO and REINFORCE++ start from the same one."""
     from services.env.tasks.sft_data import build
 
-    tmp = tmp_path_factory.mktemp("arith")
-    data = tmp / "arith_sft.npz"
-    np.savez(data, **build("arith", 4000, seed=0))
-    _cli("train", "examples/arith_sft.yaml", "--run-dir", str(tmp / "sft"), "--quiet",
-         "--set", f"replay.datasets.offline={data}", "--set", f"algorithm.total_updates={SFT_UPDATES}")
-    checkpoint = tmp / "sft" / "checkpoints" / "final.pt"
-    return checkpoint, _accuracy(checkpoint)
+    def sft(out):
+        data = out / "arith_sft.npz"
+        np.savez(data, **build("arith", 4000, seed=0))
+        _cli("train", "examples/arith_sft.yaml", "--run-dir", str(out / "sft"), "--quiet",
+             "--set", f"replay.datasets.offline={data}", "--set", f"algorithm.total_updates={SFT_UPDATES}")
+        (out / "accuracy").write_text(str(_accuracy(out / "sft" / "checkpoints" / "final.pt")))
+
+    out = cached(request.config, "arith-sft", {"updates": SFT_UPDATES, "rows": 4000, "episodes": EVAL_EPISODES},
+                 sft)
+    return out / "sft" / "checkpoints" / "final.pt", float((out / "accuracy").read_text())
 
 
 @pytest.mark.parametrize("algorithm, sets, gain", [

@@ -13,14 +13,17 @@ The whole recipe repeats exactly on one machine and set of packages: the RL stag
 vision stage draws its encoder from the run's seed. On CI's packages seed 0 goes, every run, from 39 to 132 scenes
 for pi0 (+0.291) and from 37 to 114 for vla_tokens (+0.241); both gates are the issue's +0.2 (64 of 320 scenes).
 pi0's seeds 1-2 gained +0.28 and +0.25, vla_tokens' seeds 1-3 +0.34, +0.25 and +0.34 (docs/benchmarks.md, "Wider
-exploration beyond a cautious demonstrator"). The 64-episode evaluations, which nothing here reads, run every 25
-iterations instead of 5."""
+exploration beyond a cautious demonstrator"). Of the 64-episode evaluations, which nothing here reads, only the
+final one runs (deterministic, on eval envs of their own: the run's trajectory does not depend on them). The vision
+and demonstration stages are the same bytes for both families and are built once (tests/vla_warm_stages.py)."""
 
 from __future__ import annotations
 
 import csv
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,13 +43,38 @@ def rows(path) -> list[dict[str, str]]:
     return list(csv.DictReader(open(path)))
 
 
-def rl_raises_a_vla_over_its_imitation(tmp_path, family: str) -> None:
+def shared_stages(config, spec: str, sets: list[str], order: tuple[str, str], stage: Path) -> None:
+    """The recipe's vision and demos stages, which both families share (tests/vla_warm_stages.py), copied into the
+    run's ``warm_start`` directory, where ``rlfabric train`` keeps them. Each family asks for them in its own
+    ``order``: side by side, one builds the encoder while the other records the demonstrations."""
+    from tests.artefacts import cached
+    from tests.vla_warm_stages import inputs
+
+    def build(name: str):
+        def run(out: Path) -> None:
+            proc = subprocess.run([sys.executable, "-m", "tests.vla_warm_stages", name, spec, str(out), *sets],
+                                  capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return run
+
+    stage.mkdir(parents=True)
+    for name in order:
+        built = cached(config, f"vla-{name}", inputs(name, spec, sets[1::2]), build(name))
+        if name == "vision":
+            shutil.copytree(built / "vision", stage / "vision")
+        else:
+            shutil.copy2(built / "demos.npz", stage / "demos.npz")
+
+
+def rl_raises_a_vla_over_its_imitation(request, tmp_path, family: str, order: tuple[str, str]) -> None:
     """One family's whole recipe through `rlfabric train`, then its gates. Each family's test has a file of its own
     (this one: pi0; test_cautious_demonstrator_tokens.py: vla_tokens), so the slow tier's two workers run them side
     by side."""
     spec, overrides, gate, rise = RECIPES[family]
     run_dir = tmp_path / "run"
-    sets = [arg for kv in [*overrides, "train.eval_every_iterations=25"] for arg in ("--set", kv)]
+    # one 64-episode evaluation, the final one, which nothing here reads (the held-out 320 are the score)
+    sets = [arg for kv in [*overrides, "train.eval_every_iterations=1000"] for arg in ("--set", kv)]
+    shared_stages(request.config, spec, sets, order, run_dir / "warm_start")
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "train", spec, "--run-dir", str(run_dir), "--quiet", *sets],
         capture_output=True, text=True, timeout=2300, stdin=subprocess.DEVNULL)
@@ -64,5 +92,5 @@ def rl_raises_a_vla_over_its_imitation(tmp_path, family: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # 12-15 minutes on CI's 2 cores alone, up to twice that beside the other family's run
 @pytest.mark.parametrize("family", ["pi0"])
-def test_rl_raises_a_vla_over_its_imitation_of_a_cautious_demonstrator(tmp_path, family):
-    rl_raises_a_vla_over_its_imitation(tmp_path, family)
+def test_rl_raises_a_vla_over_its_imitation_of_a_cautious_demonstrator(request, tmp_path, family):
+    rl_raises_a_vla_over_its_imitation(request, tmp_path, family, ("vision", "demos"))
