@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import time
-import zlib
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -116,11 +115,15 @@ def _with_db(url: str, db: int) -> str:
 
 
 @pytest.fixture
-def redis_server(request, tmp_path_factory):
+def redis_server(tmp_path_factory):
     """A Redis URL for one test, empty at the start."""
     shared = os.environ.get("RLFABRIC_TEST_REDIS_URL", "")
     if shared:
-        db = 1 + zlib.crc32(request.node.nodeid.encode()) % 15  # db 0 is left to whatever else uses that Redis
+        # a database per xdist worker (db 0 is left to whatever else uses that Redis): a worker runs one test at a
+        # time, and two workers never share one. Chosen by the test's id instead, two tests that ran side by side
+        # could draw the same database and flush each other's data.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        db = 1 + (int(worker[2:]) if worker[2:].isdigit() else 14) % 15
         url = _with_db(shared, db)
         client = redis.Redis.from_url(url)
         client.flushdb()
