@@ -105,8 +105,8 @@ def test_sac_on_redis_survives_a_sigkill_of_its_replay_service_with_the_window_i
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # kills on a wall clock (every 3 s for 60 s): beside a VLA recipe on the other core, the run
-# progressed half as far between kills, and one CI run's policy collapsed at an evaluation of 121 (a draw of 20)
+@pytest.mark.serial  # kills on a wall clock (every 3 s for 60 s): beside a VLA recipe on the other core, one CI
+# run's policy ended at an evaluation of 121 (15 recoveries)
 def test_soak_a_random_service_killed_every_few_seconds_and_the_run_still_finishes(private_stack):
     """For a minute of training (a fixed 80k-step run, no early stop), a random service (env, rollout, replay,
     learner or the coordinator itself) is SIGKILLed every 3 s; the run recovers from each loss, finishes, and its final evaluation is at the
