@@ -5,6 +5,14 @@ actions of the chunk are dropped (they were planned for an episode that is over,
 and the vector env's same-step auto-reset starts the next episode as usual. The decision's reward is the sum of
 the executed steps' rewards; per-step rewards, done flags and a validity mask come along in ``info`` so that an
 algorithm can credit actions at step level, and ``executed`` says how many primitive steps ran.
+
+Only the observation after a chunk's last executed step reaches the policy. An env with a camera that says so
+(a ``skip_frames`` flag and an ``observe()`` method: ArmReach) skips rendering the frames of the steps before it:
+rendering is most of a step's time (~60% of ArmReach's at 64x64 on the CPU), so a chunk of 4 renders one frame
+instead of 4. Where the chunk ends early (success, a time limit) the step's observation is taken again with
+its frame, from the same state: the observations are the same bytes as with every frame rendered. Between this
+wrapper and that env there must be only wrappers that pass observations through unchanged (gymnasium's
+TimeLimit, OrderEnforcing, PassiveEnvChecker); behind any other every frame is rendered.
 """
 
 from __future__ import annotations
@@ -13,9 +21,22 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.wrappers import OrderEnforcing, PassiveEnvChecker, TimeLimit
 
 MAX_HORIZON = 256
 STEP_KEYS = ("step_rewards", "step_dones", "step_valid")
+TRANSPARENT = (TimeLimit, OrderEnforcing, PassiveEnvChecker)
+"""Wrappers that return their env's observations unchanged: a frame-skipping env may sit behind them."""
+
+
+def frame_skipping_env(env: gym.Env) -> Any | None:
+    """The env under ``env`` that can skip the frames of a chunk's dropped steps (``skip_frames``, ``observe``),
+    where only TRANSPARENT wrappers lie between; else None."""
+    while isinstance(env, gym.Wrapper):
+        if type(env) not in TRANSPARENT:
+            return None
+        env = env.env
+    return env if hasattr(env, "skip_frames") and callable(getattr(env, "observe", None)) else None
 
 
 class ActionChunk(gym.Wrapper):
@@ -27,6 +48,7 @@ class ActionChunk(gym.Wrapper):
         if not 1 <= horizon <= MAX_HORIZON:
             raise ValueError(f"env.action_chunk={horizon} must lie in [1, {MAX_HORIZON}]")
         self.horizon = horizon
+        self.frames = frame_skipping_env(env) if horizon > 1 else None
         base = env.action_space
         self.action_space = gym.spaces.Box(np.repeat(base.low[None], horizon, 0), np.repeat(base.high[None], horizon, 0),
                                            (horizon, *base.shape), base.dtype)
@@ -38,12 +60,21 @@ class ActionChunk(gym.Wrapper):
         valid = np.zeros(H, np.float32)
         terminated = truncated = False
         info: dict[str, Any] = {}
-        for h in range(H):
-            obs, reward, terminated, truncated, info = self.env.step(actions[h])
-            rewards[h], valid[h] = reward, 1.0
-            if terminated or truncated:
-                dones[h] = 1.0
-                break
+        frames = self.frames
+        try:
+            for h in range(H):
+                if frames is not None:
+                    frames.skip_frames = h < H - 1  # the last step's observation is the one returned
+                obs, reward, terminated, truncated, info = self.env.step(actions[h])
+                rewards[h], valid[h] = reward, 1.0
+                if terminated or truncated:
+                    dones[h] = 1.0
+                    break
+            if frames is not None and frames.skip_frames:  # ended early, on a step that kept the last frame
+                obs = frames.observe()
+        finally:
+            if frames is not None:
+                frames.skip_frames = False
         executed = int(valid.sum())
         info = dict(info, step_rewards=rewards, step_dones=dones, step_valid=valid, executed=executed)
         return obs, float(rewards.sum()), terminated, truncated, info

@@ -5,6 +5,7 @@ action-level discounting; the VLA policy's chunk log-probs against a hand comput
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -15,6 +16,7 @@ from services.core.config import RunConfig
 from services.core.models import build_policy
 from services.env.pool import EnvPool
 from services.learner.algorithms.ppo import compute_gae, per_step_discounting
+from tests.rendering_support import run_rendering_cases
 
 EXECUTED: list[tuple[int, float]] = []  # (episode, action) of every primitive step any Countdown env ran
 
@@ -192,3 +194,10 @@ def test_the_nature_encoder_summarises_the_image_in_a_few_tokens_that_both_heads
         policy.evaluate(obs, raw)[part].sum().backward()
         assert conv.grad is not None and conv.grad.abs().sum() > 0
     assert policy.value_head[0].in_features == 32 + 24  # the trunk's context and the CNN's features
+
+
+
+def test_a_chunk_renders_only_the_frame_it_returns_and_the_same_bytes():
+    """ArmReach renders only the frame a chunk returns, and every observation is the same bytes as with every frame
+    rendered (tests/unit/chunk_frames_cases.py, in a rendering process of its own)."""
+    run_rendering_cases(Path(__file__).with_name("chunk_frames_cases.py"))

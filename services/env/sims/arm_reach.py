@@ -19,7 +19,8 @@ actors never read it, and other policies refuse it).
 
 Pixels are rendered headless on the CPU (``MUJOCO_GL=osmesa``, Debian's libosmesa6, set here unless the process
 says otherwise; ``egl`` works too) with shadows and multisampling off: ~0.4 ms a 64x64 frame instead of ~30 ms
-with the defaults.
+with the defaults. Inside an action chunk only the frame the policy reads is rendered (``skip_frames``): the
+chunk's earlier steps keep the last frame, which nothing reads.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class ArmReach(gym.Env):
         self.mocap = [self.model.body_mocapid[mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_BODY, c)]
                       for c in self.colors]
         self.renderer = None
+        self.skip_frames = False  # set by ActionChunk (services/env/chunking.py) for steps whose observation it drops
+        self._frame: np.ndarray | None = None
         self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
         proprio = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
         text = gym.spaces.Box(0, instructions.vocab_size() - 1, (instructions.MAX_TOKENS,), np.int64)
@@ -206,7 +209,9 @@ class ArmReach(gym.Env):
             if self.use_instruction:  # which ball is the goal is only in the words
                 return {"state": state.astype(np.float32), "instruction": instructions.encode(self.text)}
             return state.astype(np.float32)
-        obs = {"image": self.render_frame(), "proprio": self._proprio()}
+        if not self.skip_frames or self._frame is None:
+            self._frame = self.render_frame()
+        obs = {"image": self._frame, "proprio": self._proprio()}
         if self.use_instruction:
             obs["instruction"] = instructions.encode(self.text)
         if self.privileged:
@@ -215,6 +220,15 @@ class ArmReach(gym.Env):
                                                                   for i in order), [5 * self._distance()]]
                                                ).astype(np.float32)
         return obs
+
+    def observe(self) -> Any:
+        """The observation of the current state, camera frame included: what ``step`` returned had it rendered
+        (ActionChunk's chunk that ended on a step with ``skip_frames`` set)."""
+        skip, self.skip_frames = self.skip_frames, False
+        try:
+            return self._observe()
+        finally:
+            self.skip_frames = skip
 
     def render_frame(self) -> np.ndarray:
         if self.renderer is None:
