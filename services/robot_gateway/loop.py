@@ -3,12 +3,15 @@
 
 Each tick measures how late it woke (lateness) and how far its period strayed from nominal (jitter), exports both
 as Prometheus histograms and in every state, and counts overruns (a tick later than a whole period, after which
-the loop skips to the next deadline ahead instead of bursting). The thread asks for real-time priority and a
+the loop skips to the next deadline ahead instead of bursting). A tick later than the watchdog window (the arm went
+that long without control: a stalled driver, a paused process) latches a deadline fault: the arm holds and the
+gateway's health turns NOT_SERVING until the operator's ClearEStop. The thread asks for real-time priority and a
 pinned core and says what it got.
 
 What the arm does each tick, in order of precedence:
     e-stop latched     hold, until the operator's ClearEStop
-    fault latched      hold, until the operator's ClearEStop (a jump, a workspace exit, a malformed command)
+    fault latched      hold, until the operator's ClearEStop (a jump, a workspace exit, a malformed command, a
+                       missed deadline)
     no valid command   hold, once the newest command is older than the watchdog window (or none came yet)
     otherwise          the newest command through the safety filter
 A hold keeps the current target: the last target sent (the measured position only before any was), never the
@@ -119,6 +122,7 @@ class ControlLoop:
         self.counts = EpisodeCounts()
         self.intervention_listeners: list[Callable[[bool, int], None]] = []  # (intervening, episode)
         self.estopped, self.fault = False, ""
+        self.missed_deadline = ""  # a latched deadline fault, as the health check says it (see _run)
         position, velocity = driver.read()
         self.target = position.copy()
         self.overruns = 0
@@ -212,7 +216,7 @@ class ControlLoop:
     def clear(self) -> None:
         """Clear the e-stop and any fault; the arm stays in hold until a fresh command arrives."""
         with self.lock:
-            self.estopped, self.fault, self.command = False, "", None
+            self.estopped, self.fault, self.command, self.missed_deadline = False, "", None, ""
 
     def set_limits(self, limits: Limits) -> Limits:
         """Narrow (or widen back) the limits; position limits must hold the arm's current target, since the filter
@@ -245,6 +249,11 @@ class ControlLoop:
             return f"the control loop of {self.robot_id} died: {self.error!r}"
         if self.thread.ident is not None and not self.thread.is_alive() and not self._stop.is_set():
             return f"the control loop of {self.robot_id} stopped"
+        with self.lock:
+            missed = self.missed_deadline
+        if missed:
+            return f"the control loop of {self.robot_id} missed its deadline ({missed}); the arm holds until the " \
+                   f"operator's ClearEStop"
         return None
 
     # -- the loop thread --------------------------------------------------------------------------------------
@@ -292,6 +301,8 @@ class ControlLoop:
                     log.warning("control tick overran", extra={"robot": self.robot_id, "late_s": round(lateness, 6),
                                                                "overruns": self.overruns})
                     k = math.floor((now - start) / self.period)  # skip to the next deadline ahead
+                if lateness > self.watchdog_s:
+                    self._missed(lateness)
                 self._tick(k, now, lateness, jitter)
         except BaseException as exc:  # noqa: BLE001 — a dead loop fails the health check, loudly
             self.error = exc
@@ -300,6 +311,16 @@ class ControlLoop:
                 self.driver.brake()
             finally:
                 self.holding_metric.set(1)
+
+    def _missed(self, lateness: float) -> None:
+        """The tick woke later than the watchdog window: the arm went that long without control. Latch a fault
+        (this tick already holds) and fail the health check until the operator clears it."""
+        why = f"a tick woke {lateness * 1e3:.1f} ms late, past the {self.watchdog_s * 1e3:.0f} ms watchdog window"
+        with self.lock:
+            self.fault = self.fault or f"deadline: {why}"
+            self.missed_deadline = self.missed_deadline or why
+        log.error("control tick missed its deadline: fault latched", extra={"robot": self.robot_id,
+                                                                           "late_s": round(lateness, 6)})
 
     def _tick(self, k: int, now: float, lateness: float, jitter: float) -> None:
         position, velocity = self.driver.read()

@@ -116,6 +116,33 @@ def test_a_jump_faults_and_holds_instead_of_following(arm):
     assert rec.wait(lambda x: x.time > t).fault.startswith("jump")
 
 
+def test_a_tick_later_than_the_watchdog_window_latches_a_fault_and_fails_health_until_cleared(arm):
+    """A driver read that stalls for 4 watchdog windows: the next tick wakes that late, the arm went that long
+    without control. It latches a fault (the arm holds, sane commands do not clear it) and the loop's health names
+    the miss, until the operator's clear; then a fresh command moves the arm again."""
+    loop, rec = arm
+    stream(loop, [0.0, -0.3, 0.6], 0.1)
+    read, stalled = loop.driver.read, threading.Event()
+
+    def stalls_once():
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(4 * WATCHDOG)
+        return read()
+
+    loop.driver.read = stalls_once
+    t_sent = stream(loop, [0.05, -0.3, 0.6], 0.4)
+    missed = rec.wait(lambda t: t.fault.startswith("deadline"))
+    assert missed.holding and missed.lateness_s > WATCHDOG, missed
+    assert all(t.holding for t in rec.after(missed.time))  # commands kept coming: the arm stayed put
+    assert rec.wait(lambda t: t.time > t_sent).fault.startswith("deadline")
+    assert "missed its deadline" in (loop.health() or "")
+    loop.clear()
+    assert loop.health() is None
+    stream(loop, [0.05, -0.3, 0.6], 0.2)
+    assert not rec.wait(lambda t: not t.holding and t.time > missed.time).fault
+
+
 def test_a_target_outside_the_workspace_faults(arm):
     loop, rec = arm
     hard = loop.hard
