@@ -71,7 +71,7 @@ def rl_raises_a_vla_over_its_imitation(request, tmp_path, family: str, order: tu
     shared_stages(request.config, spec, sets, order, run_dir / "warm_start")
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "train", spec, "--run-dir", str(run_dir), "--quiet", *sets],
-        capture_output=True, text=True, timeout=2300, stdin=subprocess.DEVNULL)
+        capture_output=True, text=True, timeout=1700, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = scores(run_dir)
     wins = [got["supervised_wins"], got["rl_wins"]]
@@ -80,7 +80,7 @@ def rl_raises_a_vla_over_its_imitation(request, tmp_path, family: str, order: tu
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # ~12 minutes on CI's 2 cores beside the other family's run
+@pytest.mark.timeout(1800)  # 565 s on CI's 2 cores beside the other family's run (2026-11-29)
 @pytest.mark.parametrize("family", ["pi0"])
 def test_rl_raises_a_vla_over_its_imitation_of_a_cautious_demonstrator(request, tmp_path, family):
     rl_raises_a_vla_over_its_imitation(request, tmp_path, family, ("vision", "demos"))

@@ -12,7 +12,7 @@ from tests.e2e.test_cautious_demonstrator import rl_raises_a_vla_over_its_imitat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # 9-13 minutes on CI's 2 cores alone, up to twice that beside pi0's run
+@pytest.mark.timeout(1800)  # 438 s on CI's 2 cores beside pi0's run (2026-11-29)
 @pytest.mark.parametrize("family", ["vla_tokens"])
 def test_rl_raises_a_vla_over_its_imitation_of_a_cautious_demonstrator(request, tmp_path, family):
     rl_raises_a_vla_over_its_imitation(request, tmp_path, family, ("demos", "vision"))
