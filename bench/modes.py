@@ -6,7 +6,9 @@ through real service processes (one stack of services, started once and shared b
     and disaggregated at staleness 0 for reference), steady state (warm-up iterations dropped, no evaluation);
   * the plan ``scheduling.mode: auto`` picks and its steady-state steps/s, against the best measured plan; and
     the auto plan against itself: it runs twice per round ("auto" and "auto again", identical), and
-    ``auto_vs_itself`` (target 1.0±0.1) is how far two runs of one plan disagree;
+    ``auto_vs_itself`` (target 1.0±0.1) is how far two runs of one plan disagree. ``auto_vs_best_measured`` reads
+    both auto runs of every round (the side "auto, both runs"): with 3 samples a side, two runs of the bench put
+    it at 1.11 and 0.93, though auto chose the same plan, the measured-fastest, every time;
   * the cluster simulator's predicted iteration time of every plan (from the auto runs' fitted profiles, median
     prediction) against the measured one;
   * online scaling: an env-bound variant (one epoch per update) runs collocated with one rollout worker, then
@@ -183,6 +185,8 @@ def main() -> None:
     measured = {name: median_of(samples[name]) for name in PLANS}  # medians over the rounds
     for name, value in measured.items():
         metrics[f"{name} env_steps_per_s"] = value
+    # auto's runs, both sides: one plan measured twice a round, so auto against the best plan reads 6 samples
+    samples["auto, both runs"] = samples["auto"] + samples["auto again"]
     metrics["auto env_steps_per_s"] = median_of(samples["auto"])
     metrics["auto again env_steps_per_s"] = median_of(samples["auto again"])
     chosen = [a["chosen"] for a in autos]
@@ -211,12 +215,12 @@ def main() -> None:
     metrics["best measured plan"] = best_all
     ratios = {
         "best_pipelined_vs_collocated": ratio_of_medians(samples, best, "collocated"),
-        "auto_vs_best_measured": ratio_of_medians(samples, "auto", best_all),
+        "auto_vs_best_measured": ratio_of_medians(samples, "auto, both runs", best_all),
         "auto_vs_itself": ratio_of_medians(samples, "auto again", "auto"),
         "scaled_rollout_vs_before": ratio_of_medians(samples, "scale after", "scale before"),
         **dict(sorted(sim.items())),
     }
-    compares |= {"best_pipelined_vs_collocated": [best, "collocated"], "auto_vs_best_measured": ["auto", best_all],
+    compares |= {"best_pipelined_vs_collocated": [best, "collocated"], "auto_vs_best_measured": ["auto, both runs", best_all],
                  "auto_vs_itself": ["auto again", "auto"], "scaled_rollout_vs_before": ["scale after", "scale before"]}
     targets = {"best_pipelined_vs_collocated": ">=1.3", "auto_vs_best_measured": ">=0.95", "auto_vs_itself": "1.0±0.1",
                "scaled_rollout_vs_before": ">=1.1"}
