@@ -5,7 +5,7 @@ what PPO adds on the same 320 held-out scenes the supervised stage ended on. The
 env steps; this bench is the evidence behind that gate (every seed at least +0.2) and the recipes' full length.
 
     python bench/cautious_demonstrator.py [--families pi0 vla_tokens] [--seeds 0 1 2] [--env-steps 64000]
-        [--jobs 2] [--work DIR] [--out bench/results/cautious_demonstrator.json]
+        [--jobs 2] [--work DIR] [--out FILE]   (default: bench/results/cautious_demonstrator_<k>k.json)
 
 ``--jobs 2`` runs two recipes side by side (the CI test's pair does too); each run's wall times are in the JSON, so
 read them as "beside another run". A run directory already holding a stage (``--work`` kept from an earlier call)
