@@ -38,6 +38,8 @@ class CameraFeed:
         self.error: str | None = None
         self.first = threading.Event()
         self.stopped = threading.Event()
+        self.on_frame: Callable[[np.ndarray, int, float, int], None] | None = None  # each frame, as captured
+        self.on_error: Callable[[str], None] | None = None  # the capture failed (the feed has stopped)
         self.thread = threading.Thread(target=self._run, name=f"camera-{robot_id}", daemon=True)
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -57,12 +59,16 @@ class CameraFeed:
                 image = np.ascontiguousarray(self.capture(), dtype=np.uint8)
                 with self.lock:
                     self.frame, self.index, self.time, self.frame_tick = image, self.index + 1, time.monotonic(), tick
+                if self.on_frame is not None:
+                    self.on_frame(image, self.index, self.time, tick)
                 self.first.set()
                 deadline += self.period  # absolute deadlines: the rate holds whatever a capture costs
                 self.stopped.wait(max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 — reported by health() and to every request, never swallowed
             self.error = f"robot {self.robot_id}: the camera failed: {type(exc).__name__}: {exc}"
             log.error("%s", self.error)
+            if self.on_error is not None:
+                self.on_error(self.error)
         finally:
             self.first.set()
 

@@ -57,6 +57,12 @@ OUTCOMES = ("success", "failure", "rerecord", "terminate")
 SPIN_S = 0.001  # default: the last millisecond before a deadline is spun, not slept (sleep wakes up to ~1 ms late)
 
 
+def _sleep_until(when: float) -> None:
+    remaining = when - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
 class TakeoverError(PermissionError):
     """A teleop event from a caller that does not own the running takeover (names who does)."""
 
@@ -85,6 +91,7 @@ class Tick:
     episode_intervened_ticks: int = 0
     end_effector: np.ndarray = field(default_factory=lambda: np.zeros(3))
     policy_seq: int = -1  # the newest policy command this tick had (used, or overridden by a human)
+    estop_at: float = 0.0  # when the e-stop latched (monotonic s; 0: none): from then on no new target is sent
 
 
 @dataclass
@@ -122,6 +129,7 @@ class ControlLoop:
         self.counts = EpisodeCounts()
         self.intervention_listeners: list[Callable[[bool, int], None]] = []  # (intervening, episode)
         self.estopped, self.fault = False, ""
+        self.estop_at = 0.0
         self.missed_deadline = ""  # a latched deadline fault, as the health check says it (see _run)
         position, velocity = driver.read()
         self.target = position.copy()
@@ -132,6 +140,7 @@ class ControlLoop:
         self.realtime = "not started"
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self.idle: Callable[[float], None] = _sleep_until  # until the spin: a process of its own serves requests
         self.thread = threading.Thread(target=self._run, name=f"control-{robot_id}", daemon=True)
 
     # -- what clients do (any thread) -------------------------------------------------------------------------
@@ -182,7 +191,7 @@ class ControlLoop:
         """``owner`` went away (its stream ended): its takeover stays, owned by no one, so its stale commands hold
         the arm (the watchdog) until someone takes over or stops it; nothing is left that nobody can end."""
         with self.lock:
-            if self.intervention_owner is owner:
+            if self.intervention_owner == owner:  # (equal: the arm process rebuilds an owner per request)
                 self.intervention_owner = None
 
     def end_episode(self, outcome: str) -> EpisodeCounts:
@@ -204,6 +213,8 @@ class ControlLoop:
 
     def estop(self, reason: str) -> None:
         with self.lock:
+            if not self.estopped:
+                self.estop_at = time.monotonic()
             self.estopped = True
         log.warning("e-stop", extra={"robot": self.robot_id, "reason": reason})
 
@@ -217,6 +228,7 @@ class ControlLoop:
         """Clear the e-stop and any fault; the arm stays in hold until a fresh command arrives."""
         with self.lock:
             self.estopped, self.fault, self.command, self.missed_deadline = False, "", None, ""
+            self.estop_at = 0.0
 
     def set_limits(self, limits: Limits) -> Limits:
         """Narrow (or widen back) the limits; position limits must hold the arm's current target, since the filter
@@ -235,6 +247,14 @@ class ControlLoop:
 
     def start(self) -> None:
         self.thread.start()
+
+    def halt(self) -> None:
+        """Ask ``run`` to return after its current tick (from within the loop's own ``idle``)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Tick in the calling thread until ``stop`` (an arm's own process runs its loop on its main thread)."""
+        self._run()
 
     def stop(self) -> None:
         """Stop ticking and leave the arm braked (a stopping gateway never leaves it tracking a stale target)."""
@@ -285,9 +305,7 @@ class ControlLoop:
             while not self._stop.is_set():
                 k += 1
                 deadline = start + k * self.period
-                remaining = deadline - time.monotonic()
-                if remaining > self.spin_s:
-                    time.sleep(remaining - self.spin_s)
+                self.idle(deadline - self.spin_s)
                 while time.monotonic() < deadline:
                     time.sleep(0)  # spins, but lets go of the GIL each turn: the event loop (EStop) never waits
                 now = time.monotonic()
@@ -303,6 +321,7 @@ class ControlLoop:
                     k = math.floor((now - start) / self.period)  # skip to the next deadline ahead
                 if lateness > self.watchdog_s:
                     self._missed(lateness)
+                self.idle(0.0)  # what came during the spin (an EStop) is served before this tick, not after it
                 self._tick(k, now, lateness, jitter)
         except BaseException as exc:  # noqa: BLE001 — a dead loop fails the health check, loudly
             self.error = exc
@@ -328,7 +347,7 @@ class ControlLoop:
             intervening = self.intervening
             command = self.human if intervening else self.command
             policy_seq = self.command.seq if self.command is not None else -1
-            estopped, fault, safety = self.estopped, self.fault, self.safety
+            estopped, fault, safety, estop_at = self.estopped, self.fault, self.safety, self.estop_at
         verdict = None
         if estopped:
             reason = "e-stop"
@@ -362,7 +381,7 @@ class ControlLoop:
         tick = Tick(k, now, position, velocity, self.target.copy(), estopped, fault, bool(reason), reason,
                     lateness, jitter, self.overruns, command.seq if command is not None else -1,
                     bool(verdict and verdict.clipped), bool(verdict and verdict.slowed), intervening, episode,
-                    episode_intervened, self.driver.forward_kinematics(position), policy_seq)
+                    episode_intervened, self.driver.forward_kinematics(position), policy_seq, estop_at)
         self.last = tick
         for listener in list(self.listeners):
             listener(tick)

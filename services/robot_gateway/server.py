@@ -36,16 +36,15 @@ from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
 from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
 from services.core.runtime import ServiceRuntime, run_service
 from services.robot_gateway import series
-from services.robot_gateway.cameras import CameraFeed, FrameServer
+from services.robot_gateway.arm_process import ArmCamera, ArmProcess
+from services.robot_gateway.cameras import FrameServer
 from services.robot_gateway.drivers import (
-    Driver,
     DriverConnectionError,
     DriverOptionError,
     DriverUnavailable,
-    build_driver,
     driver_class,
 )
-from services.robot_gateway.loop import ControlLoop, TakeoverError, Tick
+from services.robot_gateway.loop import TakeoverError, Tick
 from services.robot_gateway.recording import (
     ObjectStoreSink,
     Recorder,
@@ -120,7 +119,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                  storage_default_root: str = "recordings", replay_endpoints: frozenset[str] = frozenset(),
                  operator_secret: str = ""):
         self.operator_secret = operator_secret  # --operator-token-file: what clearing a latch takes (never a run's)
-        self.loops: dict[str, ControlLoop] = {}
+        self.loops: dict[str, ArmProcess] = {}
         self.drivers: dict[str, str] = {}
         self.devices: dict[str, Device] = {}  # by device key
         self.device_of: dict[str, str] = {}  # robot id -> device key, while connected
@@ -144,7 +143,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 return f"the recorder of {rid} died: {rec.error!r} (its episodes are no longer recorded)"
         return next((why for loop in self.loops.values() if (why := loop.health())), None)
 
-    async def _loop(self, robot_id: str, context) -> ControlLoop:
+    async def _loop(self, robot_id: str, context) -> ArmProcess:
         loop = self.loops.get(robot_id)
         if loop is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"robot {robot_id!r} is not connected. Fix: call Connect "
@@ -257,20 +256,13 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             del self.devices[device.key]
 
     async def _open(self, rid: str, device: Device, request, options: dict[str, str], hz: float, watchdog: float,
-                    spin: float, camera_hz: float, context) -> ControlLoop:
-        """Build the driver and its loop off the event loop (a Franka's probe alone may take a minute), restore the
-        device's safety state, start ticking; on any failure the driver is closed, off the event loop too."""
-        def build() -> tuple[Driver, Callable | None, ControlLoop]:
-            driver = build_driver(request.driver, options)
-            try:
-                capture = driver.camera(request.camera_size) if request.camera_size else None
-                return driver, capture, ControlLoop(rid, driver, hz, watchdog, spin)
-            except BaseException:
-                driver.close()
-                raise
-
+                    spin: float, camera_hz: float, context) -> ArmProcess:
+        """Start the arm's process (its driver and loop) off the event loop (a Franka's probe alone may take a
+        minute), restore the device's safety state, start ticking; on any failure the process ends (its driver
+        closed)."""
         try:
-            driver, capture, loop = await asyncio.to_thread(build)
+            loop = await asyncio.to_thread(ArmProcess, rid, request.driver, options, hz, watchdog, spin,
+                                           request.camera_size, camera_hz)
         except (DriverOptionError, DriverConnectionError, TypeError) as exc:  # the request's options (TypeError:
             # an option the driver's constructor does not take)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"driver {request.driver!r}: {exc}")
@@ -278,20 +270,24 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"driver {request.driver!r}: {exc}")
         except Exception as exc:  # the driver or its device failed (a simulator's ValueError included): not the
             # caller's fault, so not INVALID_ARGUMENT
-            log.exception("driver failed to start", extra={"robot": rid, "driver": request.driver})
+            log.error("driver failed to start", extra={"robot": rid, "driver": request.driver,
+                                                        "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             await context.abort(grpc.StatusCode.INTERNAL, f"driver {request.driver!r} failed to start "
                                                           f"({type(exc).__name__}: {str(exc)[:300]}): a fault of "
                                                           f"the driver or its device, not of this request. The "
                                                           f"gateway's log has the traceback")
-        self._restore(loop, device)
-        loop.start()
-        if capture is not None:
-            feed = CameraFeed(rid, capture, camera_hz, lambda: loop.last.tick, request.camera_size)
+        try:
+            await asyncio.to_thread(self._restore, loop, device)
+            await asyncio.to_thread(loop.start)
+        except BaseException:
+            await asyncio.to_thread(loop.stop)
+            raise
+        if request.camera_size:
+            feed = ArmCamera(loop, request.camera_size)
             try:
                 await asyncio.to_thread(feed.start)
             except RuntimeError as exc:
                 await asyncio.to_thread(loop.stop)
-                await asyncio.to_thread(driver.close)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc}. Fix: give the gateway an "
                                                                          f"off-screen renderer (libosmesa6) or "
                                                                          f"camera_size: 0")
@@ -302,7 +298,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         return loop
 
     @staticmethod
-    def _restore(loop: ControlLoop, device: Device) -> None:
+    def _restore(loop: ArmProcess, device: Device) -> None:
         """The device's latch and narrowed limits, onto its new loop (before it ticks)."""
         if device.estopped:
             loop.estop(f"latched before device {device.key} was reconnected")
@@ -328,8 +324,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             try:
                 if self.frames is not None:
                     await asyncio.to_thread(self.frames.remove, request.robot_id)
-                await asyncio.to_thread(loop.stop)  # joins the loop thread, then brakes
-                await asyncio.to_thread(loop.driver.close)
+                await asyncio.to_thread(loop.stop)  # brakes, closes the driver, ends the arm's process
                 await self._stop_recorder(request.robot_id, loop)
             finally:  # what latched stays with the device, whatever failed above
                 self.recorders.pop(request.robot_id, None)  # ids are the clients': nothing of one outlives it
@@ -352,7 +347,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
     async def ListRobots(self, request, context):
         return pb.RobotList(robots=[self._info(rid) for rid in sorted(self.loops)])
 
-    async def _streamed(self, request_iterator, context, accept, on_end: Callable[[ControlLoop], None] | None = None):
+    async def _streamed(self, request_iterator, context, accept, on_end: Callable[[ArmProcess], None] | None = None):
         """States of the first message's robot, one per tick, while ``accept`` takes each incoming message
         (returning why it refuses one: the stream then ends with INVALID_ARGUMENT, or with the status code it
         returns beside the reason, and the watchdog holds the arm). ``on_end`` runs however the stream ends."""
@@ -377,7 +372,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             async for message in request_iterator:
                 if message.robot_id != rid:
                     return f"a message for robot {message.robot_id!r} on the stream of {rid!r}"
-                if (why := accept(loop, message)) is not None:
+                if (why := await accept(loop, message)) is not None:
                     return why
             return None
 
@@ -386,7 +381,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             await context.abort(code, why)
 
         try:
-            if (why := accept(loop, first)) is not None:
+            if (why := await accept(loop, first)) is not None:
                 await refuse(why)
             loop.listeners.append(listener)
             reader = asyncio.create_task(read())
@@ -404,7 +399,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                 on_end(loop)
 
     @staticmethod
-    def _position(loop: ControlLoop, command) -> np.ndarray | str:
+    def _position(loop: ArmProcess, command) -> np.ndarray | str:
         joints = loop.driver.joint_names
         position = np.asarray(command.position, dtype=float)
         if position.shape != (len(joints),) or not np.isfinite(position).all():
@@ -412,11 +407,14 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         return position
 
     async def Control(self, request_iterator, context):
-        def accept(loop: ControlLoop, cmd) -> str | None:
+        async def accept(loop: ArmProcess, cmd) -> str | tuple[grpc.StatusCode, str] | None:
             position = self._position(loop, cmd)
             if isinstance(position, str):
                 return position
-            loop.submit(position, cmd.seq)
+            try:
+                loop.submit(position, cmd.seq)  # sent, never awaited: a stream of commands costs the loop nothing
+            except RuntimeError as exc:  # the arm's process stopped reading (stuck) or is gone
+                return grpc.StatusCode.UNAVAILABLE, str(exc)
             return None
 
         async for state in self._streamed(request_iterator, context, accept):
@@ -429,13 +427,15 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
 
         owner = _Stream(context.peer())  # a takeover this stream begins is its own: no other stream may end it
 
-        def accept(loop: ControlLoop, event) -> str | tuple[grpc.StatusCode, str] | None:
-            try:
-                return take(loop, event)
+        async def accept(loop: ArmProcess, event) -> str | tuple[grpc.StatusCode, str] | None:
+            try:  # the arm's process answers between two ticks: waited for off the event loop
+                return await asyncio.to_thread(take, loop, event)
             except TakeoverError as exc:
                 return grpc.StatusCode.PERMISSION_DENIED, str(exc)
+            except RuntimeError as exc:
+                return grpc.StatusCode.UNAVAILABLE, str(exc)
 
-        def take(loop: ControlLoop, event) -> str | None:
+        def take(loop: ArmProcess, event) -> str | None:
             if event.kind in (kinds.COMMAND, kinds.INTERVENE_START):
                 position = self._position(loop, event.command)
                 if isinstance(position, str):
@@ -468,7 +468,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         if request.HasField("jump_max"):  # optional: unset keeps the current one, an explicit 0 is refused
             changes["jump_max"] = request.jump_max
         try:
-            limits = loop.set_limits(current.merged(**changes))
+            limits = await asyncio.to_thread(loop.set_limits, current.merged(**changes))
         except LimitError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("limits set", extra={"robot": request.robot_id, "fields": sorted(changes)})
@@ -481,7 +481,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
         loop = await self._loop(request.robot_id, context)
         since = time.monotonic()
         loop.estop(request.reason[:200] or "requested")
-        tick = await self._next_tick(loop, since)
+        tick = await self._next_tick(loop, since, applied=lambda t: t.estopped)
         if not tick.estopped:
             log.error("e-stop requested but not yet applied: the control loop has not ticked since (its driver may "
                       "be stuck in I/O)", extra={"robot": request.robot_id[:200],
@@ -507,16 +507,17 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                                 f"operator checks the arm, then runs `rlfabric robot clear-estop {rid} --gateway "
                                 f"ADDRESS --operator-token-file FILE`")
         loop = await self._loop(request.robot_id, context)
-        loop.clear()
+        await asyncio.to_thread(loop.clear)
         log.warning("e-stop and faults cleared by the operator", extra={"robot": rid})
         return state_message(request.robot_id, await self._next_tick(loop, time.monotonic()))
 
     @staticmethod
-    async def _next_tick(loop: ControlLoop, since: float) -> Tick:
-        """The first state of a tick that began after ``since`` (taken once a change was made), so a reply shows its
-        effect: the next tick to finish may have read the robot's state before the change (it was under way)."""
+    async def _next_tick(loop: ArmProcess, since: float, applied: Callable[[Tick], bool] = lambda t: True) -> Tick:
+        """The first state of a tick that began after ``since`` (taken once a change was made) and shows the change
+        ``applied``, so a reply shows its effect: the next tick to finish may have read the robot's state before
+        the change reached the arm's process (it was under way); at most 25 periods."""
         for _ in range(100):
-            if loop.last.time > since:
+            if loop.last.time > since and applied(loop.last):
                 break
             await asyncio.sleep(loop.period / 4)
         return loop.last
@@ -610,7 +611,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
                                              "session": session, "replay_source": request.replay_source})
         return self._recording_status(request.robot_id)
 
-    async def _stop_recorder(self, robot_id: str, loop: ControlLoop) -> None:
+    async def _stop_recorder(self, robot_id: str, loop: ArmProcess) -> None:
         rec = self.recorders.get(robot_id)
         if rec is None or not rec.recording:
             return
@@ -634,7 +635,6 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             self.frames.close()
         for loop in self.loops.values():
             loop.stop()
-            loop.driver.close()
         for rid, rec in self.recorders.items():
             if rec.recording:
                 if rec.offer in self.loops[rid].listeners:

@@ -6,9 +6,11 @@ failures (recording memory, lost episodes, a dead recorder, replay endpoints).""
 from __future__ import annotations
 
 import math
-import threading
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -350,17 +352,17 @@ def test_estop_answers_within_a_tick_while_a_driver_builds_or_closes_for_seconds
 
 
 class StuckSim(SimArm):
-    """A sim arm whose command blocks for ``stuck_s`` once the test sets ``stuck`` (a bus that hangs mid-write)."""
-
-    stuck = threading.Event()
+    """A sim arm whose command blocks for ``stuck_s`` once the test creates the file ``stuck_file`` (a bus that
+    hangs mid-write). A file, since the arm's driver lives in a process of its own."""
 
     def __init__(self, **options: str):
         self.stuck_s = float(options.pop("stuck_s", "1"))
+        self.stuck_file = Path(options.pop("stuck_file"))
         super().__init__(**options)
 
     def command(self, target, dt: float) -> None:
-        if StuckSim.stuck.is_set():
-            StuckSim.stuck.clear()
+        if self.stuck_file.exists():
+            self.stuck_file.unlink()
             time.sleep(self.stuck_s)
         super().command(target, dt)
 
@@ -369,16 +371,17 @@ register_driver("stuck_sim", f"{__name__}:StuckSim")
 
 
 @live_loop
-def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(gateway):
+def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(gateway, tmp_path):
     """Issue 39, finding 6: EStop only set a flag, and a loop stuck in its driver's I/O answered estopped=false as
     if nothing were wrong. The reply now tells an applied stop from one only requested, and the stop holds the
     arm on the loop's first tick back."""
     stub, _, _ = gateway
-    connect(stub, "arm", driver="stuck_sim", stuck_s="1.5")
+    stuck = tmp_path / "stuck"
+    connect(stub, "arm", driver="stuck_sim", stuck_s="1.5", stuck_file=str(stuck))
     applied = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
     assert applied.estopped and applied.estop_requested and applied.holding  # a live loop applies it at once
     stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=as_operator())
-    StuckSim.stuck.set()
+    stuck.touch()
     time.sleep(0.2)  # the loop is inside the driver's command now
     t0 = time.monotonic()
     requested = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
@@ -388,6 +391,62 @@ def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(g
     back = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)
     assert back.estopped and back.holding and back.hold_reason == "e-stop", back
     assert back.seq > requested.seq
+
+
+@live_loop
+def test_each_arm_ticks_in_a_process_of_its_own_whose_death_fails_health(gateway):
+    """Issue 39, finding 6: the loop's tick waited for the GIL behind the gateway's event loop (bench/robot_loop.py:
+    a p99 jitter of 1.5 ms under load). Each arm now ticks in a process of its own; if that process dies, the
+    gateway's health check names it (nothing keeps answering from a dead loop's last state)."""
+    stub, service, runtime = gateway
+    connect(stub, "arm")
+    arm = service.loops["arm"]
+    assert arm.proc.pid != os.getpid() and arm.proc.poll() is None
+    realtime = stub.ListRobots(pb.ListRobotsRequest(), timeout=5).robots[0].realtime
+    assert realtime.startswith(("SCHED_FIFO", "no real-time priority")), realtime  # what the arm's process got
+    assert runtime.probes["control-loops"]() is None
+    before = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).seq
+    time.sleep(0.1)
+    assert stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).seq > before  # ticking, there
+    os.kill(arm.proc.pid, signal.SIGKILL)
+    deadline, why = time.monotonic() + 5, None
+    while why is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        why = runtime.probes["control-loops"]()
+    assert why is not None and "exited (code -9)" in why, why
+
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, command line), read from /proc."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                found[int(d.name)] = (int(fields[1]), fields[0], (d / "cmdline").read_bytes().replace(b"\0", b" ")
+                                      .decode(errors="replace"))
+            except (OSError, IndexError, ValueError):  # (a process that ended while read)
+                continue
+    return found
+
+
+def test_a_killed_gateway_leaves_no_arm_process_behind(tmp_path):
+    """An arm process whose gateway dies (SIGKILL: nothing runs its shutdown) stops ticking, brakes and exits."""
+    with gateway_process(tmp_path, TOKEN) as address:
+        channel = auth.sync_channel(address, GRPC_OPTIONS, auth.Security(TOKEN))
+        connect(robot_gateway_pb2_grpc.RobotGatewayStub(channel), "arm")
+        channel.close()
+        procs = _processes()
+        gateway = next(pid for pid, (parent, _, cmd) in procs.items()
+                       if parent == os.getpid() and "robot_gateway" in cmd)
+        arms = [pid for pid, (parent, _, cmd) in procs.items()
+                if parent == gateway and "services.robot_gateway.arm_process" in cmd]
+        assert len(arms) == 1, procs
+        os.kill(gateway, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_processes().get(pid, (0, "Z"))[1] != "Z" for pid in arms):
+            time.sleep(0.05)
+        assert all(_processes().get(pid, (0, "Z"))[1] == "Z" for pid in arms), "an arm process outlived its gateway"
 
 
 # -- recording: memory, lost episodes, a dead recorder, replay endpoints --------------------------------------------
