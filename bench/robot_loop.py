@@ -1,9 +1,12 @@
 """The robot gateway's control loop against the peers' method, in one run: lateness and jitter (p50, p99, max) of
-a deadline loop (services/robot_gateway/loop.py: tick k due at start + k * period) and of a sleep-after-work loop
-(do the tick, then sleep what is left of the period: what RLinf, SERL and LeRobot do), at 100 Hz and 500 Hz, on the
-sim arm, alone and while a training run (MuJoCo HalfCheetah PPO through every service) shares the 2 cores.
+the gateway's deadline loop (services/robot_gateway/loop.py: tick k due at start + k * period) in its arm process
+(services/robot_gateway/arm_process.py, as Connect starts it), of the same loop as a thread of the commanding
+process (how the gateway ran it before), and of a sleep-after-work loop (do the tick, then sleep what is left of the
+period: what RLinf, SERL and LeRobot do), at 100 Hz and 500 Hz, on the sim arm, alone and while a training run
+(MuJoCo HalfCheetah PPO through every service) shares the 2 cores. Then 8 arm processes at 500 Hz: how soon an
+EStop latches in its arm's process and holds the arm, and how long stopping an arm stalls the others.
 
-Both loops do the same work per tick (read the arm, filter the command, step the arm) with the same priority and
+All loops do the same work per tick (read the arm, filter the command, step the arm) with the same priority and
 CPU pinning, so the figures compare the methods. Lateness is how late a tick woke after its scheduled time
 (start + k * period); jitter is |tick-to-tick period - nominal period|.
 
@@ -39,11 +42,30 @@ START = "0,-0.3,0.6"
 
 
 def deadline_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
-    """The gateway's own loop, commanded at its rate; its ticks' lateness and jitter."""
+    """The gateway's loop as the gateway runs it: in an arm process of its own (ArmProcess), commanded at its rate
+    from this process; its ticks' lateness and jitter."""
+    from services.robot_gateway.arm_process import ArmProcess
+
+    arm = ArmProcess("bench", "sim", {"start": START}, hz, watchdog_s=1.0, spin_s=0.001)
+    lateness, jitter = [], []
+    arm.listeners.append(lambda t: (lateness.append(t.lateness_s), jitter.append(t.jitter_s)))
+    arm.start()
+    end, seq = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        seq += 1
+        arm.submit(np.array([0.1 * np.sin(seq / 50), -0.3, 0.6]), seq)
+        time.sleep(0.005)
+    arm.stop()
+    return np.array(lateness[1:]), np.array(jitter[1:]), arm.realtime
+
+
+def deadline_in_thread(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """The same loop as a thread of the commanding process (how the gateway ran it before arm processes): its tick
+    waits for the GIL behind the process's other threads."""
     from services.robot_gateway.drivers import build_driver
     from services.robot_gateway.loop import ControlLoop
 
-    loop = ControlLoop("bench", build_driver("sim", {"start": START}), hz, watchdog_s=1.0)
+    loop = ControlLoop("bench-thread", build_driver("sim", {"start": START}), hz, watchdog_s=1.0)
     lateness, jitter = [], []
     loop.listeners.append(lambda t: (lateness.append(t.lateness_s), jitter.append(t.jitter_s)))
     loop.start()
@@ -54,6 +76,51 @@ def deadline_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, st
         time.sleep(0.005)
     loop.stop()
     return np.array(lateness[1:]), np.array(jitter[1:]), loop.realtime
+
+
+ARMS, ARMS_HZ, ESTOPS = 8, 500.0, 40
+
+
+def estop_across_arms(seconds: float) -> dict[str, float]:
+    """``ARMS`` arm processes at ``ARMS_HZ`` (no spin: they share a core); ``ESTOPS`` EStops, one arm at a time in
+    turn, at a random phase of its period, each timed from the request to the latch in the arm's process (from
+    then on no new target reaches the arm: targets change only at ticks) and to the first tick that held (then
+    cleared). Then the arms stop one by one, and the others' worst lateness meanwhile is the stall a Disconnect
+    costs its neighbours."""
+    from services.robot_gateway.arm_process import ArmProcess
+
+    rng = np.random.default_rng(0)
+    arms = [ArmProcess(f"bench-{i}", "sim", {"start": START}, ARMS_HZ, watchdog_s=1.0, spin_s=0.0)
+            for i in range(ARMS)]
+    latched: list[float] = []
+    held: list[float] = []
+    stopping = [False]
+    stall = [0.0]
+    for arm in arms:
+        arm.listeners.append(lambda t: stall.__setitem__(0, max(stall[0], t.lateness_s)) if stopping[0] else None)
+    try:
+        for arm in arms:
+            arm.start()
+        time.sleep(min(seconds, 2.0))
+        for n in range(ESTOPS):
+            arm = arms[n % ARMS]
+            time.sleep(rng.uniform(0.02, 0.04))
+            t0 = time.monotonic()
+            arm.estop("bench")
+            while not (arm.last.estopped and arm.last.time > t0) and time.monotonic() - t0 < 1.0:
+                time.sleep(0.0002)
+            tick = arm.last
+            latched.append(tick.estop_at - t0 if tick.estopped else float("inf"))
+            held.append(tick.time - t0 if tick.estopped else float("inf"))
+            arm.clear()
+    finally:
+        stopping[0] = True
+        for arm in arms:
+            arm.stop()
+    latched_ms, held_ms = np.array(latched) * 1e3, np.array(held) * 1e3
+    return {"estop_latched_p50_ms": float(np.median(latched_ms)), "estop_latched_max_ms": float(latched_ms.max()),
+            "estop_held_p50_ms": float(np.median(held_ms)), "estop_held_max_ms": float(held_ms.max()),
+            "stop_stall_max_ms": stall[0] * 1e3, "period_ms": 1e3 / ARMS_HZ, "estops": len(latched)}
 
 
 def sleep_after_work_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
@@ -160,20 +227,36 @@ def main() -> None:
             print(f"{condition:20s} {int(hz):4d} Hz {method:16s} jitter p50 {m['jitter']['p50_ms']:.3f} "
                   f"p99 {m['jitter']['p99_ms']:.3f} max {m['jitter']['max_ms']:.3f} ms | lateness p99 "
                   f"{m['lateness']['p99_ms']:.3f} max {m['lateness']['max_ms']:.3f} ms", flush=True)
-            return {f"{name} jitter_p99_ms": m["jitter"]["p99_ms"], f"{name} lateness_p99_ms": m["lateness"]["p99_ms"]}
+            return {f"{name} jitter_p99_ms": m["jitter"]["p99_ms"], f"{name} lateness_p99_ms": m["lateness"]["p99_ms"],
+                    f"{name} lateness_max_ms": m["lateness"]["max_ms"]}
         return measure
+
+    def estop_side(condition: str):
+        arms = f"{condition}/{ARMS}_arms_{int(ARMS_HZ)}hz"
+
+        def measure() -> dict[str, float]:
+            m = estop_across_arms(args.seconds)
+            metrics.setdefault(arms, {"estop_rounds": []})["estop_rounds"].append(m)
+            print(f"{arms:30s} EStop latched p50 {m['estop_latched_p50_ms']:.3f} max {m['estop_latched_max_ms']:.3f} "
+                  f"ms, held by a tick p50 {m['estop_held_p50_ms']:.3f} max {m['estop_held_max_ms']:.3f} ms (period "
+                  f"{m['period_ms']:.1f} ms); a stop stalls the others {m['stop_stall_max_ms']:.3f} ms", flush=True)
+            return {f"{arms} {k}": m[k] for k in ("estop_latched_max_ms", "estop_held_max_ms", "stop_stall_max_ms")}
+        return arms, measure
 
     for condition in conditions:
         with TrainingLoad() if condition == "under_training_load" else _Nothing():
-            samples |= interleave({f"{condition}/{int(hz)}hz/{method}": loop_side(condition, hz, method, fn)
-                                   for hz in (float(r) for r in args.rates.split(","))
-                                   for method, fn in (("deadline", deadline_loop),
-                                                      ("sleep_after_work", sleep_after_work_loop))}, repeats)
+            sides = {f"{condition}/{int(hz)}hz/{method}": loop_side(condition, hz, method, fn)
+                     for hz in (float(r) for r in args.rates.split(","))
+                     for method, fn in (("deadline", deadline_loop), ("deadline_in_thread", deadline_in_thread),
+                                        ("sleep_after_work", sleep_after_work_loop))}
+            samples |= interleave(dict([*sides.items(), estop_side(condition)]), repeats)
     for m in metrics.values():  # each loop's figures: the median over the rounds of each statistic
         if isinstance(m, dict) and "rounds" in m:
             for what in ("lateness", "jitter"):
                 m[what] = {k: median_of([r[what][k] for r in m["rounds"]]) for k in m["rounds"][0][what]}
             m["realtime"] = m["rounds"][-1]["realtime"]
+        if isinstance(m, dict) and "estop_rounds" in m:
+            m.update({k: median_of([r[k] for r in m["estop_rounds"]]) for k in m["estop_rounds"][0]})
     spin_seconds = min(args.seconds, 10.0)
     samples |= interleave({f"alone/100hz/cpu_per_s_spin_{spin * 1e3:g}ms": (lambda spin=spin: spin_cpu(
         100.0, spin_seconds, spin)) for spin in SPINS}, repeats)
@@ -183,22 +266,41 @@ def main() -> None:
           f"no spin {spin['cpu_per_s_spin_0ms']:.3f} (medians)")
     ratios: dict[str, float | None] = {}
     compares: dict[str, list[str]] = {}
-    load = "under_training_load/100hz"
-    if f"{load}/deadline jitter_p99_ms" in samples:
-        deadline, saw = f"{load}/deadline", f"{load}/sleep_after_work"
-        ratios["p99_jitter_ms_100hz_under_load"] = median_of(samples[f"{deadline} jitter_p99_ms"])
-        compares["p99_jitter_ms_100hz_under_load"] = [f"{deadline} jitter_p99_ms"]
-        for what in ("jitter", "lateness"):
-            key = f"p99_{what}_deadline_vs_sleep_after_work_100hz_under_load"
-            compares[key] = [f"{deadline} {what}_p99_ms", f"{saw} {what}_p99_ms"]
-            ratios[key] = ratio_of_medians(samples, *compares[key])
-    else:
-        print(f"no {load} measurement (--conditions): its ratios are left out", flush=True)
-    compares["cpu_no_spin_vs_spin_2ms_100hz"] = ["alone/100hz/cpu_per_s_spin_0ms", "alone/100hz/cpu_per_s_spin_2ms"]
-    ratios["cpu_no_spin_vs_spin_2ms_100hz"] = ratio_of_medians(samples, *compares["cpu_no_spin_vs_spin_2ms_100hz"])
-    targets = {"p99_jitter_ms_100hz_under_load": "<=1", "p99_jitter_deadline_vs_sleep_after_work_100hz_under_load": "<=1",
-               "cpu_no_spin_vs_spin_2ms_100hz": "<0.7"}
-    report("robot_loop", metrics, ratios, {k: v for k, v in targets.items() if k in ratios}, args.out, sides=samples,
+    targets: dict[str, str] = {}
+
+    def absolute(key: str, side: str, target: str) -> None:  # a side's own median, against an absolute goal
+        if side in samples:
+            ratios[key], compares[key], targets[key] = median_of(samples[side]), [side], target
+
+    def relative(key: str, a: str, b: str, target: str | None = None) -> None:
+        if a in samples and b in samples:
+            ratios[key], compares[key] = ratio_of_medians(samples, a, b), [a, b]
+            if target:
+                targets[key] = target
+
+    for condition, short in (("under_training_load", "under_load"), ("alone", "alone")):
+        for hz in (100, 500):
+            side = f"{condition}/{hz}hz"
+            absolute(f"p99_jitter_ms_{hz}hz_{short}", f"{side}/deadline jitter_p99_ms", "<=0.05")
+            for what in ("jitter", "lateness"):
+                relative(f"p99_{what}_arm_process_vs_in_thread_{hz}hz_{short}", f"{side}/deadline {what}_p99_ms",
+                         f"{side}/deadline_in_thread {what}_p99_ms")
+                relative(f"p99_{what}_deadline_vs_sleep_after_work_{hz}hz_{short}",
+                         f"{side}/deadline {what}_p99_ms", f"{side}/sleep_after_work {what}_p99_ms")
+        absolute(f"max_lateness_ms_100hz_{short}", f"{condition}/100hz/deadline lateness_max_ms", "<=1"
+                 if short == "under_load" else "")
+        arms = f"{condition}/{ARMS}_arms_{int(ARMS_HZ)}hz"
+        for what in ("latched", "held"):  # in periods: the goal is the EStop applied within one
+            if f"{arms} estop_{what}_max_ms" in samples:
+                ratios[key := f"estop_{what}_max_periods_{ARMS}_arms_{int(ARMS_HZ)}hz_{short}"] = \
+                    median_of(samples[f"{arms} estop_{what}_max_ms"]) * ARMS_HZ / 1e3
+                compares[key] = [f"{arms} estop_{what}_max_ms"]
+                targets[key] = "<=1" if what == "latched" else ""
+        absolute(f"stop_stall_max_ms_{ARMS}_arms_{int(ARMS_HZ)}hz_{short}", f"{arms} stop_stall_max_ms", "")
+    targets = {k: v for k, v in targets.items() if v}
+    relative("cpu_no_spin_vs_spin_2ms_100hz", "alone/100hz/cpu_per_s_spin_0ms", "alone/100hz/cpu_per_s_spin_2ms",
+             "<0.7")
+    report("robot_loop", metrics, ratios, targets, args.out, sides=samples,
            compares=compares, repeats=repeats)
 
 
