@@ -30,6 +30,7 @@ installed (``pip install -e .``): algorithms and backends are found through its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -371,8 +373,9 @@ def check_vllm(device: str) -> dict:
     return figures
 
 
-def _pair_subscriber(backend: str, port: int, pair: int, prefix: str, numel: int, rounds: int, out) -> None:
-    """The subscriber's side of one weight-transport pair: receives ``rounds`` timed buckets after a warm-up."""
+def _pair_subscriber(backend: str, store, pair: int, prefix: str, numel: int, rounds: int, out) -> None:
+    """The subscriber's side of one weight-transport pair: receives ``rounds`` timed buckets after a warm-up. Its
+    rendezvous goes over ``store`` (a pipe to the host's process; a service's goes over its weight channel)."""
     import torch
 
     from services.core.weight_transport import PairClient
@@ -381,7 +384,11 @@ def _pair_subscriber(backend: str, port: int, pair: int, prefix: str, numel: int
     if backend == "nccl":
         torch.cuda.set_device(1)
         device = "cuda:1"
-    client = PairClient(backend, "127.0.0.1", port, pair, prefix, 60.0)
+    def ask(meta: dict, value: bytes) -> tuple[dict, bytes]:
+        store.send((meta, value))
+        return store.recv()
+
+    client = PairClient(backend, "127.0.0.1", pair, prefix, ask, 60.0)
     buf = torch.empty(numel, dtype=torch.uint8, device=device)
     client.recv([buf])  # warm-up: the communicator is set up on the first transfer
     t0 = time.perf_counter()
@@ -409,11 +416,20 @@ def check_nccl(device: str) -> dict:
             raise Skip(f"needs 2 GPUs (NCCL needs a distinct device per rank; {torch.cuda.device_count()} here)")
         torch.cuda.set_device(0)
     numel, rounds = (256 if backend == "nccl" else 16) * 2**20, 8
-    host = PairHost(backend, "127.0.0.1", 60.0)
+    host = PairHost(backend, "127.0.0.1")
     pair, prefix = host.join("127.0.0.1", 60.0)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_pair_subscriber, args=(backend, host.port, pair, prefix, numel, rounds, results),
+    store, theirs = ctx.Pipe()
+
+    def answer() -> None:  # the pair's store operations, as the publisher's weight channel answers them
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                meta, value = store.recv()
+                store.send(host.store_op(pair, meta, value))
+
+    threading.Thread(target=answer, daemon=True).start()
+    proc = ctx.Process(target=_pair_subscriber, args=(backend, theirs, pair, prefix, numel, rounds, results),
                        daemon=True)
     proc.start()
     try:

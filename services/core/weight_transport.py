@@ -1,15 +1,17 @@
 """torch.distributed pairs for weight payloads (gloo on CPU, NCCL on GPU).
 
 torch.distributed allows one default group per process, and rollout workers join and leave a live run, so each
-publisher-subscriber pair gets its own 2-rank group built directly on a ``PrefixStore`` of the publisher's
-``TCPStore`` (rank 0 = publisher, rank 1 = subscriber). The ZeroMQ channel keeps the control (manifest, versions,
-long-poll); these groups only move bucket bytes. Sends run on one thread per pair, so a blocking send never
-stalls the publisher's data-plane thread.
+publisher-subscriber pair gets its own 2-rank group (rank 0 = publisher, rank 1 = subscriber). The ZeroMQ channel
+keeps the control (manifest, versions, long-poll); these groups only move bucket bytes. Sends run on one thread per
+pair, so a blocking send never stalls the publisher's data-plane thread.
 
-torch.distributed authenticates nobody, so what it listens on is narrowed instead: the store and every gloo
-device bind the service's own address (loopback for a local stack), never all interfaces, and each pair's keys
-live under a random prefix that the subscriber learns only from the publisher's answer on the (CURVE-secured)
-weight channel. A stranger who reaches the store cannot name, read or forge a pair's rendezvous keys.
+torch.distributed authenticates nobody, so a pair has no TCP store at all: its rendezvous keys live in a
+``HashStore`` inside the publisher's process, and the subscriber reaches them only through ``ChannelStore``, whose
+every operation is a request on the (CURVE-authenticated) weight channel, confined to the keys under its pair's
+random prefix. A stranger has no store to list or write (a ``TCPStore`` client lists every key of its server,
+prefixes included), so it cannot learn a pair's keys or join its group. The gloo devices listen on the service's
+own address only, never all interfaces; what they accept is the peer whose address and sequence number came
+through those keys.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,21 +146,114 @@ def _sync(backend: str) -> None:
         torch.cuda.synchronize()
 
 
+class ChannelStore(dist.Store):
+    """The subscriber's view of its pair's rendezvous keys: each operation asks the publisher over the weight
+    channel (``ask(meta, value) -> (meta, value)``), which answers from the pair's in-process store. A read of a key
+    not set yet is asked again until ``timeout_s``, as a TCPStore client's would wait."""
+
+    POLL_S = 0.005
+
+    def __init__(self, ask: Callable[[dict, bytes], tuple[dict, bytes]], timeout_s: float):
+        super().__init__()
+        self.ask, self.timeout_s = ask, timeout_s
+
+    def _until(self, what: str, ready: Callable[[], tuple[bool, Any]]) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            done, value = ready()
+            if done:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weights: the publisher's rendezvous key {what} was not set in "
+                                   f"{self.timeout_s:.0f} s (the publisher's side of the pair did not start)")
+            time.sleep(self.POLL_S)
+
+    def set(self, key: str, value) -> None:
+        self.ask({"op": "set", "key": key}, bytes(value))
+
+    def get(self, key: str) -> bytes:
+        def ready() -> tuple[bool, bytes]:
+            meta, value = self.ask({"op": "get", "key": key}, b"")
+            return bool(meta.get("found")), value
+        return self._until(key, ready)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.ask({"op": "add", "key": key, "amount": int(amount)}, b"")[0]["value"])
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.ask({"op": "compare_set", "key": key, "expected": bytes(expected).hex()}, bytes(desired))[1]
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.ask({"op": "check", "keys": list(keys)}, b"")[0].get("found"))
+
+    def wait(self, keys: list[str], timeout=None) -> None:
+        self._until(", ".join(keys), lambda: (self.check(keys), None))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.ask({"op": "delete_key", "key": key}, b"")[0].get("found"))
+
+    def num_keys(self) -> int:
+        raise RuntimeError("weights: a pair's store does not count keys")
+
+    def set_timeout(self, timeout) -> None:
+        self.timeout_s = max(1.0, timeout.total_seconds())
+
+
+STORE_OPS = ("set", "get", "add", "compare_set", "check", "delete_key")
+MAX_KEY_BYTES, MAX_VALUE_BYTES, MAX_PAIR_KEYS = 512, 64 << 10, 256
+
+
 class _Pair:
-    """Publisher side of one subscriber: its group, and a thread that sends queued bucket lists in order."""
+    """Publisher side of one subscriber: its group, its rendezvous keys, and a thread that sends queued bucket
+    lists in order."""
 
     def __init__(self, host: PairHost, pair: int, prefix: str, peer_ip: str, timeout_s: float):
         self.host, self.pair, self.prefix, self.peer_ip, self.timeout_s = host, pair, prefix, peer_ip, timeout_s
+        self.store = dist.HashStore()  # this pair's keys only: they go with it
+        self.keys = 0
         self.jobs: queue.Queue = queue.Queue()
         self.alive = True
         self.used = time.monotonic()
         self.thread = threading.Thread(target=self._run, name=f"weights-pair-{pair}", daemon=True)
         self.thread.start()
 
+    def store_op(self, meta: dict, value: bytes) -> tuple[dict, bytes]:
+        """One of the subscriber's store operations (ChannelStore), on this pair's keys only."""
+        op, keys = meta.get("op"), meta.get("keys") if meta.get("op") == "check" else [meta.get("key")]
+        if op not in STORE_OPS:
+            raise ValueError(f"weights: unknown store operation {str(op)[:20]!r}; expected one of {STORE_OPS}")
+        mine = f"rlfabric/weights/{self.prefix}/"
+        if not isinstance(keys, list) or not 0 < len(keys) <= 16 or not all(
+                isinstance(k, str) and k.startswith(mine) and len(k) <= MAX_KEY_BYTES for k in keys):
+            raise ValueError("weights: a store key outside this pair's prefix (or malformed)")
+        if len(value) > MAX_VALUE_BYTES:
+            raise ValueError(f"weights: a store value of {len(value)} bytes (at most {MAX_VALUE_BYTES})")
+        key = keys[0]
+        if op in ("set", "add", "compare_set") and not self.store.check([key]):
+            self.keys += 1
+            if self.keys > MAX_PAIR_KEYS:
+                raise ValueError(f"weights: a pair's rendezvous holds at most {MAX_PAIR_KEYS} keys")
+        if op == "set":
+            self.store.set(key, value)
+            return {}, b""
+        if op == "get":
+            found = self.store.check([key])
+            return {"found": found}, self.store.get(key) if found else b""
+        if op == "add":
+            amount = meta.get("amount", 0)
+            if not isinstance(amount, int) or isinstance(amount, bool) or abs(amount) > 1 << 62:
+                raise ValueError("weights: a store add needs an integer amount")
+            return {"value": self.store.add(key, amount)}, b""
+        if op == "compare_set":
+            return {}, self.store.compare_set(key, bytes.fromhex(str(meta.get("expected", ""))), value)
+        if op == "check":
+            return {"found": self.store.check(keys)}, b""
+        return {"found": self.store.delete_key(key)}, b""
+
     def _run(self) -> None:
         backend = self.host.backend
         try:
-            group = make_group(backend, self.host.store, self.prefix, 0, self.host.ip, self.timeout_s)
+            group = make_group(backend, self.store, self.prefix, 0, self.host.ip, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 — the subscriber never came, or could not connect
             log.warning("weights: pair %d (%s) did not connect: %s", self.pair, self.peer_ip, exc)
             self.alive = False
@@ -178,15 +275,13 @@ class _Pair:
 
 
 class PairHost:
-    """Publisher side: one TCPStore listening on ``ip`` (the service's own address; see ``bind_address``) and a
-    group per joined subscriber, each on keys under a random prefix."""
+    """Publisher side: a group per joined subscriber, each with its rendezvous keys in this process under a random
+    prefix, its gloo device on ``ip`` (the service's own address; see ``bind_address``)."""
 
-    def __init__(self, backend: str, ip: str, timeout_s: float = 60.0):
+    def __init__(self, backend: str, ip: str):
         if backend not in BACKENDS:
             raise ValueError(f"unknown torch.distributed backend {backend!r}; expected one of {BACKENDS}")
         self.backend, self.ip = backend, ip
-        self.store = listening_store(ip, timeout_s)
-        self.port = self.store.port
         self._ids = itertools.count(1)
         self._pairs: dict[int, _Pair] = {}
         self._lock = threading.Lock()
@@ -204,6 +299,13 @@ class PairHost:
             pair, prefix = next(self._ids), new_prefix()
             self._pairs[pair] = _Pair(self, pair, prefix, peer_ip, timeout_s)
         return pair, prefix
+
+    def store_op(self, pair: int, meta: dict, value: bytes) -> tuple[dict, bytes]:
+        with self._lock:
+            p = self._pairs.get(pair)
+        if p is None or not p.alive:
+            raise ValueError(f"weight-transfer pair {pair} is closed or unknown; join again")
+        return p.store_op(meta, value)
 
     def send(self, pair: int, buckets: list[torch.Tensor]) -> None:
         """Queue bucket tensors for the pair's thread; they stay referenced (alive) until sent."""
@@ -230,11 +332,11 @@ class PairHost:
 class PairClient:
     """Subscriber side of one pair: receives bucket tensors (CPU for gloo, CUDA for NCCL) in order."""
 
-    def __init__(self, backend: str, store_host: str, store_port: int, pair: int, prefix: str, timeout_s: float):
+    def __init__(self, backend: str, publisher_host: str, pair: int, prefix: str,
+                 ask: Callable[[dict, bytes], tuple[dict, bytes]], timeout_s: float):
         self.backend, self.pair = backend, pair
-        store = dist.TCPStore(store_host, store_port, None, False, _timedelta(timeout_s))
-        self.group = make_group(backend, store, prefix, 1, local_ip_toward(store_host), timeout_s)
-        self._store = store
+        self._store = ChannelStore(ask, timeout_s)
+        self.group = make_group(backend, self._store, prefix, 1, local_ip_toward(publisher_host), timeout_s)
 
     def recv(self, buckets: list[torch.Tensor]) -> None:
         for tag, t in enumerate(buckets):

@@ -396,8 +396,15 @@ class WeightPublisher:
             if self._pairs is not None:
                 self._pairs.leave(meta_int(meta, "pair", -1, 0, 1 << 31))
             reply.send("left")
+        elif kind == "store":  # a pair's rendezvous, on this authenticated channel (weight_transport.ChannelStore)
+            if self._pairs is None:
+                raise ValueError("no weight-transfer pair was joined here; join first")
+            value = batch.tensors.get("value")
+            answer, out = self._pairs.store_op(meta_int(meta, "pair", -1, 0, 1 << 31), meta,
+                                               b"" if value is None else np.asarray(value, np.uint8).tobytes())
+            reply.send("stored", TensorBatch({"value": np.frombuffer(out, np.uint8)} if out else {}, meta=answer))
         else:
-            raise ValueError(f"unknown request kind {kind!r}; expected get, bucket, join, send or leave")
+            raise ValueError(f"unknown request kind {kind!r}; expected get, bucket, join, send, leave or store")
 
     def _gone(self, version: int, reply: Reply) -> None:
         reply.send("gone", TensorBatch(meta={"reason": f"weight version {version} is no longer held (newest: "
@@ -432,7 +439,7 @@ class WeightPublisher:
         pair, prefix = self._pairs.join(str(meta.get("ip", "127.0.0.1"))[:64],
                                         meta_float(meta, "timeout_s", 30.0, 0.1, 3600.0))
         # the pair's key prefix travels only here, on the authenticated weight channel: nobody else can name its keys
-        reply.send("joined", TensorBatch(meta={"pair": pair, "port": self._pairs.port, "prefix": prefix}))
+        reply.send("joined", TensorBatch(meta={"pair": pair, "prefix": prefix}))
 
     def _send(self, pair: int, version: int, base: int, lineage: str, reply: Reply) -> None:
         payload = self._payload(version, base, lineage, exact=True)
@@ -678,8 +685,15 @@ class WeightSubscriber:
             host = self.client.endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
             _, batch = self.client.request("join", TensorBatch(meta={
                 "transport": self.sync.transport, "ip": local_ip_toward(host), "timeout_s": self.timeout_s}))
-            self._pair = PairClient(self.sync.transport, host, int(batch.meta["port"]), int(batch.meta["pair"]),
-                                    batch.meta.get("prefix"), self.timeout_s)
+            pair = int(batch.meta["pair"])
+
+            def ask(meta: dict, value: bytes) -> tuple[dict, bytes]:
+                _, got = self.client.request("store", TensorBatch(
+                    {"value": np.frombuffer(value, np.uint8)} if value else {}, meta={**meta, "pair": pair}))
+                out = got.tensors.get("value")
+                return got.meta, b"" if out is None else np.asarray(out, np.uint8).tobytes()
+
+            self._pair = PairClient(self.sync.transport, host, pair, batch.meta.get("prefix"), ask, self.timeout_s)
         return self._pair
 
     def _drop_pair(self) -> None:

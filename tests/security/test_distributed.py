@@ -1,14 +1,12 @@
-"""torch.distributed out of strangers' reach (issue 19, finding 7): the stores and gloo devices of weight-sync pairs
-and of a multi-rank learner listen on the service's own address, never all interfaces, and every group's keys
-live under a random prefix handed over an authenticated channel, so a stranger who reaches a store can neither
-find a group's rendezvous keys nor take a group's place by writing them."""
+"""torch.distributed out of strangers' reach (issue 19, finding 7; issue 39, finding 1): a weight-sync pair has no
+TCP store (its keys live in the publisher's process, reached over the authenticated weight channel), a multi-rank
+learner's store listens on loopback, every gloo device on the service's own address, never all interfaces, and
+every group's keys live under a random prefix handed over an authenticated channel."""
 
 from __future__ import annotations
 
 import os
 import socket
-import threading
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -85,8 +83,7 @@ def test_a_weight_pair_listens_on_the_service_address_only(gloo_publisher):
     pub.publish(0, state)
     version, got = subscriber().fetch(-1)
     assert version == 0 and np.array_equal(got["w"], state["w"].numpy())
-    new = listeners(os.getpid()) - before  # the pair's store and both gloo devices (this process holds both ends)
-    assert pub._pairs.port in {port for _, port in new}
+    new = listeners(os.getpid()) - before  # both gloo devices (this process holds both ends): no store
     _loopback_only(new)
 
 
@@ -98,37 +95,108 @@ def test_the_store_binds_the_advertised_address_when_the_service_binds_all_inter
         bind_address("0.0.0.0", "no-such-host.invalid")
 
 
-def test_a_stranger_cannot_take_a_weight_pair_by_writing_its_rendezvous_keys(gloo_publisher):
-    """Pairs were numbered 1, 2, ... under a fixed prefix: a stranger who reached the store registered as rank 1
-    of the next pair before its subscriber did, and the publisher sent that subscriber's weights to the stranger."""
-    pub, subscriber = gloo_publisher
-    state = _state()
-    pub.publish(0, state)
-    subscriber().fetch(-1)  # pair 1: the store now exists
-    port = pub._pairs.port
-    taken: dict[str, object] = {}
+def test_a_pair_reads_and_writes_its_own_rendezvous_keys_only():
+    """The weight channel's store requests come from token holders: each reaches only its pair's keys, bounded."""
+    from services.core.weight_transport import MAX_VALUE_BYTES, PairHost
 
-    def stranger() -> None:
-        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timedelta(seconds=4)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    host = PairHost("gloo", "127.0.0.1")
+    try:
+        a, prefix_a = host.join("127.0.0.1", 2.0)
+        b, prefix_b = host.join("127.0.0.1", 2.0)
+        mine, theirs = f"rlfabric/weights/{prefix_a}/x", f"rlfabric/weights/{prefix_b}/x"
+        host.store_op(a, {"op": "set", "key": mine}, b"1")
+        assert host.store_op(a, {"op": "get", "key": mine}, b"") == ({"found": True}, b"1")
+        assert host.store_op(a, {"op": "add", "key": mine + "n", "amount": 2}, b"")[0] == {"value": 2}
+        for meta, value in [({"op": "get", "key": theirs}, b""), ({"op": "set", "key": "x"}, b"1"),
+                            ({"op": "check", "keys": [mine, theirs]}, b""), ({"op": "num_keys"}, b""),
+                            ({"op": "add", "key": mine, "amount": "1"}, b""),
+                            ({"op": "set", "key": mine}, b"x" * (MAX_VALUE_BYTES + 1))]:
+            with pytest.raises(ValueError, match="weights: "):
+                host.store_op(a, meta, value)
+        assert host.store_op(b, {"op": "get", "key": theirs}, b"") == ({"found": False}, b"")
+        with pytest.raises(ValueError, match="closed or unknown"):
+            host.store_op(99, {"op": "get", "key": mine}, b"")
+    finally:
+        host.close()
+
+
+# A stranger's probe of every port it is given: a raw connect first (2 s), then, where something accepts, a
+# TCPStore client that lists the keys ("list") and tries to take rank 1 of every group whose keys it saw ("join").
+# A probe that hangs (a gloo device or the CURVE data plane, neither of which speaks the store's protocol) counts
+# as no store. Prints one JSON object: port -> what it got.
+STRANGER = """
+import json, os, socket, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+mode, host, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3:]]
+got = {}
+def probe(port):
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        got[port] = "refused: " + type(exc).__name__
+        return
+    got[port] = "accepts, no store answered"
+    store = dist.TCPStore(host, port, None, False, timedelta(seconds=3))
+    keys = store.list_keys()
+    got[port] = "listed: " + ", ".join(keys)
+    if mode == "join":
+        for key in keys:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=3)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=socket.gethostbyname(socket.gethostname()))]
+            try:
+                dist.ProcessGroupGloo(dist.PrefixStore(key.rsplit("/", 2)[0], store), 1, 2, opts)
+                got[port] = "joined the group of " + key
+            except Exception as exc:
+                got[port] += " (join failed: " + type(exc).__name__ + ")"
+threads = [threading.Thread(target=probe, args=(p,), daemon=True) for p in ports]
+for t in threads:
+    t.start()
+deadline = time.monotonic() + 7
+for t in threads:
+    t.join(max(0.0, deadline - time.monotonic()))
+print(json.dumps({str(p): got.get(p, "accepts, no store answered") for p in ports}), flush=True)
+os._exit(0)
+"""
+
+
+def test_strangers_on_another_host_can_neither_list_nor_join_a_torch_distributed_group(tmp_path):
+    """Issue 39, finding 1: a TCPStore client lists every key of its server, and the publisher's weight-pair store
+    listened on the service's address, so a stranger that reached it read the pair's random prefix and could race
+    its rendezvous. Two stranger processes on another host (a network namespace) now probe every port a weight
+    pair and a 2-rank learner listen on: none answers as a store, none lets them join, and the pair still moves
+    the next weight version."""
+    import json
+
+    from services.learner.ranks import RankGroup
+    from tests.netns import other_host, run_there
+
+    with other_host() as (namespace, here, _):
+        before = listeners(os.getpid())
+        pub = WeightPublisher(here, 4 * MiB, sync=WeightSyncOptions(transport="gloo", bucket_bytes=64 * 1024))
+        sub = WeightSubscriber(pub.endpoint, 4 * MiB, timeout_s=5, sync=WeightSyncOptions(transport="gloo",
+                                                                                          bucket_bytes=64 * 1024))
+        ranks = RankGroup(2, torch.device("cpu"), timeout_s=60)
         try:
-            taken["group"] = dist.ProcessGroupGloo(dist.PrefixStore("rlfabric/weights/pair/2/", store), 1, 2, opts)
-        except RuntimeError as exc:  # nobody answered on those keys: the stranger got nothing
-            taken["error"] = exc
-
-    thread = threading.Thread(target=stranger, daemon=True)
-    thread.start()
-    probe = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
-    deadline = time.monotonic() + 10
-    while not probe.check(["rlfabric/weights/pair/2//0/1"]):  # rank 1's address, under the old fixed prefix
-        assert time.monotonic() < deadline, "the stranger never wrote its rendezvous key"
-        time.sleep(0.02)
-    version, got = subscriber().fetch(-1)  # pair 2, the pair the stranger waits for
-    assert version == 0 and np.array_equal(got["w"], state["w"].numpy())
-    thread.join(timeout=15)
-    assert not thread.is_alive() and "group" not in taken, "the stranger joined a weight-transfer group"
+            state = _state()
+            pub.publish(0, state)
+            assert sub.fetch(-1)[0] == 0 and sub._pair is not None  # the pair's group exists: gloo, not zmq
+            ports = {port for _, port in listeners(os.getpid()) - before}
+            ports |= {port for _, port in listeners(ranks.procs[0].pid)}
+            assert len(ports) >= 4, ports  # the data plane, the pair's gloo devices, the ranks' store and devices
+            for mode in ("list", "join"):
+                result = run_there(namespace, STRANGER, mode, here, *map(str, sorted(ports)))
+                assert result.returncode == 0, result.stderr[-2000:]
+                got = json.loads(result.stdout.strip().splitlines()[-1])
+                assert not [f"{p}: {g}" for p, g in got.items() if g.startswith(("listed", "joined"))], got
+            pub.publish(1, {k: v + 1 for k, v in state.items()})
+            version, fetched = sub.fetch(0)
+            assert version == 1 and np.allclose(fetched["w"], state["w"].numpy() + 1)
+        finally:
+            ranks.close()
+            sub.close()
+            pub.close()
 
 
 @pytest.fixture(scope="module")
