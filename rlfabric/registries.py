@@ -28,7 +28,7 @@ def algorithms() -> dict[str, Any]:
 
 def policies() -> dict[str, Any]:
     """Policy names (``policy.name``) and their classes: built-ins and entry points."""
-    from services.core.models import POLICIES
+    from services.core.policy_names import POLICIES
 
     return POLICIES.available()
 
@@ -70,7 +70,7 @@ def rewards() -> dict[str, str]:
 
 
 def register_policy(name: str):
-    from services.core.models import register_policy as register
+    from services.core.policy_names import register_policy as register
 
     return register(name)
 

@@ -5,7 +5,7 @@ An algorithm is one file under ``services/learner/algorithms/`` (or any package 
 read by every service; an instance is the learner's update:
 
     Config        its config: a pydantic model whose ``name`` literal is the tag of ``algorithm`` in a run spec
-    policy        the policy it trains and the rollout acts with (a name in services.core.models.POLICIES)
+    policy        the policy it trains and the rollout acts with (a name in services.core.policy_names.POLICIES)
     roles         which roles it needs: a rollout that collects (or none: offline), a frozen reference policy,
                   an expert policy
     trajectory()  the fields a collector must record per step, and how episode ends are treated

@@ -727,7 +727,7 @@ class RunConfig(_Strict):
         sched = self.scheduling
         self.spec.check(self)
         if self.policy.name and self.policy.name != self.spec.policy:
-            from services.core.models import check_policy  # imports torch: only for runs that pick a policy
+            from services.core.policy_names import check_policy  # torch-free: the coordinator validates specs
 
             check_policy(self.policy.name, self.spec.policy, f"algorithm {self.algorithm.name!r}")
         if self.runtime.learner_ranks > 1:

@@ -69,6 +69,23 @@ def test_the_config_schema_and_every_algorithms_declarations_need_no_torch():
     assert not result["torch"], f"the config schema imports torch, via {result['via']}"
 
 
+def test_the_coordinator_validates_every_example_spec_without_torch():
+    """Issue 40: a spec that names a policy (policy.name: pi0) made validation import the policy's class, so the
+    coordinator loaded torch for 4 of the examples. What a built-in policy serves is now read without importing it."""
+    result = _torch_after("""
+        import glob
+        import services.coordinator.server
+        from services.core.config import load_config
+
+        examples = sorted(glob.glob("examples/*.yaml"))
+        assert len(examples) > 20
+        for path in examples:
+            load_config(path)
+        assert {load_config(p).policy.name for p in examples} >= {"pi0", "vla_tokens", "vla"}
+    """)
+    assert not result["torch"], f"validating the examples imports torch, via {result['via']}"
+
+
 @pytest.mark.parametrize("adapter,env_id", [("gymnasium", "CartPole-v1"), ("text", "arith")])
 def test_an_env_service_whose_adapter_needs_no_torch_steps_without_it(adapter, env_id):
     result = _torch_after(f"""

@@ -315,3 +315,12 @@ def test_a_resolved_name_is_checked_as_its_kind_before_anything_calls_it(registr
     kind = {"tasks": TASKS, "rewards": REWARDS}[registry]
     with pytest.raises(ValueError, match=why):
         kind.load(name)
+
+
+def test_what_each_built_in_policy_serves_is_written_as_its_class_says():
+    """services/core/policy_names.py tells the coordinator what a built-in serves without importing it (no torch
+    there): the table must say what each class does."""
+    from services.core.policy_names import BUILTINS, policy_class, serves
+
+    for name, (_, written) in BUILTINS.items():
+        assert getattr(policy_class(name), "serves", name) == written == serves(name), name
