@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import pytest
 
@@ -32,6 +33,19 @@ class AbortingContext:
 
     async def abort(self, code, details):
         raise Aborted(code, details)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_device_mixes_fail_here():
+    """Every in-process test that has torch loaded runs GPU-path code under tests/device_guard.py, so a tensor
+    that code creates without its inputs' device fails here as it would on a GPU."""
+    if "torch" not in sys.modules:
+        yield
+        return
+    from tests.device_guard import guard
+
+    with guard():
+        yield
 
 
 def short_config(**overrides) -> RunConfig:

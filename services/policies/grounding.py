@@ -71,10 +71,11 @@ def pretrain(model: Any, images: np.ndarray, targets: np.ndarray, updates: int, 
     split = max(1, int(round(n * (1 - heldout))))
     if split >= n:
         raise ValueError(f"warm_start.vision.scenes={n} leaves no held-out scene. Fix: at least 10 scenes")
-    x = to_pixels(torch.as_tensor(images).flatten(0, 1), size).reshape(n, cams, 3, size, size)
-    y = torch.as_tensor(targets, dtype=torch.float32)
+    device = next(model.parameters()).device
+    x = to_pixels(torch.as_tensor(images, device=device).flatten(0, 1), size).reshape(n, cams, 3, size, size)
+    y = torch.as_tensor(targets, dtype=torch.float32, device=device)
     grid = size // model.config.patch_size
-    head = nn.Linear(cams * grid * grid * model.config.hidden_size, y.shape[1])
+    head = nn.Linear(cams * grid * grid * model.config.hidden_size, y.shape[1]).to(device)
 
     def predict(batch: torch.Tensor) -> torch.Tensor:
         tokens = model(pixel_values=batch.flatten(0, 1)).last_hidden_state
@@ -90,7 +91,7 @@ def pretrain(model: Any, images: np.ndarray, targets: np.ndarray, updates: int, 
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for step in range(1, updates + 1):
-        idx = torch.randint(split, (batch_size,), generator=generator)
+        idx = torch.randint(split, (batch_size,), generator=generator, device="cpu").to(device)
         loss = (predict(x[idx]) - y[idx]).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()

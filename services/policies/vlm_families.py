@@ -157,8 +157,9 @@ class QwenVLFamily(Family):
         if not images:
             return position
         out = position.unsqueeze(0).repeat(3, 1, 1)
-        rows, cols = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing="ij")
-        offsets = torch.stack([torch.zeros_like(rows), rows, cols]).reshape(3, 1, -1).to(position.device)
+        rows, cols = torch.meshgrid(torch.arange(grid[0], device=position.device),
+                                    torch.arange(grid[1], device=position.device), indexing="ij")
+        offsets = torch.stack([torch.zeros_like(rows), rows, cols]).reshape(3, 1, -1)
         for c in range(cameras):
             start = self.first_position + c * max(grid)
             span = slice(c * grid[0] * grid[1], (c + 1) * grid[0] * grid[1])

@@ -136,7 +136,8 @@ class VLMTextPolicy(VLMBody):
 
     def random_actions(self, n: int, generator: torch.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``n`` texts of uniformly drawn ids (``rlfabric collect --random``)."""
-        ids = torch.randint(0, self.V, (n, self.L), generator=generator).numpy()
+        ids = torch.randint(0, self.V, (n, self.L), generator=generator,
+                            device=generator.device if generator is not None else "cpu").cpu().numpy()
         return ids, ids
 
     def save_pretrained(self, directory: str) -> None:

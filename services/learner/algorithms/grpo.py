@@ -290,7 +290,8 @@ class GRPO(Algorithm):
         sums: dict[str, float] = {}
         count = 0
         for _ in range(cfg.epochs):
-            order = torch.randperm(B, generator=self.generator)
+            order = torch.randperm(B, generator=self.generator,
+                                   device=self.generator.device if self.generator is not None else "cpu")
             for start in range(0, B, cfg.minibatch_size):
                 whole = order[start:start + cfg.minibatch_size]
                 idx, share = self.shard(whole)  # this rank's rows (all of them on one rank)

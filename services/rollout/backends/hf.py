@@ -89,12 +89,12 @@ class HFBackend(LMBackend):
             return []
         longest = max(len(c) for c in contexts)
         codec = self.codec
-        ids = torch.full((len(contexts), longest), codec.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), longest), dtype=torch.long)
+        ids = torch.full((len(contexts), longest), codec.pad_id, dtype=torch.long, device="cpu")  # (moved below)
+        mask = torch.zeros((len(contexts), longest), dtype=torch.long, device="cpu")
         for i, c in enumerate(contexts):  # left padding: every prompt ends where generation starts
-            ids[i, longest - len(c):] = torch.tensor(c, dtype=torch.long)
+            ids[i, longest - len(c):] = torch.tensor(c, dtype=torch.long, device="cpu")
             mask[i, longest - len(c):] = 1
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
         kwargs = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0} if sample else \
             {"do_sample": False}
         if codec.stop_strings:  # matched on text: generate needs the tokenizer

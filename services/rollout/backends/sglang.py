@@ -69,7 +69,7 @@ class SGLangBackend(LMBackend):
         one request at a time)."""
         if not contexts:
             return []
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.generator.device))
         params = [{"temperature": self.temperature if sample else 0.0, "top_k": -1, "top_p": 1.0,
                    "max_new_tokens": max_new_tokens, "stop_token_ids": list(self.codec.eos_ids),
                    "sampling_seed": seed + i}

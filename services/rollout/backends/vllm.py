@@ -119,7 +119,7 @@ class VLLMBackend(LMBackend):
 
         if not contexts:
             return []
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.generator.device))
         params = [SamplingParams(n=1, temperature=self.temperature if sample else 0.0, top_k=0, top_p=1.0,
                                  max_tokens=max_new_tokens, logprobs=0, stop_token_ids=list(self.codec.eos_ids),
                                  detokenize=False,
