@@ -153,7 +153,7 @@ def probe(port):
 threads = [threading.Thread(target=probe, args=(p,), daemon=True) for p in ports]
 for t in threads:
     t.start()
-deadline = time.monotonic() + 7
+deadline = time.monotonic() + 5
 for t in threads:
     t.join(max(0.0, deadline - time.monotonic()))
 print(json.dumps({str(p): got.get(p, "accepts, no store answered") for p in ports}), flush=True)

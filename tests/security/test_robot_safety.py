@@ -408,12 +408,30 @@ def test_each_arm_ticks_in_a_process_of_its_own_whose_death_fails_health(gateway
     before = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).seq
     time.sleep(0.1)
     assert stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).seq > before  # ticking, there
+    from prometheus_client import REGISTRY
+
+    ticks = REGISTRY.get_sample_value("rlfabric_robot_loop_lateness_seconds_count", {"robot": "arm"})
+    assert ticks is not None and ticks >= 10  # the arm process's ticks, re-exported by the gateway
+    stub.Disconnect(pb.RobotRef(robot_id="arm"), timeout=20)
+    assert arm.proc.poll() is not None  # Disconnect ends the arm's process
+    connect(stub, "arm")
+    arm = service.loops["arm"]
     os.kill(arm.proc.pid, signal.SIGKILL)
     deadline, why = time.monotonic() + 5, None
     while why is None and time.monotonic() < deadline:
         time.sleep(0.05)
         why = runtime.probes["control-loops"]()
     assert why is not None and "exited (code -9)" in why, why
+
+
+@live_loop
+def test_a_gateway_without_an_operator_secret_lets_no_call_clear_a_latch():
+    with gateway_in_process(operator_secret="") as (stub, _, _):
+        connect(stub, "arm")
+        assert stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5).estopped
+        err = _refused(lambda: stub.ClearEStop(pb.RobotRef(robot_id="arm"), timeout=5, metadata=as_operator()))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "--operator-token-file" in err.details()
+        assert stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).estopped
 
 
 def _processes() -> dict[int, tuple[int, str, str]]:

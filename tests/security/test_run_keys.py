@@ -2,7 +2,8 @@
 id used to be enough to reconfigure a running run's workers, to heartbeat for one (and read what the coordinator
 tells it) or to deregister an idle one. Now the coordinator's calls for a run carry the run's key, which only the
 worker it placed learns (from its own heartbeats, which carry the key of its registration): a token holder's
-Configure naming the run is PERMISSION_DENIED, and so is a heartbeat or a deregistration for a worker it is not."""
+Configure or Replay.Clear naming the run is PERMISSION_DENIED, and so is a heartbeat or a deregistration for a worker
+it is not."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import time
 import grpc
 import pytest
 
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, env_pb2_grpc
+from services.core.proto.rlfabric.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    env_pb2_grpc,
+    replay_pb2,
+    replay_pb2_grpc,
+)
 from tests.conftest import grpc_channel, short_config
 
 
@@ -40,5 +48,10 @@ def test_a_token_holder_who_knows_a_runs_id_cannot_drive_its_workers(private_sta
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    replay = next(w for w in client.workers() if w.role == common_pb2.REPLAY)
+    with grpc_channel(replay.endpoint.grpc) as channel:  # naming the run that holds it: still not its key
+        with pytest.raises(grpc.RpcError) as err:
+            replay_pb2_grpc.ReplayStub(channel).Clear(replay_pb2.ClearRequest(run_id=status.run_id), timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "run's key" in err.value.details()
     final = client.wait(status.run_id)
     assert final.state == coordinator_pb2.SUCCEEDED and final.recoveries == 0, final.reason  # the run never noticed
