@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
+from prometheus_client import Counter
 
 from services.core.logs import setup_logging
 from services.core.registry import load_target
@@ -63,6 +64,8 @@ from services.robot_gateway.safety import LimitError, Limits
 from services.robot_gateway.series import robot_series
 
 log = logging.getLogger(__name__)
+STATES_DROPPED = Counter("rlfabric_robot_states_dropped_total", "tick states the gateway read too late to get "
+                         "(the arm process never waits for it)", ["robot"])
 MESSAGE_BYTES = 64 << 10  # one request, answer or state (a few joints): far below this
 FRAME_HEADER = struct.Struct("!II")  # JSON bytes, pixel bytes
 ANSWER_S = 2.0  # a request's answer comes between two ticks; longer means the loop is stuck (its driver's I/O)
@@ -321,6 +324,7 @@ class ArmProcess:
         self.robot_id, self.period, self.watchdog_s = robot_id, 1.0 / hz, watchdog_s
         self.holding_metric, self.lateness_metric, self.jitter_metric, self.overruns_metric, self.intervened_metric = (
             robot_series(m, robot_id) for m in (HOLDING, LATENESS, JITTER, OVERRUNS, INTERVENED))
+        self.dropped_metric = robot_series(STATES_DROPPED, robot_id)
         self.lock = threading.Lock()
         self.listeners: list[Callable] = []
         self.intervention_listeners: list[Callable[[bool, int], None]] = []
@@ -402,7 +406,10 @@ class ArmProcess:
                 with self.lock:
                     self.estopped, self.fault, self.target, self.episode = (tick.estopped, tick.fault, tick.target,
                                                                             tick.episode)
-                    self.missed, self.dropped = message["health"] or "", message["dropped"]
+                    self.missed = message["health"] or ""
+                    if message["dropped"] > self.dropped:  # states this gateway was too slow to read: loud
+                        self.dropped_metric.inc(message["dropped"] - self.dropped)
+                        self.dropped = message["dropped"]
                     if "realtime" in message:
                         self.realtime = message["realtime"]
                 self.last = tick

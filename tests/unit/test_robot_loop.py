@@ -180,3 +180,21 @@ def test_the_loop_keeps_its_schedule_with_and_without_a_spin():
             loop.stop()
         ticks = [t.tick for t in rec.ticks]
         assert ticks == sorted(ticks) and len(set(ticks)) == len(ticks), ticks
+
+
+def test_an_arm_process_never_waits_for_a_gateway_that_does_not_read_and_counts_what_it_lost():
+    """The arm process sends every tick's state without blocking: a gateway too slow to read loses states, counted
+    (its rlfabric_robot_states_dropped_total), never the loop's time."""
+    import socket
+
+    from services.robot_gateway.arm_process import _Serve
+
+    mine, gateway = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # the gateway end is never read
+    mine.setblocking(False)
+    serve = _Serve(mine, mine)
+    serve.loop = ControlLoop("arm", build_driver("sim", {"start": "0,-0.3,0.6"}), HZ, WATCHDOG)
+    for _ in range(5000):  # a blocking send would hang here: the socket holds far fewer
+        serve.publish(serve.loop.last)
+    assert serve.dropped > 0
+    mine.close()
+    gateway.close()
