@@ -161,6 +161,8 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow  # ~18 s (a namespace, a rank group, two strangers that wait out probes that hang): the fast tier
+# was at its 10-minute budget
 def test_strangers_on_another_host_can_neither_list_nor_join_a_torch_distributed_group(tmp_path):
     """Issue 39, finding 1: a TCPStore client lists every key of its server, and the publisher's weight-pair store
     listened on the service's address, so a stranger that reached it read the pair's random prefix and could race
