@@ -41,31 +41,9 @@ from common import add_repeat_args, interleave, median_of, ratio_of_medians, rep
 START = "0,-0.3,0.6"
 
 
-def deadline_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
-    """The gateway's loop as the gateway runs it: in an arm process of its own (ArmProcess), commanded at its rate
-    from this process; its ticks' lateness and jitter."""
-    from services.robot_gateway.arm_process import ArmProcess
-
-    arm = ArmProcess("bench", "sim", {"start": START}, hz, watchdog_s=1.0, spin_s=0.001)
-    lateness, jitter = [], []
-    arm.listeners.append(lambda t: (lateness.append(t.lateness_s), jitter.append(t.jitter_s)))
-    arm.start()
-    end, seq = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
-        seq += 1
-        arm.submit(np.array([0.1 * np.sin(seq / 50), -0.3, 0.6]), seq)
-        time.sleep(0.005)
-    arm.stop()
-    return np.array(lateness[1:]), np.array(jitter[1:]), arm.realtime
-
-
-def deadline_in_thread(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
-    """The same loop as a thread of the commanding process (how the gateway ran it before arm processes): its tick
-    waits for the GIL behind the process's other threads."""
-    from services.robot_gateway.drivers import build_driver
-    from services.robot_gateway.loop import ControlLoop
-
-    loop = ControlLoop("bench-thread", build_driver("sim", {"start": START}), hz, watchdog_s=1.0)
+def _drive(loop, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """Command ``loop`` (an ArmProcess or a ControlLoop: one interface) every 5 ms for ``seconds``; its ticks'
+    lateness and jitter, and the priority it got."""
     lateness, jitter = [], []
     loop.listeners.append(lambda t: (lateness.append(t.lateness_s), jitter.append(t.jitter_s)))
     loop.start()
@@ -76,6 +54,23 @@ def deadline_in_thread(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarra
         time.sleep(0.005)
     loop.stop()
     return np.array(lateness[1:]), np.array(jitter[1:]), loop.realtime
+
+
+def deadline_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """The gateway's loop as the gateway runs it: in an arm process of its own (ArmProcess), commanded at its rate
+    from this process."""
+    from services.robot_gateway.arm_process import ArmProcess
+
+    return _drive(ArmProcess("bench", "sim", {"start": START}, hz, watchdog_s=1.0, spin_s=0.001), seconds)
+
+
+def deadline_in_thread(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """The same loop as a thread of the commanding process (how the gateway ran it before arm processes): its tick
+    waits for the GIL behind the process's other threads."""
+    from services.robot_gateway.drivers import build_driver
+    from services.robot_gateway.loop import ControlLoop
+
+    return _drive(ControlLoop("bench-thread", build_driver("sim", {"start": START}), hz, watchdog_s=1.0), seconds)
 
 
 ARMS, ARMS_HZ, ESTOPS = 8, 500.0, 40

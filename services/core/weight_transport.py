@@ -187,7 +187,13 @@ class ChannelStore(dist.Store):
         return bool(self.ask({"op": "check", "keys": list(keys)}, b"")[0].get("found"))
 
     def wait(self, keys: list[str], timeout=None) -> None:
-        self._until(", ".join(keys), lambda: (self.check(keys), None))
+        saved = self.timeout_s
+        if timeout is not None:
+            self.timeout_s = max(1.0, timeout.total_seconds())
+        try:
+            self._until(", ".join(keys), lambda: (self.check(keys), None))
+        finally:
+            self.timeout_s = saved
 
     def delete_key(self, key: str) -> bool:
         return bool(self.ask({"op": "delete_key", "key": key}, b"")[0].get("found"))

@@ -12,8 +12,10 @@ an env's ``privileged`` entries (a simulator's true state: asymmetric actor-crit
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,10 +31,9 @@ class ObsCritic(nn.Module):
         self.text_key = "instruction" if "instruction" in spaces else None
         self.state_keys = sorted(k for k in spaces if k not in self.cameras and k != self.text_key)
         width = sum(c.linear[0].out_features for c in self.cameras.values())
-        width += sum(int(torch.tensor(spaces[k]["shape"]).prod()) if spaces[k]["shape"] else 1
-                     for k in self.state_keys)
+        width += sum(math.prod(spaces[k]["shape"]) for k in self.state_keys)  # (an empty shape: 1)
         if self.text_key is not None:
-            vocab = int(max(torch.tensor(spaces[self.text_key]["high"]).max().item(), 1)) + 1
+            vocab = int(max(np.max(spaces[self.text_key]["high"]), 1)) + 1
             self.words = nn.EmbeddingBag(vocab, words, mode="mean", padding_idx=0)
             width += words
         self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import numpy as np
 from prometheus_client import Counter
@@ -105,9 +105,8 @@ class _Owner:
 
 
 # errors a request may raise that the gateway maps to a status code: re-raised there by their class
-def _errors() -> dict[str, type[BaseException]]:
-    return {c.__name__: c for c in (LimitError, TakeoverError, ValueError, TypeError, DriverOptionError,
-                                    DriverConnectionError, DriverUnavailable, RuntimeError)}
+ERRORS = {c.__name__: c for c in (LimitError, TakeoverError, ValueError, TypeError, DriverOptionError,
+                                  DriverConnectionError, DriverUnavailable, RuntimeError)}
 
 
 # -- the arm process ---------------------------------------------------------------------------------------------------
@@ -300,14 +299,6 @@ def _log_file() -> str | None:
 
 
 # -- the gateway's side ------------------------------------------------------------------------------------------------
-@dataclass
-class _Counts:
-    episodes: dict
-    with_intervention: int = 0
-    success_without_intervention: int = 0
-    intervened_ticks: int = 0
-
-
 class _Joints:
     """What the gateway reads of the driver (it lives in the arm process)."""
 
@@ -374,7 +365,7 @@ class ArmProcess:
 
     @staticmethod
     def _error(name: str, message: str) -> BaseException:
-        cls = _errors().get(name)
+        cls = ERRORS.get(name)
         return cls(message) if cls is not None else RuntimeError(f"{name}: {message}")
 
     def _tick(self, d: dict):

@@ -61,7 +61,8 @@ class CNN(nn.Module):
             c = out
         self.convs = nn.Sequential(*layers, nn.Flatten())
         with torch.no_grad():
-            n = self.convs(torch.zeros(1, shape[2] if self.channels_last else shape[0], h, w)).shape[1]
+            n = self.convs(torch.zeros(1, shape[2] if self.channels_last else shape[0], h, w,
+                                       device=layers[0].weight.device)).shape[1]
         if n == 0:
             raise ValueError(f"policy.cnn shrinks a {h}x{w} image to nothing; use smaller kernels or strides")
         self.linear = nn.Sequential(nn.Linear(n, cfg.features), ACTIVATIONS[activation]())
