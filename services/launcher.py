@@ -317,6 +317,7 @@ class LocalStack:
         self.given_up: dict[str, int] = {}  # name -> its last exit code, once its restarts ran out
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._lister = None  # the supervisor's coordinator client (ListWorkers), made on its first poll
         self.address = ""
         self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
         from services.core import auth  # (imported here: prestart, above, runs before grpc and zmq load)
@@ -418,7 +419,12 @@ class LocalStack:
         workers register with it again, and it takes up the runs it held (services/coordinator/runindex.py)."""
         def loop() -> None:
             due: dict[str, float] = {}
+            lost_since: dict[int, float] = {}
+            polled = 0.0
             while not self._stopping.wait(0.2):
+                if time.monotonic() - polled >= 1.0:
+                    polled = time.monotonic()
+                    self._kill_lost(lost_since)
                 for name, proc in list(self.procs.items()):
                     if name in self.given_up or proc.poll() is None:
                         continue
@@ -444,11 +450,43 @@ class LocalStack:
         self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)
         self._supervisor.start()
 
+    def _kill_lost(self, lost_since: dict[int, float]) -> None:
+        """SIGKILL a process of this stack that the coordinator declared lost and that did not come back on its own
+        (a frozen process, SIGSTOP or swapped out, never does): supervision then restarts it clean, so a recovery
+        finds a live worker and never waits on a busy or frozen one. A live process told it is lost registers
+        again within a heartbeat (or exits, if its work still runs), so only one listed lost for longer than
+        twice the heartbeat timeout is killed."""
+        from services.coordinator.client import CoordinatorClient  # (not before the fork server started)
+
+        if not self.address:
+            return
+        if self._lister is None:
+            self._lister = CoordinatorClient(self.address, timeout_s=2.0)
+        try:
+            workers = self._lister.workers()
+        except Exception:  # noqa: BLE001 — a coordinator restarting or busy: the next poll sees it
+            return
+        live_pids = {w.pid for w in workers if w.alive}
+        lost = {w.pid for w in workers if not w.alive and w.pid not in live_pids}
+        now, grace = time.monotonic(), 2 * self.heartbeat_timeout_s
+        for pid in list(lost_since):
+            if pid not in lost:
+                del lost_since[pid]
+        for name, proc in list(self.procs.items()):
+            if name == "coordinator" or proc.pid not in lost or proc.poll() is not None:
+                continue
+            if now - lost_since.setdefault(proc.pid, now) >= grace:
+                log.warning("service %s (pid %d) was declared lost by the coordinator %.0f s ago and is still "
+                            "there: killing it so that it restarts", name, proc.pid, now - lost_since[proc.pid])
+                proc.kill()
+
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every service (workers first), wait, then SIGKILL whatever is left."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
+        if self._lister is not None:
+            self._lister.close()
         order = [n for n in self.procs if n != "coordinator"] + (["coordinator"] if "coordinator" in self.procs else [])
         for name in order:
             if self.procs[name].poll() is None:

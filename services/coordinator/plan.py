@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -29,15 +30,13 @@ from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
 Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
 
-# Deadlines of Train and Collect. The worker bounds its own waits for peers by data_plane.timeout_s (the learner's
-# wait for a batch's shards, a rollout's env steps and weight fetch: each ends in an error of its own by then, give
-# or take a few seconds of transport slack); the rest is compute, which no config field bounds. So a call may take
-# data_plane.timeout_s of waiting plus the largest of runtime.min_work_s (30 s by default), WORK_FACTOR x
-# data_plane.timeout_s and SLOWEST_FACTOR x the slowest call of its kind in this placement (work that grows, such as
-# longer LM responses). A worker past that is wedged (its heartbeats and health check may still say it is fine) and
-# the run loses it: recovery re-places the run without it. Defaults: 30 s + 300 s.
-WORK_FACTOR = 10.0
-SLOWEST_FACTOR = 3.0
+# Liveness of Train and Collect: no call has a deadline, for a call's length says nothing about its worker (50 SFT
+# updates of a 20M-parameter model took minutes on a slow host, and the run was once declared dead for it). The
+# worker's heartbeats show its progress instead (services/core/progress.py: CPU time and data-plane messages; the
+# registry's Worker.note). A worker in a call that shows none for data_plane.timeout_s (the longest it may wait on a
+# silent peer before it reports that peer itself) plus runtime.liveness_s is stalled: wedged, though its heartbeats
+# and health check may still say it is fine. One whose heartbeats stop is lost by the registry's reaper sooner.
+# Either way the run loses it, and recovery re-places the run without it.
 
 
 @dataclass
@@ -91,7 +90,6 @@ class PlanExecutor:
         self.endpoints: dict[str, str] = {}
         self.env_spec: dict = {}
         self.base_version = 0
-        self.slowest: dict[str, float] = {}  # seconds of the slowest Train / Collect that answered
 
     # -- the narrow interface schedulers see (records.PlanControl) -------------------------------------------
     @property
@@ -217,28 +215,36 @@ class PlanExecutor:
             self.run.log(f"plan {self.plan_name} from iteration {next_index}: {self.describe()}")
 
     # -- iterations ----------------------------------------------------------------------------------------
-    def deadline(self, method: str) -> float:
-        """Seconds a Train or Collect call may take (the rule above WORK_FACTOR)."""
-        wait = self.cfg.data_plane.timeout_s
-        return wait + max(self.cfg.runtime.min_work_s, WORK_FACTOR * wait, SLOWEST_FACTOR * self.slowest.get(method, 0.0))
+    def liveness_window(self) -> float:
+        """Seconds a worker in a call may show no progress before it counts as stalled (the rule above)."""
+        return self.cfg.data_plane.timeout_s + self.cfg.runtime.liveness_s
 
     async def _work(self, stage: Stage, method: str, request):
-        """Train or Collect under its deadline; a worker that misses it is lost to the run (the attempt ends and
-        the run recovers without it, or fails once runtime.max_recoveries is spent), never waited on forever."""
-        deadline, started = self.deadline(method), asyncio.get_running_loop().time()
+        """Train or Collect for as long as its worker shows progress; one that stalls, or whose heartbeats stop, is
+        lost to the run (the attempt ends and the run recovers without it, or fails once runtime.max_recoveries is
+        spent), never waited on forever."""
+        window, worker = self.liveness_window(), stage.worker
+        started = time.monotonic()
+        call = asyncio.ensure_future(rpc(stage, method, request))
         try:
-            reply = await rpc(stage, method, request, deadline)
-        except Unresponsive as exc:
-            wait = self.cfg.data_plane.timeout_s
-            why = (f"did not answer {method} within its {deadline:.0f}s deadline (data_plane.timeout_s={wait:g} for "
-                   f"its waits on peers, and the rest for its work): wedged or overloaded. If its work really takes "
-                   f"that long, raise data_plane.timeout_s")
-            self.run.lost.append((exc.worker, why))
-            self.run.log(f"{exc.worker.describe()} {why}", level="warning")
-            raise
-        elapsed = asyncio.get_running_loop().time() - started
-        self.slowest[method] = max(self.slowest.get(method, 0.0), elapsed)
-        return reply
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=min(1.0, window / 4))
+                if done:
+                    return call.result()
+                stalled = worker.stalled_for(started)
+                if worker.alive and stalled <= window:
+                    continue
+                wait, lively = self.cfg.data_plane.timeout_s, self.cfg.runtime.liveness_s
+                why = (f"stopped sending heartbeats during {method}" if not worker.alive else
+                       f"showed no progress in {method} for {stalled:.0f}s (no compute, no data-plane messages; its "
+                       f"window is data_plane.timeout_s={wait:g} for its waits on peers + runtime.liveness_s="
+                       f"{lively:g}): wedged. If its work really waits that long, raise runtime.liveness_s")
+                self.run.lost.append((worker, why))
+                self.run.log(f"{worker.describe()} {why}", level="warning")
+                raise Unresponsive(f"{worker.describe()}: {why}", worker, method, window)
+        finally:
+            if not call.done():
+                call.cancel()  # the worker is told its caller went away (its Train stops waiting for shards)
 
     async def iterations(self, i: int, until: int) -> AsyncIterator[Step]:
         """Iterations [i, until) under the current plan, re-planned at boundaries where changes wait."""

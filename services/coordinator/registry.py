@@ -26,11 +26,32 @@ class Worker:
     alive: bool = True
     run_id: str = ""
     key: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # its heartbeats carry it (and only it has it)
+    # Progress (services/core/progress.py), as its heartbeats report it: when it last showed work, and the marks
+    # that work is measured from.
+    progressed_at: float = field(default_factory=time.monotonic)
+    cpu_s: float = 0.0
+    messages: int = 0
+    _mark_cpu_s: float = 0.0
+    _mark_at: float = field(default_factory=time.monotonic)
 
     def describe(self) -> str:
         return f"{self.role} worker {self.worker_id} (pid {self.pid} on {self.host}, {self.grpc})"
 
+    def note(self, cpu_s: float, messages: int, now: float | None = None) -> None:
+        """A heartbeat's signs of work. It progressed if a data-plane message arrived since the last heartbeat, or
+        if it used at least BUSY_CPU_SHARE of a core since its last progress: an idle service (its heartbeats, its
+        gRPC threads) uses under 1 %; a worker that computes, close to 100 %."""
+        now = time.monotonic() if now is None else now
+        if messages != self.messages or cpu_s - self._mark_cpu_s >= BUSY_CPU_SHARE * (now - self._mark_at):
+            self.progressed_at, self._mark_cpu_s, self._mark_at = now, cpu_s, now
+        self.cpu_s, self.messages = cpu_s, messages
 
+    def stalled_for(self, since: float, now: float | None = None) -> float:
+        """Seconds without progress, counted from ``since`` at the earliest (a call's start)."""
+        return (time.monotonic() if now is None else now) - max(since, self.progressed_at)
+
+
+BUSY_CPU_SHARE = 0.05  # the CPU share (of one core) that counts as work; an idle service measured 0.3-0.9 %
 MAX_WORKERS = 4096  # registrations held at once; dead ones make room first
 # What one registration may hold (the coordinator keeps it as long as the worker lives, and lists it to every
 # client): an address or host name fits in a few hundred characters, and workers set one label (their pool).
@@ -93,8 +114,9 @@ class WorkerRegistry:
         self.workers[worker.worker_id] = worker
         return worker
 
-    def heartbeat(self, worker_id: str, key: str) -> bool:
-        """Whether the worker is known and alive (then seen now); PermissionError for a caller without its key."""
+    def heartbeat(self, worker_id: str, key: str, cpu_s: float = 0.0, messages: int = 0) -> bool:
+        """Whether the worker is known and alive (then seen now, with its signs of work); PermissionError for a
+        caller without its key."""
         worker = self.workers.get(worker_id)
         if worker is not None and not hmac.compare_digest(worker.key.encode(), key.encode(errors="replace")):
             raise PermissionError(f"heartbeat for {worker_id} without that worker's key: only the worker itself "
@@ -102,6 +124,7 @@ class WorkerRegistry:
         if worker is None or not worker.alive:
             return False
         worker.last_seen = time.monotonic()
+        worker.note(cpu_s, messages, worker.last_seen)
         return True
 
     def deregister(self, worker_id: str) -> Worker | None:

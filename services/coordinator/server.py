@@ -112,12 +112,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request, context):
         try:
-            known = self.registry.heartbeat(request.worker_id, request.worker_key)
+            known = self.registry.heartbeat(request.worker_id, request.worker_key,
+                                           request.cpu_s if math.isfinite(request.cpu_s) else 0.0, request.messages)
         except PermissionError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         run = self._owning_run(request.worker_id)
+        lost = not known and request.worker_id in self.registry.workers  # declared lost, not merely unknown
         return coordinator_pb2.HeartbeatReply(known=known, run_id=run.run_id if run else "",
-                                              run_key=run.key if run else "")
+                                              run_key=run.key if run else "", lost=lost)
 
     def _owning_run(self, worker_id: str) -> Run | None:
         """The running run that holds this worker, or None."""

@@ -42,12 +42,12 @@ class Stage:
 
 
 class Unresponsive(RunFailed):
-    """The worker did not answer a call within the call's deadline: wedged or hopelessly overloaded, while its
-    heartbeats and health check may still say it is fine."""
+    """The worker did not answer a call within the call's deadline, or (Train, Collect: plan.py) showed no progress
+    within its liveness window: wedged, while its heartbeats and health check may still say it is fine."""
 
-    def __init__(self, reason: str, worker: Worker, method: str, deadline_s: float):
+    def __init__(self, reason: str, worker: Worker, method: str, window_s: float):
         super().__init__(reason)
-        self.worker, self.method, self.deadline_s = worker, method, deadline_s
+        self.worker, self.method, self.window_s = worker, method, window_s
 
 
 async def rpc(stage: Stage, method: str, request, timeout: float | None = None):

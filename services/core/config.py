@@ -535,11 +535,11 @@ class RuntimeConfig(_Strict):
         description="where learner and rollout models live: cpu, cuda, cuda:N, or auto (cuda where the host has "
                     "one, else cpu); each worker resolves it on its own host")
     worker_wait_s: float = Field(60.0, gt=0, description="how long a run waits for workers to register")
-    min_work_s: float = Field(
-        30.0, gt=0, le=86400, description="the least compute time a Train or Collect call gets before its worker "
-                                          "counts as wedged and the run recovers without it: the call's deadline is "
-                                          "data_plane.timeout_s plus the largest of this, 10 x data_plane.timeout_s "
-                                          "and 3 x the slowest such call so far")
+    liveness_s: float = Field(
+        30.0, gt=0, le=86400, description="how long a worker in a Train or Collect call may show no progress (no "
+                                          "compute, no data-plane messages, as its heartbeats report) beyond "
+                                          "data_plane.timeout_s before it counts as stalled and the run recovers "
+                                          "without it. A call's length never counts: only silence does")
     max_recoveries: int = Field(
         5, ge=0, le=1000, description="lost workers (killed, crashed, unreachable) a run recovers from: it re-places "
                                       "the work on live or restarted workers and resumes from the learner's newest "

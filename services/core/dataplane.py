@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from services.core import auth
+from services.core import auth, progress
 from services.core.batch import TensorBatch
 from services.core.codec import FrameError, decode, encode, message_bytes
 
@@ -188,6 +188,7 @@ class DataServer:
         except FrameError as exc:
             self._reject(identity, 0, f"{self.name}: {exc}")
             return
+        progress.received()
         reply = Reply(self, identity, batch.seq)
         try:
             handler(kind, batch, reply)
@@ -254,6 +255,7 @@ class DataClient:
                 raise PeerTimeout(f"no answer from the {self.peer} at {self.endpoint} within {timeout:.1f}s "
                                   f"(data_plane.timeout_s); is the {self.peer} service alive?") from None
             kind, batch = decode(frames, self.max_bytes)
+            progress.received()
             if batch.seq < seq:
                 continue
             if kind == "error":

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import Counter, Gauge
 
-from services.core import auth
+from services.core import auth, progress
 from services.core.logs import setup_logging
 from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.core.registry import IMPORT_PATHS_FLAG, allow_import_paths
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # Control messages are small; tensors never ride gRPC. The bound protects every service from oversized input.
 MAX_GRPC_MESSAGE_BYTES = 8 * 2**20
+LOST_EXIT_CODE = 75  # (EX_TEMPFAIL) a worker the coordinator declared lost while its work still ran: restart it
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
@@ -344,7 +345,11 @@ class ServiceRuntime:
             while not self.stopping.is_set():
                 try:
                     reply = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
-                        worker_id=self.worker_id, state=self.state, worker_key=self.worker_key), timeout=5)
+                        worker_id=self.worker_id, state=self.state, worker_key=self.worker_key,
+                        cpu_s=progress.cpu_seconds(), messages=progress.messages(),
+                        in_flight=progress.in_flight()), timeout=5)
+                    if reply.lost and progress.in_flight():
+                        self._exit_lost()
                     self.owner_key = reply.run_key
                     if reply.run_id != self.owner_run:  # placed in a run, or freed when it ended: the title says so
                         self.owner_run = reply.run_id
@@ -358,6 +363,16 @@ class ServiceRuntime:
                     await asyncio.wait_for(self.stopping.wait(), self.heartbeat_interval)
                 except TimeoutError:
                     pass
+
+    def _exit_lost(self) -> None:
+        """The coordinator gave up on this worker (silent too long, or no progress within a call) while work of
+        its old run still runs here: that work cannot be stopped from outside its thread, and a recovery must never
+        wait on it. So the process ends at once, with LOST_EXIT_CODE: a supervisor (the local stack, compose's
+        restart policy, ``serve --restart on-failure``) starts it clean, and it registers anew."""
+        log.error("the coordinator declared this worker lost while %d call(s) still run here: exiting with code %d "
+                  "so that a clean process takes its place", progress.in_flight(), LOST_EXIT_CODE)
+        logging.shutdown()
+        os._exit(LOST_EXIT_CODE)
 
     async def serve_until_stopped(self, grace_s: float = 3.0) -> None:
         await self.stopping.wait()

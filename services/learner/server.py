@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
+from services.core import progress
 from services.core.config import ConfigError, RunConfig
 from services.core.dataplane import DataClient, PeerTimeout, RemoteError
 from services.core.devices import resolve_device
@@ -89,7 +90,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         runtime.watch("learner-ranks", lambda: self.ranks.dead() if self.ranks else None)
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, progress.run_working, fn, *args)
 
     def _roles(self, config: RunConfig, env_spec: dict) -> dict[str, torch.nn.Module]:
         """The frozen policies the algorithm's roles ask for: a reference (the initial policy) and an expert (loaded

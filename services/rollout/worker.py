@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.core import progress
 from services.core.algorithm import INTERVENTIONS
 from services.core.config import RunConfig
 from services.core.dataplane import DataClient, PeerTimeout
@@ -135,7 +136,7 @@ class RolloutWorker:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            fut.set_result(fn(*args))
+            fut.set_result(progress.run_working(fn, *args))
         except BaseException as exc:  # noqa: BLE001 — delivered to the caller
             fut.set_exception(exc)
 
