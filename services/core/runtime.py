@@ -236,6 +236,7 @@ class ServiceRuntime:
         self.metrics_port = 0
         self._probes: dict[str, Callable[[], str | None]] = {}
         self.failed: dict[str, str] = {}  # component -> why it is dead
+        self._serving = True  # what check_components last set the health check to
 
     @property
     def state(self) -> str:
@@ -269,21 +270,29 @@ class ServiceRuntime:
         COMPONENT_UP.labels(component).set(1)
 
     def check_components(self) -> None:
-        """Run every probe now (also called every half second); a newly dead component fails the health check."""
+        """Run every probe now (also called every half second). A component whose probe fails turns the health
+        check NOT_SERVING; one that works again (a robot arm's deadline fault the operator cleared; a dead thread
+        never does) is taken back, and with none failing the service is SERVING again."""
         for component, probe in self._probes.items():
-            if component in self.failed:
-                continue
             try:
                 why = probe()
             except Exception as exc:  # noqa: BLE001 — a probe that fails reports its component dead
                 why = f"its health probe failed: {exc.__class__.__name__}: {exc}"
-            if why:
+            if why and component not in self.failed:
                 self.failed[component] = why
                 COMPONENT_UP.labels(component).set(0)
                 log.critical("component died; health is now NOT_SERVING",
                              extra={"component": component, "reason": why})
-                asyncio.get_running_loop().create_task(
-                    self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+            elif not why and component in self.failed:
+                del self.failed[component]
+                COMPONENT_UP.labels(component).set(1)
+                log.warning("component works again", extra={"component": component})
+        serving = not self.failed
+        if serving != self._serving and not self.stopping.is_set():
+            self._serving = serving
+            asyncio.get_running_loop().create_task(self.health.set("", health_pb2.HealthCheckResponse.SERVING
+                                                                   if serving else
+                                                                   health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def _watch_components(self) -> None:
         while not self.stopping.is_set():

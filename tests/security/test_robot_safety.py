@@ -5,6 +5,7 @@ failures (recording memory, lost episodes, a dead recorder, replay endpoints).""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -217,14 +218,30 @@ def test_a_hold_keeps_the_sim_arm_still_and_at_rest_it_sits_on_its_target():
 
 # -- device identity, ownership, the event loop (the service in-process) ----------------------------------------
 class SlowSim(SimArm):
-    """A sim arm whose constructor and close block (a Franka probe, a serial bus that hangs)."""
+    """A sim arm whose constructor, first read and close block (a Franka probe, a serial bus that hangs). With
+    ``stage_file`` it writes each stage's name there as the stage begins (it lives in the arm's own process)."""
 
     def __init__(self, **options: str):
+        self.stage_file = options.pop("stage_file", "")
+        self._stage("build")
         time.sleep(float(options.pop("build_s", "0")))
+        self.read_s = float(options.pop("read_s", "0"))
         self.close_s = float(options.pop("close_s", "0"))
         super().__init__(**options)
 
+    def _stage(self, name: str) -> None:
+        if self.stage_file:
+            Path(self.stage_file).write_text(name)
+
+    def read(self):
+        if self.read_s:  # the first read only: the loop's, made once the driver is built
+            self._stage("read")
+            time.sleep(self.read_s)
+            self.read_s = 0.0
+        return super().read()
+
     def close(self) -> None:
+        self._stage("close")
         time.sleep(self.close_s)
 
 
@@ -318,6 +335,8 @@ def test_a_takeover_belongs_to_the_stream_that_began_it(gateway):
     mine.put(None)  # the owner goes away: its takeover stays (holding), and anyone may now stop it
     owner.cancel()
     time.sleep(0.2)
+    held = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)  # it stays, its stale commands held by the watchdog
+    assert held.intervening and held.hold_reason.startswith("watchdog: no teleop command"), held
     stopper = stub.Teleop(iter([pb.TeleopEvent(robot_id="arm", kind=kinds.INTERVENE_STOP)]), timeout=10)
     next(stopper)
     stopper.cancel()
@@ -328,27 +347,38 @@ def test_a_takeover_belongs_to_the_stream_that_began_it(gateway):
 
 
 @live_loop
-def test_estop_answers_within_a_tick_while_a_driver_builds_or_closes_for_seconds(gateway):
+def test_estop_answers_within_a_tick_while_a_driver_builds_reads_first_or_closes_for_seconds(gateway, tmp_path):
+    """robot_safety.md: "Whatever may block on a device runs off the gateway's event loop: a driver's constructor
+    ..., the loop's first read, and `close()`." Each of the three blocks for 1.5 s in turn (the driver says when
+    each begins) while EStop on another arm answers within a period plus 0.25 s."""
     stub, _, _ = gateway
     info = connect(stub, "fast")
     period = 1 / info.control_hz
-    with ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(connect, stub, "slow", driver="slow_sim", build_s="3", close_s="3")
-        time.sleep(0.5)  # the slow constructor is running now
+    stage, took = tmp_path / "stage", {}
+
+    def estop_during(name: str) -> None:
+        deadline = time.monotonic() + 30
+        while not (stage.exists() and stage.read_text() == name):
+            assert time.monotonic() < deadline, f"the slow driver never began its {name}"
+            time.sleep(0.01)
         t0 = time.monotonic()
         assert stub.EStop(pb.EStopRequest(robot_id="fast", reason="test"), timeout=10).estopped
-        took_build = time.monotonic() - t0
-        assert not slow.done()
-        slow.result(timeout=30)
+        took[name] = time.monotonic() - t0
         stub.ClearEStop(pb.RobotRef(robot_id="fast"), timeout=5, metadata=as_operator())
+
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(connect, stub, "slow", driver="slow_sim", build_s="1.5", read_s="1.5", close_s="1.5",
+                           stage_file=str(stage))
+        estop_during("build")
+        estop_during("read")
+        assert not slow.done()  # Connect waits for the first read
+        slow.result(timeout=30)
         gone = pool.submit(stub.Disconnect, pb.RobotRef(robot_id="slow"), timeout=30)
-        time.sleep(0.5)  # the slow close is running now
-        t0 = time.monotonic()
-        assert stub.EStop(pb.EStopRequest(robot_id="fast", reason="test"), timeout=10).estopped
-        took_close = time.monotonic() - t0
+        estop_during("close")
+        assert not gone.done()
         gone.result(timeout=30)
     # one period to the next tick, a quarter period of polling, and scheduling slack on a loaded 2-core host
-    assert took_build < period + 0.25 and took_close < period + 0.25, (took_build, took_close)
+    assert all(t < period + 0.25 for t in took.values()), took
 
 
 class StuckSim(SimArm):
@@ -371,7 +401,7 @@ register_driver("stuck_sim", f"{__name__}:StuckSim")
 
 
 @live_loop
-def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(gateway, tmp_path):
+def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(gateway, tmp_path, caplog):
     """Issue 39, finding 6: EStop only set a flag, and a loop stuck in its driver's I/O answered estopped=false as
     if nothing were wrong. The reply now tells an applied stop from one only requested, and the stop holds the
     arm on the loop's first tick back."""
@@ -384,9 +414,12 @@ def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(g
     stuck.touch()
     time.sleep(0.2)  # the loop is inside the driver's command now
     t0 = time.monotonic()
-    requested = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
+    with caplog.at_level(logging.ERROR, logger="services.robot_gateway.server"):
+        requested = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
     assert time.monotonic() - t0 < 1.0  # answered while the loop is still stuck
     assert requested.estop_requested and not requested.estopped, requested
+    logged = next(r for r in caplog.records if "not yet applied" in r.getMessage())  # an error, with the last
+    assert logged.levelno == logging.ERROR and logged.robot == "arm" and logged.last_tick_age_s >= 0.2  # tick's age
     time.sleep(1.6)
     back = stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5)
     assert back.estopped and back.holding and back.hold_reason == "e-stop", back
@@ -503,6 +536,13 @@ def test_an_episode_no_sink_took_counts_failed_not_kept():
 
     base = Tick(0, 0.0, np.zeros(3), np.zeros(3), np.zeros(3), False, "", False, "", 0.0, 0.0, 0, 1)
     fates: list = []
+    from prometheus_client import REGISTRY
+
+    def failed_total() -> float:
+        return REGISTRY.get_sample_value("rlfabric_robot_recorded_episodes_total",
+                                         {"robot": "lost", "fate": "failed"}) or 0.0
+
+    before = failed_total()
     rec = Recorder("lost", ["a", "b", "c"], 100.0, [_FailingSink()], on_episode=lambda e, f: fates.append(f))
     rec.start()
     for _ in range(5):
@@ -515,6 +555,7 @@ def test_an_episode_no_sink_took_counts_failed_not_kept():
     rec.stop()
     assert fates[0] == "failed" and rec.stats.episodes_kept == 0 and rec.stats.episodes_failed == 1
     assert "disk full" in rec.stats.last_error and rec.stats.write_errors == 1
+    assert failed_total() == before + 1  # rlfabric_robot_recorded_episodes_total{fate="failed"}
 
 
 @live_loop
