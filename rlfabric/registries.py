@@ -7,6 +7,7 @@
     env_adapters()  services/env/adapters, entry points ``rlfabric.env_adapters``
     tasks()         services/env/tasks (text tasks), entry points ``rlfabric.tasks``
     rewards()       services/env/tasks/rewards.py, entry points ``rlfabric.rewards``
+    drivers()       services/robot_gateway/drivers, entry points ``rlfabric.drivers`` (the robot gateway's arms)
 
 Policies, collectors, backends, env adapters, text tasks and rewards resolve through services/core/registry.py in
 whichever process reads the run spec: a built-in, an entry point of an installed package, or ``package.module:attr``
@@ -67,6 +68,14 @@ def rewards() -> dict[str, str]:
     from services.env.tasks.rewards import REWARDS
 
     return REWARDS.available()
+
+
+def drivers() -> dict[str, str]:
+    """Robot driver names (``ConnectRequest.driver``, ``env.options.driver``) and where each lives: built-ins and
+    entry points. A gateway resolves only these: a Connect never names a module to import."""
+    from services.robot_gateway.drivers import DRIVERS
+
+    return DRIVERS.available()
 
 
 def register_policy(name: str):

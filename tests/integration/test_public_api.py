@@ -33,6 +33,8 @@ def test_registries_name_every_extension_point_and_the_import_stays_light():
     assert {"actor_critic", "squashed_gaussian"} <= set(rlfabric.registries.policies())
     assert "gym" in rlfabric.registries.collectors() and "torch" in rlfabric.registries.backends()
     assert {"gymnasium", "minigrid"} <= set(rlfabric.registries.env_adapters())
+    assert {"sim", "franka", "so100", "so101"} <= set(rlfabric.registries.drivers())
+    assert {"exact_match", "gsm8k"} <= set(rlfabric.registries.rewards()) and "arith" in rlfabric.registries.tasks()
     probe = subprocess.run([sys.executable, "-c", "import sys, rlfabric; print('torch' in sys.modules)"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False"  # a notebook pays for torch only when it needs a name that does

@@ -1,5 +1,5 @@
 """Weight receivers: how a backend takes in a published weight version. A strategy per kind of model: a state
-dict loaded into a torch module now; an inference engine's in-place reload and LoRA adapters join beside it."""
+dict loaded into a torch module (every backend's; an engine reloads from the module it fills)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,3 @@ class StateDictReceiver:
                              f"were configured with different policies")
         self.module.load_state_dict(state)
 
-
-RECEIVERS = {"state_dict": StateDictReceiver}
