@@ -30,7 +30,7 @@ from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
 Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
 
-# Liveness of Train and Collect: no call has a deadline, for a call's length says nothing about its worker (50 SFT
+# Liveness of Train and Collect: no call has a deadline, for a call's length says nothing about its worker (50 supervised
 # updates of a 20M-parameter model took minutes on a slow host, and the run was once declared dead for it). The
 # worker's heartbeats show its progress instead (services/core/progress.py: CPU time and data-plane messages; the
 # registry's Worker.note). A worker in a call that shows none for data_plane.timeout_s (the longest it may wait on a

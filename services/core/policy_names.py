@@ -19,7 +19,7 @@ BUILTINS = {  # name: (class, what it serves)
     "squashed_gaussian": ("services.core.models.squashed_gaussian:SquashedGaussianActor", "squashed_gaussian"),
     "causal_lm": ("services.core.models.lm:CausalLMPolicy", "causal_lm"),  # imported when used: transformers
     "causal_lm_value": ("services.core.models.lm:CausalLMValuePolicy", "causal_lm_value"),
-    "vla": ("services.core.models.vla:VLAPolicy", "actor_critic"),
+    "vla": ("services.policies.vla:VLAPolicy", "actor_critic"),
     "pi0": ("services.policies.pi0:PI0Policy", "actor_critic"),  # transformers' PI0ForConditionalGeneration
     "vla_tokens": ("services.policies.vla_tokens:VLATokensPolicy", "actor_critic"),  # a VLM, actions as tokens
     "vlm": ("services.policies.vlm_text:VLMTextPolicy", "actor_critic"),  # a VLM writing text about its images

@@ -32,8 +32,10 @@ def test_no_file_outside_the_algorithm_specs_names_an_algorithm():
         "\n".join(offenders)
 
 
-def test_the_shared_runtime_imports_no_service():
-    services = ("learner", "rollout", "env", "replay", "coordinator", "robot_gateway")
+def test_the_shared_runtime_imports_no_service_and_no_policy():
+    """services/core is what every process shares: it names no service and no policy (a policy is one file of
+    services/policies, found by its registered name)."""
+    services = ("learner", "rollout", "env", "replay", "coordinator", "robot_gateway", "policies")
     offenders = []
     for path in _sources(SERVICES / "core"):
         for node in ast.walk(ast.parse(path.read_text())):
