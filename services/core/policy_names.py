@@ -24,8 +24,20 @@ BUILTINS = {  # name: (class, what it serves)
     "vla_tokens": ("services.policies.vla_tokens:VLATokensPolicy", "actor_critic"),  # a VLM, actions as tokens
     "vlm": ("services.policies.vlm_text:VLMTextPolicy", "actor_critic"),  # a VLM writing text about its images
 }
+
+
+def check_policy_class(value) -> None:
+    """A policy is a torch module class, built with the env's spec and the policy section: checked when a worker
+    loads it and before that call, so a name that resolves to another callable (``os:system``) is never called."""
+    if not isinstance(value, type):
+        raise ValueError("a policy is a class (a torch.nn.Module subclass)")
+    torch = sys.modules.get("torch")
+    if torch is not None and not issubclass(value, torch.nn.Module):
+        raise ValueError("a policy is a torch.nn.Module subclass")
+
+
 POLICIES = Registry("policies", "policy.name", {name: target for name, (target, _) in BUILTINS.items()},
-                    home="services/core/models", noun="policy")
+                    home="services/core/models", noun="policy", check=check_policy_class)
 
 
 def register_policy(name: str):

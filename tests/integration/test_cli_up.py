@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from services.coordinator.client import CoordinatorClient
+from services.core import auth
 from services.core.proto.rlfabric.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.minutes(0.4)  # on CI's 2 cores: the tiers start long files first
@@ -39,6 +41,11 @@ def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
         address, client = _serving(up, tmp_path)
         token_file = tmp_path / "runs" / ".rlfabric" / "token"  # the stack's secret, for its clients only
         assert token_file.stat().st_mode & 0o077 == 0
+        # docs/deployment.md: "`up` writes it to `<runs-root>/.rlfabric/token` and the scrape token to
+        # `<runs-root>/.rlfabric/scrape-token` (both owner-only)"
+        scrape_file = token_file.parent / "scrape-token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == stat.S_IMODE(scrape_file.stat().st_mode) == 0o600
+        assert scrape_file.read_text().strip() == auth.Security(token_file.read_text().strip()).scrape_token
         stranger = CoordinatorClient(address, token="not-the-secret-of-this-stack")
         with pytest.raises(grpc.RpcError) as refused:
             stranger.workers()

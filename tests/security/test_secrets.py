@@ -185,3 +185,94 @@ def test_the_coordinator_sends_an_env_worker_no_secret(monkeypatch):
     asyncio.run(executor.configure_env(stage))
     assert len(sent) == 1 and not any(s in sent[0].config_json for s in SECRETS)
     assert RunConfig.from_json(sent[0].config_json).env == executor.cfg.env
+
+
+def test_what_the_coordinator_and_a_replay_worker_log_or_answer_holds_no_secret(tmp_path, caplog):
+    """deployment.md: "Secrets in a run spec (`storage.access_key`/`secret_key`, a password in `replay.redis_url`)
+    never reach `config.yaml`, the run index, checkpoints or logs": every log record (as the JSON log files write
+    it) and every file of a run the coordinator takes, and what a replay worker logs and answers as it opens the
+    spec's Redis, or cannot reach it."""
+    from services.coordinator.server import CoordinatorService
+    from services.core.logs import JsonFormatter
+    from services.core.paths import DataRoots, Endpoints
+    from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+    from services.replay.server import ReplayService
+    from tests.conftest import Aborted, AbortingContext
+
+    runtime = SimpleNamespace(address="127.0.0.1:1", advertise_host="127.0.0.1", data_endpoint="", state="idle",
+                              owner_run="", owner_key="", worker_id="", on_shutdown=lambda hook: None,
+                              watch=lambda name, probe: None, options=SimpleNamespace(role="replay", coordinator=""))
+    answers, written = [], {}
+
+    async def main():
+        coordinator = CoordinatorService(runtime, str(tmp_path / "runs"), 3.0, take_up_runs=False)
+        replay = ReplayService(runtime, "127.0.0.1", DataRoots.parse(str(tmp_path)), Endpoints.parse("*"))
+        try:
+            await coordinator.SubmitRun(coordinator_pb2.SubmitRunRequest(config_yaml=dump_yaml(_secret_config()),
+                                                                         run_dir="with-secrets"), _Context())
+            await asyncio.sleep(0.3)  # the run's task starts, waits for workers, and logs what it does
+            for store, url in (("memory", f"redis://default:{SECRETS[2]}@redis:6379/0"),
+                               ("redis", f"redis://default:{SECRETS[2]}@127.0.0.1:1/0")):  # nothing listens
+                config = short_config(storage={"access_key": SECRETS[0], "secret_key": SECRETS[1]},
+                                      replay={"store": store, "redis_url": url, "connect_timeout_s": 1.0})
+                try:
+                    reply = await replay.Configure(common_pb2.ConfigureRequest(
+                        run_id="with-secrets", config_json=config.to_json()), AbortingContext())
+                    answers.append(str(reply))
+                except Aborted as exc:
+                    answers.append(exc.details)
+            written.update({str(p): p.read_bytes().decode(errors="replace")
+                            for p in (tmp_path / "runs").rglob("*") if p.is_file()})  # while the run is on
+        finally:
+            replay.data.stop()
+            await coordinator.shutdown()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+    formatter = JsonFormatter("test")
+    logged = "\n".join(formatter.format(record) for record in caplog.records)
+    assert "configured" in logged and "cannot reach Redis" in answers[1], (logged[-2000:], answers)
+    index = str(tmp_path / "runs" / ".coordinator" / "runs.json")  # (config.yaml: test_run_directory_is_...)
+    assert "with-secrets" in written[index]
+    for where, text in [("logs", logged), ("answers", "\n".join(answers)), *written.items()]:
+        assert not any(s in text for s in SECRETS), where
+
+
+def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, monkeypatch):
+    """deployment.md: "a resumed run takes them from its workers' environment (`RLFABRIC_S3_ACCESS_KEY`,
+    `RLFABRIC_S3_SECRET_KEY`, `RLFABRIC_REDIS_PASSWORD`)": the spec a resume reads back from config.yaml has none,
+    and a worker opening its stores (here the replay service: S3 for large tensors, Redis) fills them in."""
+    from services.core import objectstore
+    from services.core.config import parse_config
+    from services.core.paths import DataRoots, Endpoints
+    from services.replay import server as replay_server
+
+    spec = short_config(storage={"kind": "s3", "endpoint": "minio:9000", "access_key": SECRETS[0],
+                                 "secret_key": SECRETS[1]},
+                        replay={"store": "redis", "redis_url": f"redis://default:{SECRETS[2]}@redis:6379/0"})
+    saved = dump_yaml(spec.redacted())  # what config.yaml holds
+    assert not any(s in saved for s in SECRETS)
+    resumed = parse_config(saved, "config.yaml")
+    monkeypatch.setenv("RLFABRIC_S3_ACCESS_KEY", "env-access-key")
+    monkeypatch.setenv("RLFABRIC_S3_SECRET_KEY", "env-secret-key")
+    monkeypatch.setenv("RLFABRIC_REDIS_PASSWORD", "env-password")
+    opened = {}
+
+    def s3_store(self, **kwargs):  # (no MinIO here: what the store would be opened with)
+        opened["s3"] = kwargs
+
+    class Opened(Exception):
+        pass
+
+    def redis_store(config, run_id, objects, **kwargs):
+        opened["redis_url"] = config.replay.redis_url
+        raise Opened
+
+    monkeypatch.setattr(objectstore.S3ObjectStore, "__init__", s3_store)
+    monkeypatch.setattr(replay_server, "open_replay_store", redis_store)
+    worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse("*"),
+                             max_memory_bytes=1 << 30)
+    with pytest.raises(Opened):
+        replay_server.ReplayService._open_stores(worker, resumed, "r", str(tmp_path / "run"))
+    assert (opened["s3"]["access_key"], opened["s3"]["secret_key"]) == ("env-access-key", "env-secret-key")
+    assert opened["redis_url"] == "redis://default:env-password@redis:6379/0"

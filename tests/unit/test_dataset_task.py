@@ -120,6 +120,10 @@ def test_a_spec_may_lower_the_operators_reward_limits_never_lift_them(data):
         assert opts["reward_memory_mb"] == 1024  # the operator's limit, unless the spec asks less
         opts, _ = text._options(_env(path=data, prompt_field="question", reward_memory_mb=512, reward_timeout_s=2.0))
         assert opts["reward_memory_mb"] == 512
+        # a spec's 0 ("no limit") only where the operator set no limit either (--reward-memory-mb 0)
+        reward_pool.set_operator_limits(reward_pool.OperatorLimits(memory_mb=0, timeout_s=5.0))
+        opts, _ = text._options(_env(path=data, prompt_field="question", reward_memory_mb=0, reward_timeout_s=2.0))
+        assert opts["reward_memory_mb"] == 0
     finally:
         reward_pool.set_operator_limits(reward_pool.OperatorLimits())
 

@@ -143,10 +143,12 @@ def _options(env_cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                          f"[reward_timeout_s={opts['reward_timeout_s']}, 3600] (a step waits for at least one call)")
     if "reward_memory_mb" not in given:
         opts["reward_memory_mb"] = limits.memory_mb
+    elif opts["reward_memory_mb"] == 0 and limits.memory_mb == 0:
+        pass  # no limit, as the operator chose (--reward-memory-mb 0)
     elif not 256 <= opts["reward_memory_mb"] <= (limits.memory_mb or 1 << 20):
         raise ValueError(f"env.options.reward_memory_mb={opts['reward_memory_mb']}: MiB in [256, "
                          f"{limits.memory_mb or 1 << 20}]; a run spec may lower this service operator's limit "
-                         f"(--reward-memory-mb), never lift it")
+                         f"(--reward-memory-mb), never lift it (0, no limit, only where the operator set 0)")
     if not 1 <= opts["reward_workers"] <= 64:
         raise ValueError(f"env.options.reward_workers={opts['reward_workers']}: processes in [1, 64]")
     for key in _required(cls) - set(task_opts):
