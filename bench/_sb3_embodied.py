@@ -20,8 +20,8 @@ from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.vec_env import SubprocVecEnv  # noqa: E402
 
-import services.env.sims  # noqa: E402,F401 — registers rlfabric/ArmReach-v0
-from services.env.chunking import ActionChunk  # noqa: E402
+import rlfabric.services.env.sims  # noqa: E402,F401 — registers rlfabric/ArmReach-v0
+from rlfabric.services.env.chunking import ActionChunk  # noqa: E402
 
 
 def make(chunk: int):

@@ -81,7 +81,7 @@ def run_recipe(family: str, seed: int, env_steps: int, run_dir: Path) -> dict:
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "train", spec, "--run-dir", str(run_dir),
+        proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", spec, "--run-dir", str(run_dir),
                                "--quiet", *recipe_sets(family, env_steps, seed)],
                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     if proc.returncode:

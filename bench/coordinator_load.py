@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_repeat_args, interleave, ratio_of_medians, repeat_count, report  # noqa: E402
 
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = (ROOT / "examples" / "cartpole_ppo.yaml").read_text()
@@ -139,9 +139,9 @@ def main() -> None:
     args = ap.parse_args()
     repeats = repeat_count(args)
 
-    from services.coordinator.client import CoordinatorClient
-    from services.core import auth
-    from services.launcher import LocalStack
+    from rlfabric.services.coordinator.client import CoordinatorClient
+    from rlfabric.services.core import auth
+    from rlfabric.services.launcher import LocalStack
 
     work = Path(tempfile.mkdtemp(prefix="coordinator-load-"))
     stack = LocalStack(log_dir=work / "logs", runs_root=work)

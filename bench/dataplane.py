@@ -30,7 +30,7 @@ def _security() -> None:
     """Both processes of a secure measurement derive the same CURVE keys from one token."""
     import os
 
-    from services.core import auth
+    from rlfabric.services.core import auth
 
     auth.configure(os.environ.get(TOKEN_ENV, ""))
 
@@ -38,14 +38,14 @@ def _security() -> None:
 def serve(kind: str) -> None:
     _security()
     if kind == "ours":
-        from services.core.batch import TensorBatch
-        from services.core.dataplane import DataServer
+        from rlfabric.services.core.batch import TensorBatch
+        from rlfabric.services.core.dataplane import DataServer
 
         server = DataServer(max_bytes=1 << 30, name="bench")
         print(server.endpoint, flush=True)
         server.serve(lambda k, b, reply: reply.send("ack", TensorBatch(meta={"n": int(b["x"].nbytes)})))
     else:
-        from services.core import auth
+        from rlfabric.services.core import auth
 
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         auth.secure_server_socket(sock)
@@ -66,15 +66,15 @@ def measure(kind: str, mib: int, seconds: float, token: str = "") -> float:
         endpoint = proc.stdout.readline().strip()
         payload = np.random.default_rng(0).integers(0, 255, size=mib * 2**20, dtype=np.uint8)
         if kind == "ours":
-            from services.core.batch import TensorBatch
-            from services.core.dataplane import DataClient
+            from rlfabric.services.core.batch import TensorBatch
+            from rlfabric.services.core.dataplane import DataClient
 
             client = DataClient(endpoint, max_bytes=1 << 30)
 
             def one() -> None:
                 client.request("put", TensorBatch({"x": payload}, version=1))
         else:
-            from services.core import auth
+            from rlfabric.services.core import auth
 
             sock = zmq.Context.instance().socket(zmq.DEALER)
             auth.secure_client_socket(sock)
@@ -106,7 +106,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    from services.core.auth import generate_token
+    from rlfabric.services.core.auth import generate_token
 
     token = generate_token()
     rounds: dict[str, list[float]] = {"raw": [], "ours": [], "raw_curve": [], "ours_curve": []}

@@ -60,7 +60,7 @@ def run_sb3(seed: int) -> dict:
 def run_rlfabric(seed: int, mode: str, workdir: Path, tag: str = "") -> dict:
     run_dir = workdir / f"{mode}-{seed}{tag}"
     launch = time.time()
-    proc = run([python(), "-m", "services.cli", "train", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
+    proc = run([python(), "-m", "rlfabric.services.cli", "train", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
                 "--set", f"seed={seed}", "--set", f"scheduling.mode={mode}"], timeout=900, cwd=ROOT)
     end = time.time()
     if proc.returncode != 0:

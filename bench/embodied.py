@@ -55,7 +55,7 @@ from common import (  # noqa: E402
 )
 from modes import slug, start_stack, steps_per_s, train  # noqa: E402
 
-from services.core.config import load_config  # noqa: E402
+from rlfabric.services.core.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VLA = ROOT / "examples" / "arm_reach_vla.yaml"
@@ -107,11 +107,11 @@ def pi0_decision_latency(repeats: int = 1, calls: int = 20) -> tuple[dict, dict[
     import numpy as np
     import torch
 
-    import services.env.sims  # noqa: F401  (registers the rlfabric/ tasks)
-    from services.core.models import build_policy
-    from services.env.adapters.gymnasium import describe_space
-    from services.env.chunking import ActionChunk
-    from services.env.sims import instructions
+    import rlfabric.services.env.sims  # noqa: F401  (registers the rlfabric/ tasks)
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.env.adapters.gymnasium import describe_space
+    from rlfabric.services.env.chunking import ActionChunk
+    from rlfabric.services.env.sims import instructions
 
     torch.set_num_threads(1)
     config = load_config(SPECS["pi0"])
@@ -177,7 +177,7 @@ def rlfabric_to_threshold(seed: int, threshold: float, max_steps: int, work: Pat
             f"train.total_env_steps={max_steps}", "train.eval_every_iterations=4", "train.eval_episodes=16",
             f"train.stop_at_eval_return={threshold}", f"scheduling={json.dumps(plan)}"]
     t0 = time.time()
-    proc = subprocess.run([python(), "-m", "services.cli", "train", str(CNN_RUN), "--run-dir", str(run_dir), "--quiet",
+    proc = subprocess.run([python(), "-m", "rlfabric.services.cli", "train", str(CNN_RUN), "--run-dir", str(run_dir), "--quiet",
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL)
     if proc.returncode != 0:

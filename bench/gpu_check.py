@@ -142,10 +142,10 @@ def check_pi0_rl(device: str) -> dict:
     import numpy as np
     import torch
 
-    from services.core.config import load_config
-    from services.core.models import build_policy
-    from services.core.runtime import learner_precision
-    from services.env.sims import instructions
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.runtime import learner_precision
+    from rlfabric.services.env.sims import instructions
 
     config = load_config(Path(__file__).resolve().parents[1] / "examples" / "arm_reach_pi0.yaml")
     size, H, A, B, T = config.env.kwargs["image_size"], config.env.action_chunk, 2, 64, 4
@@ -219,7 +219,7 @@ def check_pi0_rl(device: str) -> dict:
 def lm_config(backend: str, memory: float | None = None, dtype: str = "auto", hidden: int = 64, layers: int = 2):
     """A Llama run, tiny by default (hidden 64, one head: head_dim 64, which every vLLM attention kernel
     supports)."""
-    from services.core.config import parse_config
+    from rlfabric.services.core.config import parse_config
 
     fraction = f", engine_memory_fraction: {memory}" if memory else ""
     return parse_config(f"""
@@ -234,7 +234,7 @@ algorithm: {{name: grpo}}
 
 
 def lm_prompts(backend, n: int) -> list[list[int]]:
-    from services.env.tasks.arith import ArithTask
+    from rlfabric.services.env.tasks.arith import ArithTask
 
     task = ArithTask(level=3, split="train")
     return [[1, *backend.encode(task.prompt(p))] for p in task.problems(n, seed=0)]
@@ -250,7 +250,7 @@ def check_hf_rollout(device: str) -> dict:
     in bf16 (``rollout.dtype``)."""
     import torch
 
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     figures: dict = {}
     for dtype in ("float32", "bfloat16"):
@@ -287,8 +287,8 @@ def check_offload(device: str) -> dict:
 
     import torch
 
-    from services.core.models import build_policy
-    from services.core.offload import ModelOffload, state_tensors
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.offload import ModelOffload, state_tensors
 
     config = lm_config("hf", hidden=1024, layers=8)
     policy = build_policy(config.policy_name, SPEC, config.policy).to(device)
@@ -336,8 +336,8 @@ def check_vllm(device: str) -> dict:
         raise Skip(f"vllm not installed ({exc})") from None
     import torch
 
-    from services.rollout.backends.hf import HFBackend
-    from services.rollout.backends.vllm import VLLMBackend
+    from rlfabric.services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.vllm import VLLMBackend
     hf = HFBackend(lm_config("hf"), SPEC, device)
     t0 = time.perf_counter()
     engine = VLLMBackend(lm_config("vllm", 0.3 if device == "cuda" else None), SPEC, device)
@@ -381,7 +381,7 @@ def _pair_subscriber(backend: str, store, pair: int, prefix: str, numel: int, ro
     rendezvous goes over ``store`` (a pipe to the host's process; a service's goes over its weight channel)."""
     import torch
 
-    from services.core.weight_transport import PairClient
+    from rlfabric.services.core.weight_transport import PairClient
 
     device = "cpu"
     if backend == "nccl":
@@ -409,7 +409,7 @@ def check_nccl(device: str) -> dict:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from services.core.weight_transport import PairHost
+    from rlfabric.services.core.weight_transport import PairHost
 
     backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl":
@@ -454,7 +454,7 @@ def check_sglang(device: str) -> dict:
         import sglang  # noqa: F401
     except ImportError as exc:
         raise Skip(f"sglang not installed ({exc})") from None
-    from services.rollout.backends.sglang import SGLangBackend
+    from rlfabric.services.rollout.backends.sglang import SGLangBackend
 
     t0 = time.perf_counter()
     engine = SGLangBackend(lm_config("sglang", 0.3), SPEC, device)
@@ -482,7 +482,7 @@ def check_sleep_wake(device: str) -> dict:
         import vllm  # noqa: F401
     except ImportError as exc:
         raise Skip(f"vllm not installed ({exc})") from None
-    from services.rollout.backends.vllm import VLLMBackend
+    from rlfabric.services.rollout.backends.vllm import VLLMBackend
 
     engine = VLLMBackend(lm_config("vllm", 0.3), SPEC, device)
     gib = 2**30
@@ -527,8 +527,8 @@ def check_maniskill(device: str) -> dict:
     import numpy as np
     import sapien
 
-    from services.core.config import EnvConfig
-    from services.env.adapters import adapter
+    from rlfabric.services.core.config import EnvConfig
+    from rlfabric.services.env.adapters import adapter
 
     t0 = time.perf_counter()
     envs = adapter("maniskill").make_vector_env(EnvConfig(adapter="maniskill", id="PushCube-v1",

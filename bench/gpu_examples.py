@@ -25,11 +25,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 2  # metrics rows an entry must produce
-RLFABRIC = [sys.executable, "-m", "services.cli"]
+RLFABRIC = [sys.executable, "-m", "rlfabric.services.cli"]
 
 # The data sets the examples' headers make by hand, at a size that takes seconds (paths as the specs name them).
 PREPARE = [
-    [sys.executable, "-m", "services.env.tasks.sft_data", "runs/arith_sft.npz", "--task", "arith", "--level", "2",
+    [sys.executable, "-m", "rlfabric.services.env.tasks.sft_data", "runs/arith_sft.npz", "--task", "arith", "--level", "2",
      "--rows", "256"],
     [sys.executable, str(ROOT / "bench" / "reasoning_data.py"), "runs/reasoning", "--train", "256", "--held-out",
      "32"],
@@ -146,8 +146,8 @@ def _gateway(work: Path, token: str):
 
 def run(name: str, device: str, work: Path) -> dict:
     """One entry on ``device``, in ``work`` (prepared); its figures, or an exception naming what failed."""
-    from services.core.config import load_config
-    from services.launcher import LocalStack, roles_for
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.launcher import LocalStack, roles_for
 
     entry = by_name()[name]
     os.chdir(work)  # the specs' relative paths (runs/..., examples/data/...) are the work directory's
@@ -160,8 +160,8 @@ def run(name: str, device: str, work: Path) -> dict:
             raise RuntimeError(f"rlfabric train exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
         return {"seconds": round(time.monotonic() - started, 1), "via": "rlfabric train (warm-start stages)"}
     config = load_config(entry.path, sets)  # (a bad entry fails here, naming the field)
-    from services.coordinator.client import CoordinatorClient
-    from services.core.proto.rlfabric.v1 import coordinator_pb2
+    from rlfabric.services.coordinator.client import CoordinatorClient
+    from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 
     with LocalStack(log_dir=work / "runs" / f"logs-{name}", runs_root=work / "runs", roles=roles_for(config)) as stack:
         with _gateway(work, stack.token) if entry.spec in NEEDS_GATEWAY else contextlib.nullcontext() as gateway:

@@ -108,7 +108,7 @@ CACHE = Path(os.environ.get("RLFABRIC_BENCH_CACHE", Path.home() / ".cache" / "rl
 
 def cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise SystemExit(f"rlfabric {' '.join(args[:2])} failed:\n{proc.stderr[-3000:]}")
@@ -118,7 +118,7 @@ def cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
 def warm_start(tmp: Path, updates: int) -> Path:
     import numpy as np
 
-    from services.env.tasks.sft_data import build
+    from rlfabric.services.env.tasks.sft_data import build
 
     data = tmp / "arith_sft.npz"
     np.savez(data, **build("arith", 4000, seed=0))
@@ -131,9 +131,9 @@ def held_out_accuracy(state: dict, n: int) -> float:
     """Greedy exact match on ``n`` held-out problems: one function for every model of the comparison."""
     import torch
 
-    from services.core.config import load_config
-    from services.env.tasks.arith import ArithTask
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.env.tasks.arith import ArithTask
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 512}
     backend = HFBackend(load_config(ROOT / "examples" / "arith_grpo.yaml"), {"observation_space": text,
@@ -151,7 +151,7 @@ def held_out_accuracy(state: dict, n: int) -> float:
 
 
 def ours(name: str, sets: list[str], checkpoint: Path, tmp: Path, updates: int, tag: str = "") -> dict:
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.learner import checkpoint as ckpt
 
     run = tmp / (name.replace(" ", "-") + tag)
     overrides = [f"policy.init_checkpoint={checkpoint}", f"train.total_env_steps={GROUP * PROMPTS * updates}",
@@ -174,11 +174,11 @@ def trl_child(checkpoint: str, updates: int, out: str, precision: str) -> None:
     from tokenizers import processors
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.core.config import load_config
-    from services.core.models import build_policy
-    from services.core.models.lm import BOS
-    from services.env.tasks.arith import ArithTask
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.models.lm import BOS
+    from rlfabric.services.env.tasks.arith import ArithTask
+    from rlfabric.services.learner import checkpoint as ckpt
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(0)
@@ -200,7 +200,7 @@ def trl_child(checkpoint: str, updates: int, out: str, precision: str) -> None:
                                  for p in problems])
 
     def exact_match(prompts, completions, question, answer, **kw):
-        from services.env.tasks.arith import Problem
+        from rlfabric.services.env.tasks.arith import Problem
 
         return [1.0 if task.correct(Problem(q, a), c) else 0.0
                 for c, q, a in zip(completions, question, answer, strict=True)]
@@ -264,7 +264,7 @@ def training_reward():
     import inspect
 
     try:
-        from services.env.tasks.rewards import gsm8k
+        from rlfabric.services.env.tasks.rewards import gsm8k
     except ImportError:
         gsm8k = None
     if gsm8k is not None and list(inspect.signature(gsm8k).parameters)[:3] == ["prompt", "completion", "answer"]:
@@ -617,7 +617,7 @@ def headline(results: dict, configs: list[str], profile: str) -> tuple[dict, dic
 
 
 def tiny_profile(args: argparse.Namespace, tmp: Path, repeats: int) -> tuple[dict, dict, dict, dict]:
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.learner import checkpoint as ckpt
 
     checkpoint = warm_start(tmp, args.sft_updates)
     before = held_out_accuracy(ckpt.unpack(checkpoint.read_bytes())["policy"], args.eval)

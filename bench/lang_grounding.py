@@ -21,10 +21,10 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 from common import report  # noqa: E402
 
-import services.env.sims  # noqa: E402, F401  (registers the rlfabric/ tasks)
-from services.env.chunking import ActionChunk  # noqa: E402
-from services.env.sims import instructions  # noqa: E402
-from services.rollout.evaluate import _from_checkpoint  # noqa: E402
+import rlfabric.services.env.sims  # noqa: E402, F401  (registers the rlfabric/ tasks)
+from rlfabric.services.env.chunking import ActionChunk  # noqa: E402
+from rlfabric.services.env.sims import instructions  # noqa: E402
+from rlfabric.services.rollout.evaluate import _from_checkpoint  # noqa: E402
 
 
 def play(env: gym.Env, backend, seed: int, swap: bool) -> bool:

@@ -5,7 +5,7 @@ one run. Both are the backends the rollout service uses, built from one run conf
   * generated tokens/s at batch 64 (and the other ``--batches``), sampled at temperature 1, on two response-length
     profiles:
       - ``tail``: responses end at a steady rate (the random model with a bias on its end token:
-        services.core.models.lm.bias_end_token) (about 1 in ``--mean-length`` tokens is end-of-sequence, cut at
+        rlfabric.services.core.models.lm.bias_end_token) (about 1 in ``--mean-length`` tokens is end-of-sequence, cut at
         ``--new-tokens``), the long tail of sampled RL responses; the target's workload. A batched ``generate``
         runs every row until the longest one ends, an engine with continuous batching retires rows as they end.
       - ``full``: every response runs to ``--new-tokens`` (a random model, whose end token is as rare as any).
@@ -40,7 +40,7 @@ SPEC = {"observation_space": {"kind": "text", "shape": [], "dtype": "uint8", "ma
 
 
 def run_config(hidden: int, layers: int, heads: int, backend: str, memory: float = 0.3):
-    from services.core.config import parse_config
+    from rlfabric.services.core.config import parse_config
 
     return parse_config(f"""
 name: llm-rollout-bench
@@ -54,7 +54,7 @@ algorithm: {{name: grpo}}
 
 
 def prompts(backend, n: int) -> list[list[int]]:
-    from services.env.tasks.arith import ArithTask
+    from rlfabric.services.env.tasks.arith import ArithTask
 
     task = ArithTask(level=3, split="train")
     return [[1, *backend.encode(task.prompt(p))] for p in task.problems(n, seed=0)]
@@ -64,7 +64,7 @@ def calibrated_tail(hf, base: dict, mean_length: float, contexts: list[list[int]
     """``bias_end_token`` with the weight that gives responses of about ``mean_length`` tokens (a few hf rounds)."""
     import math
 
-    from services.core.models.lm import bias_end_token
+    from rlfabric.services.core.models.lm import bias_end_token
 
     weight = 0.0
     for _ in range(8):
@@ -103,8 +103,8 @@ def main() -> None:
 
     import torch
 
-    from services.rollout.backends.hf import HFBackend
-    from services.rollout.backends.vllm import VLLMBackend
+    from rlfabric.services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.vllm import VLLMBackend
 
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)  # hf gets every core, as the vLLM engine does

@@ -45,9 +45,9 @@ from common import (  # noqa: E402
     report,
 )
 
-from services.coordinator.client import STATE_NAMES, CoordinatorClient  # noqa: E402
-from services.core.config import load_config  # noqa: E402
-from services.launcher import LocalStack  # noqa: E402
+from rlfabric.services.coordinator.client import STATE_NAMES, CoordinatorClient  # noqa: E402
+from rlfabric.services.core.config import load_config  # noqa: E402
+from rlfabric.services.launcher import LocalStack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "halfcheetah_ppo.yaml"

@@ -42,8 +42,8 @@ def collect(backend, config, decisions: int, seed: int) -> list[tuple]:
     """(obs, chain, reward, episode, done) per decision from 16 envs acting stochastically."""
     import gymnasium as gym
 
-    import services.env.sims  # noqa: F401  (registers the rlfabric/ tasks)
-    from services.env.chunking import ActionChunk
+    import rlfabric.services.env.sims  # noqa: F401  (registers the rlfabric/ tasks)
+    from rlfabric.services.env.chunking import ActionChunk
 
     envs = [ActionChunk(gym.make(config.env.id, **config.env.kwargs), config.env.action_chunk) for _ in range(16)]
     obs = [e.reset(seed=seed + i)[0] for i, e in enumerate(envs)]
@@ -129,7 +129,7 @@ def main() -> None:
     os.environ.setdefault("MUJOCO_GL", "egl")
     import torch
 
-    from services.rollout.evaluate import _from_checkpoint
+    from rlfabric.services.rollout.evaluate import _from_checkpoint
 
     torch.set_num_threads(2)
     metrics: dict = {"checkpoint": args.checkpoint, "decisions": args.decisions}

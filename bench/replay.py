@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import redis  # noqa: E402
 
-from services.core.batch import TensorBatch  # noqa: E402
-from services.core.codec import encode  # noqa: E402
-from services.replay.stores import draw_rows  # noqa: E402
-from services.replay.stores.memory import MemoryStore  # noqa: E402
-from services.replay.stores.redis import RedisStore  # noqa: E402
+from rlfabric.services.core.batch import TensorBatch  # noqa: E402
+from rlfabric.services.core.codec import encode  # noqa: E402
+from rlfabric.services.replay.stores import draw_rows  # noqa: E402
+from rlfabric.services.replay.stores.memory import MemoryStore  # noqa: E402
+from rlfabric.services.replay.stores.redis import RedisStore  # noqa: E402
 
 T, N = 32, 8
 

@@ -59,7 +59,7 @@ def _drive(loop, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
 def deadline_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
     """The gateway's loop as the gateway runs it: in an arm process of its own (ArmProcess), commanded at its rate
     from this process."""
-    from services.robot_gateway.arm_process import ArmProcess
+    from rlfabric.services.robot_gateway.arm_process import ArmProcess
 
     return _drive(ArmProcess("bench", "sim", {"start": START}, hz, watchdog_s=1.0, spin_s=0.001), seconds)
 
@@ -67,8 +67,8 @@ def deadline_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, st
 def deadline_in_thread(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
     """The same loop as a thread of the commanding process (how the gateway ran it before arm processes): its tick
     waits for the GIL behind the process's other threads."""
-    from services.robot_gateway.drivers import build_driver
-    from services.robot_gateway.loop import ControlLoop
+    from rlfabric.services.robot_gateway.drivers import build_driver
+    from rlfabric.services.robot_gateway.loop import ControlLoop
 
     return _drive(ControlLoop("bench-thread", build_driver("sim", {"start": START}), hz, watchdog_s=1.0), seconds)
 
@@ -82,7 +82,7 @@ def estop_across_arms(seconds: float) -> dict[str, float]:
     then on no new target reaches the arm: targets change only at ticks) and to the first tick that held (then
     cleared). Then the arms stop one by one, and the others' worst lateness meanwhile is the stall a Disconnect
     costs its neighbours."""
-    from services.robot_gateway.arm_process import ArmProcess
+    from rlfabric.services.robot_gateway.arm_process import ArmProcess
 
     rng = np.random.default_rng(0)
     arms = [ArmProcess(f"bench-{i}", "sim", {"start": START}, ARMS_HZ, watchdog_s=1.0, spin_s=0.0)
@@ -120,8 +120,8 @@ def estop_across_arms(seconds: float) -> dict[str, float]:
 
 def sleep_after_work_loop(hz: float, seconds: float) -> tuple[np.ndarray, np.ndarray, str]:
     """The peers' loop: the same tick, then sleep(period - elapsed); measured against the same ideal schedule."""
-    from services.robot_gateway.drivers import build_driver
-    from services.robot_gateway.loop import ControlLoop
+    from rlfabric.services.robot_gateway.drivers import build_driver
+    from rlfabric.services.robot_gateway.loop import ControlLoop
 
     probe = ControlLoop("bench-saw", build_driver("sim", {"start": START}), hz, watchdog_s=1.0)  # same privileges
     driver, period = probe.driver, 1.0 / hz
@@ -156,8 +156,8 @@ SPINS = (0.002, 0.0)
 def spin_cpu(hz: float, seconds: float, spin: float) -> float:
     """CPU seconds per second of the deadline loop with a spin of ``spin`` s (the default 2 ms: the last 2 ms before a
     deadline busy-wait; 0: sleep to the deadline): what ``spin_s`` saves on a host with many arms."""
-    from services.robot_gateway.drivers import build_driver
-    from services.robot_gateway.loop import ControlLoop
+    from rlfabric.services.robot_gateway.drivers import build_driver
+    from rlfabric.services.robot_gateway.loop import ControlLoop
 
     loop = ControlLoop("bench-spin", build_driver("sim", {"start": START}), hz, watchdog_s=1.0, spin_s=spin)
     c0, t0 = time.process_time(), time.monotonic()
@@ -178,7 +178,7 @@ class TrainingLoad:
 
     def __enter__(self) -> TrainingLoad:
         self.tmp = tempfile.mkdtemp(prefix="robot-loop-load-")
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "examples/halfcheetah_ppo.yaml",
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "train", "examples/halfcheetah_ppo.yaml",
                                       "--run-dir", self.tmp, "--quiet", "--set", "train.eval_every_iterations=0"],
                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      stdin=subprocess.DEVNULL)

@@ -1,5 +1,5 @@
 """Service start-up: seconds from process start to SERVING on the gRPC health service, and resident memory then, of
-every service started alone as ``rlfabric serve`` starts it on its own host (``python -m services.X.server``).
+every service started alone as ``rlfabric serve`` starts it on its own host (``python -m rlfabric.services.X.server``).
 
     python bench/startup.py [--before DIR] [--repeats 3] [--services coordinator,replay,...] [--out FILE]
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import python, report  # noqa: E402
 
-from services.core.healthcheck import check  # noqa: E402
+from rlfabric.services.core.healthcheck import check  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("coordinator", "replay", "env", "robot_gateway", "rollout", "learner")
@@ -58,7 +58,7 @@ def start_once(tree: Path, service: str, scratch: Path, timeout_s: float = 120.0
     env.pop("RLFABRIC_COORDINATOR", None)
     t0 = time.perf_counter()
     with open(scratch / f"{service}.stderr", "w") as stderr:
-        proc = subprocess.Popen([python(), "-m", f"services.{service}.server", *args], cwd=tree, env=env,
+        proc = subprocess.Popen([python(), "-m", f"rlfabric.services.{service}.server", *args], cwd=tree, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = t0 + timeout_s

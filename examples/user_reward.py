@@ -10,7 +10,7 @@ sample scores env.options.failure_reward and metrics.csv's reward_failures count
 
 from __future__ import annotations
 
-from services.env.tasks.answers import gsm8k_answer, to_number
+from rlfabric.services.env.tasks.answers import gsm8k_answer, to_number
 
 
 def gsm8k_shaped(prompt: str, completion: str, answer: str, **fields) -> float:

@@ -26,15 +26,15 @@ from typing import Any
 from rlfabric import registries
 
 _EXPORTS = {
-    "Client": ("services.coordinator.client", "CoordinatorClient"),
-    "LocalStack": ("services.launcher", "LocalStack"),
-    "RunConfig": ("services.core.config", "RunConfig"),
-    "ConfigError": ("services.core.config", "ConfigError"),
-    "load_config": ("services.core.config", "load_config"),
-    "parse_config": ("services.core.config", "parse_config"),
-    "TensorBatch": ("services.core.batch", "TensorBatch"),
-    "Ragged": ("services.core.batch", "Ragged"),
-    "generate_token": ("services.core.auth", "generate_token"),
+    "Client": ("rlfabric.services.coordinator.client", "CoordinatorClient"),
+    "LocalStack": ("rlfabric.services.launcher", "LocalStack"),
+    "RunConfig": ("rlfabric.services.core.config", "RunConfig"),
+    "ConfigError": ("rlfabric.services.core.config", "ConfigError"),
+    "load_config": ("rlfabric.services.core.config", "load_config"),
+    "parse_config": ("rlfabric.services.core.config", "parse_config"),
+    "TensorBatch": ("rlfabric.services.core.batch", "TensorBatch"),
+    "Ragged": ("rlfabric.services.core.batch", "Ragged"),
+    "generate_token": ("rlfabric.services.core.auth", "generate_token"),
 }
 
 

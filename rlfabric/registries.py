@@ -22,42 +22,42 @@ from typing import Any
 
 def algorithms() -> dict[str, Any]:
     """Registered algorithm specs by ``algorithm.name``."""
-    from services.core.algorithm import load_algorithms
+    from rlfabric.services.core.algorithm import load_algorithms
 
     return dict(load_algorithms())
 
 
 def policies() -> dict[str, Any]:
     """Policy names (``policy.name``) and their classes: built-ins and entry points."""
-    from services.core.policy_names import POLICIES
+    from rlfabric.services.core.policy_names import POLICIES
 
     return POLICIES.available()
 
 
 def collectors() -> dict[str, str]:
     """Collector names and where each lives (``module:Class``): built-ins and entry points."""
-    from services.rollout.collectors import COLLECTORS
+    from rlfabric.services.rollout.collectors import COLLECTORS
 
     return COLLECTORS.available()
 
 
 def backends() -> dict[str, str]:
     """Backend names and where each lives (``module:Class``): built-ins and entry points."""
-    from services.rollout.backends import BACKENDS
+    from rlfabric.services.rollout.backends import BACKENDS
 
     return BACKENDS.available()
 
 
 def env_adapters() -> dict[str, str]:
     """Env adapter names and their modules: built-ins and entry points."""
-    from services.env.adapters import ENV_ADAPTERS
+    from rlfabric.services.env.adapters import ENV_ADAPTERS
 
     return ENV_ADAPTERS.available()
 
 
 def tasks() -> dict[str, str]:
     """Text task names (``env.id`` of the text adapter) and their classes: built-ins and entry points."""
-    from services.env.tasks import TASKS
+    from rlfabric.services.env.tasks import TASKS
 
     return TASKS.available()
 
@@ -65,7 +65,7 @@ def tasks() -> dict[str, str]:
 def rewards() -> dict[str, str]:
     """Reward names (``env.options.reward``) and their functions: built-ins and entry points. A reward is
     ``reward(prompt, completion, answer, **fields) -> float``, run in the env's reward pool (a worker process)."""
-    from services.env.tasks.rewards import REWARDS
+    from rlfabric.services.env.tasks.rewards import REWARDS
 
     return REWARDS.available()
 
@@ -73,31 +73,31 @@ def rewards() -> dict[str, str]:
 def drivers() -> dict[str, str]:
     """Robot driver names (``ConnectRequest.driver``, ``env.options.driver``) and where each lives: built-ins and
     entry points. A gateway resolves only these: a Connect never names a module to import."""
-    from services.robot_gateway.drivers import DRIVERS
+    from rlfabric.services.robot_gateway.drivers import DRIVERS
 
     return DRIVERS.available()
 
 
 def register_policy(name: str):
-    from services.core.policy_names import register_policy as register
+    from rlfabric.services.core.policy_names import register_policy as register
 
     return register(name)
 
 
 def register_collector(name: str, target: str) -> None:
     """In this process only. An adapter names its collector itself (its ``collector`` attribute)."""
-    from services.rollout.collectors import register_collector as register
+    from rlfabric.services.rollout.collectors import register_collector as register
 
     register(name, target)
 
 
 def register_backend(name: str, target: str) -> None:
-    from services.rollout.backends import register_backend as register
+    from rlfabric.services.rollout.backends import register_backend as register
 
     register(name, target)
 
 
 def register_adapter(name: str, module: str) -> None:
-    from services.env.adapters import register_adapter as register
+    from rlfabric.services.env.adapters import register_adapter as register
 
     register(name, module)

@@ -23,7 +23,7 @@ import sys
 if __name__ == "__main__" and sys.argv[1:2] in (["train"], ["resume"]) and not any(
         a == "--coordinator" or a.startswith("--coordinator=") for a in sys.argv):
     # local services: their forkserver starts importing now, beside this process's own imports (rich, pydantic)
-    from services.launcher import prestart
+    from rlfabric.services.launcher import prestart
 
     prestart()
 
@@ -42,7 +42,7 @@ from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from services.core import auth
+from rlfabric.services.core import auth
 
 console = Console(stderr=True)
 SERVICES = ("coordinator", "learner", "rollout", "env", "replay")
@@ -50,7 +50,7 @@ SERVICES = ("coordinator", "learner", "rollout", "env", "replay")
 
 def _load(path, overrides: list[str] | None = None):
     """The validated run spec (imports the algorithm specs, torch with them: for commands without local services)."""
-    from services.core.config import load_config
+    from rlfabric.services.core.config import load_config
 
     return load_config(path, overrides)
 
@@ -64,8 +64,8 @@ def _local_stack(spec: str | Path, overrides: list[str], run_dir, log_dir, what:
     """Start a local stack for a spec: the coordinator first, the spec validated (in a forkserver child, see
     launcher.describe_spec) while it comes up, then the workers the spec's plan needs. Returns (stack, facts), or
     an exit code after saying why (an invalid spec leaves no run directory behind)."""
-    from services.core.spec_yaml import ConfigError, read_spec_file
-    from services.launcher import LocalStack, describe_spec
+    from rlfabric.services.core.spec_yaml import ConfigError, read_spec_file
+    from rlfabric.services.launcher import LocalStack, describe_spec
 
     try:  # the cheap read (no schema, no torch): the run's name and thread count, to start the coordinator
         raw = read_spec_file(spec, overrides)
@@ -100,7 +100,7 @@ def _local_stack(spec: str | Path, overrides: list[str], run_dir, log_dir, what:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.coordinator:  # where the run lives is the coordinator's: under its runs root
-        from services.core.config import ConfigError
+        from rlfabric.services.core.config import ConfigError
 
         try:
             config = _load(args.config, args.set)
@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "run them there first, then submit with --set policy.init_checkpoint=<the supervised "
                          "run's checkpoints/final.pt>", 2)
         return _follow(args.coordinator, args, Path(args.run_dir) if args.run_dir else None, None, config.progress())
-    from services.launcher import prestart
+    from rlfabric.services.launcher import prestart
 
     prestart()  # the forkserver's imports (torch) start now, while the CLI reads the spec
     failed = _warm_start(args)
@@ -126,7 +126,7 @@ def _warm_start(args: argparse.Namespace) -> int | None:
     them, and the run itself then starts from that run's checkpoint (``--set policy.init_checkpoint=...``, kept in
     its config.yaml, so a resume does not warm up again). Stages already done in the run directory are kept. None
     to go on, or an exit code."""
-    from services.core.spec_yaml import ConfigError, read_spec_file
+    from rlfabric.services.core.spec_yaml import ConfigError, read_spec_file
 
     try:  # the cheap read first: a spec without stages costs the CLI no torch import
         raw = read_spec_file(args.config, args.set)
@@ -137,8 +137,8 @@ def _warm_start(args: argparse.Namespace) -> int | None:
         return None
     import yaml
 
-    from services.replay.datasets import load_dataset, save_dataset
-    from services.rollout.evaluate import merge_datasets
+    from rlfabric.services.replay.datasets import load_dataset, save_dataset
+    from rlfabric.services.rollout.evaluate import merge_datasets
 
     try:
         config = _load(args.config, args.set)
@@ -204,9 +204,9 @@ def _demos_stage(spec: str, sets: list[str], warm, demos: Path) -> int | None:
     ``demos`` (obs and actions; a stage already done there is kept). None, or an exit code."""
     if demos.exists():
         return None
-    from services.core.batch import TensorBatch
-    from services.replay.datasets import DatasetError, save_dataset
-    from services.rollout.evaluate import collect_dataset
+    from rlfabric.services.core.batch import TensorBatch
+    from rlfabric.services.replay.datasets import DatasetError, save_dataset
+    from rlfabric.services.rollout.evaluate import collect_dataset
 
     try:
         with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
@@ -227,8 +227,8 @@ def _vision_stage(config, stage: Path, quiet: bool) -> Path | int:
     a stage already done there is kept."""
     import csv
 
-    from services.env.adapters import adapter
-    from services.policies import grounding
+    from rlfabric.services.env.adapters import adapter
+    from rlfabric.services.policies import grounding
 
     vision, name = config.warm_start.vision, config.policy_name
     section = getattr(config.policy, name, None)
@@ -292,14 +292,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     args.config, args.set = str(run_dir / "config.yaml"), []
     if args.coordinator:
-        from services.core.config import ConfigError
+        from rlfabric.services.core.config import ConfigError
 
         try:
             config = _load(run_dir / "config.yaml")
         except ConfigError as exc:
             return _fail(f"cannot resume {run_dir}: {exc}", 2)
         return _follow(args.coordinator, args, run_dir, None, config.progress(), resume=True)
-    from services.launcher import prestart
+    from rlfabric.services.launcher import prestart
 
     prestart()
     if not run_dir.is_dir():
@@ -336,7 +336,7 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path | None, stack,
             resume: bool = False) -> int:
     import grpc
 
-    from services.coordinator.client import STATE_NAMES, CoordinatorClient
+    from rlfabric.services.coordinator.client import STATE_NAMES, CoordinatorClient
 
     client = CoordinatorClient(address)
     try:
@@ -395,11 +395,11 @@ def _follow(address: str, args: argparse.Namespace, run_dir: Path | None, stack,
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher import LocalStack
+    from rlfabric.services.launcher import LocalStack
 
     tls, tls_note = None, ""
     if args.tls == "auto":
-        from services.core import certs
+        from rlfabric.services.core import certs
 
         tls_dir = Path(args.runs_root) / ".rlfabric" / "tls"
         paths = certs.existing(tls_dir) or certs.generate(tls_dir, certs.local_hosts(args.host))
@@ -442,7 +442,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_certs(args: argparse.Namespace) -> int:
     """A private CA and certificates for a deployment (services/core/certs.py)."""
-    from services.core import certs
+    from rlfabric.services.core import certs
 
     out, key_dir = Path(args.out_dir), args.ca_key_dir or None
     if certs.existing(out, key_dir) and args.if_missing:  # a compose one-shot: made on the first `up`, kept after
@@ -489,19 +489,19 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     policy.add_argument("--max-restarts", type=int, default=5)
     restart, rest = policy.parse_known_args(rest)
     if restart.restart == "on-failure":  # this process supervises; the service runs in a child
-        from services.launcher import serve_supervised
+        from rlfabric.services.launcher import serve_supervised
 
         if restart.max_restarts < 0:
             return _fail("--max-restarts must be >= 0", 2)
-        return serve_supervised([sys.executable, "-m", "services.cli", "serve", args.service, *rest],
+        return serve_supervised([sys.executable, "-m", "rlfabric.services.cli", "serve", args.service, *rest],
                                 restart.max_restarts)
-    importlib.import_module(f"services.{args.service}.server").main(rest)
+    importlib.import_module(f"rlfabric.services.{args.service}.server").main(rest)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from services.coordinator.client import STATE_NAMES, CoordinatorClient
-    from services.core.runtime import ROLE_NAMES
+    from rlfabric.services.coordinator.client import STATE_NAMES, CoordinatorClient
+    from rlfabric.services.core.runtime import ROLE_NAMES
 
     with CoordinatorClient(args.coordinator) as client:
         workers, runs = client.workers(), client.runs()
@@ -523,7 +523,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from services.coordinator.client import STATE_NAMES, CoordinatorClient
+    from rlfabric.services.coordinator.client import STATE_NAMES, CoordinatorClient
 
     with CoordinatorClient(args.coordinator) as client:
         status = client.stop(args.run_id)
@@ -535,7 +535,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     """Add or remove workers of a role in a live run; with --spawn, start the new local workers first."""
     import grpc
 
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     text = args.count.strip()
     try:
@@ -551,14 +551,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
         spawn = max(0, value) if relative else 0
         if args.spawn and spawn:
             log_dir = Path(args.log_dir)
-            from services.launcher import open_private_log, private_dir
+            from rlfabric.services.launcher import open_private_log, private_dir
 
             private_dir(log_dir)
             for n in range(spawn):
                 log = os.fdopen(open_private_log(log_dir / f"{args.role}-scaled-{os.getpid()}-{n}.log"), "w")
                 import subprocess
 
-                subprocess.Popen([sys.executable, "-m", f"services.{args.role}.server", "--coordinator",
+                subprocess.Popen([sys.executable, "-m", f"rlfabric.services.{args.role}.server", "--coordinator",
                                   args.coordinator], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             console.print(f"started {spawn} {args.role} worker(s); logs in {log_dir}")
@@ -576,8 +576,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Rank the candidate plans of a run spec on a cluster with the simulator, from a measured stage profile."""
     import json
 
-    from services.coordinator.simulator import StageProfile, candidate_plans, parse_cluster, rank
-    from services.core.config import ConfigError
+    from rlfabric.services.coordinator.simulator import StageProfile, candidate_plans, parse_cluster, rank
+    from rlfabric.services.core.config import ConfigError
 
     try:
         config = _load(args.config, args.set)
@@ -609,7 +609,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from services.rollout.evaluate import evaluate_checkpoint
+    from rlfabric.services.rollout.evaluate import evaluate_checkpoint
 
     try:
         evaluation = evaluate_checkpoint(args.checkpoint, args.episodes, args.seed, args.deterministic, args.set)
@@ -629,9 +629,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_collect(args: argparse.Namespace) -> int:
     """Write an offline data set (.npz of transitions) from a checkpoint's policy, uniform random actions, or the
     env's scripted expert."""
-    from services.core.batch import TensorBatch
-    from services.replay.datasets import DatasetError, load_dataset, save_dataset
-    from services.rollout.evaluate import collect_dataset, merge_datasets
+    from rlfabric.services.core.batch import TensorBatch
+    from rlfabric.services.replay.datasets import DatasetError, load_dataset, save_dataset
+    from rlfabric.services.rollout.evaluate import collect_dataset, merge_datasets
 
     try:
         batch, returns = collect_dataset(args.source, args.episodes, args.seed, random=args.random,
@@ -663,8 +663,8 @@ def _key_map(pairs: list[str]) -> dict[str, str]:
 def _import_lerobot(root: str, config, keys: dict[str, str], episodes: int, out: Path) -> Path:
     """A LeRobot data set as the env's demonstrations (services/env/lerobot_data.py), written as an .npz data set,
     with the videos' decoding shown."""
-    from services.env.lerobot_data import import_for_run
-    from services.replay.datasets import save_dataset
+    from rlfabric.services.env.lerobot_data import import_for_run
+    from rlfabric.services.replay.datasets import save_dataset
 
     with Progress(TextColumn("decoding {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -687,7 +687,7 @@ def _import_lerobot(root: str, config, keys: dict[str, str], episodes: int, out:
 def cmd_import_lerobot(args: argparse.Namespace) -> int:
     """Write a LeRobot data set's episodes as an .npz data set of a run's env (its observation format, its
     action chunks, its instruction encoding), for replay.datasets or a supervised stage."""
-    from services.core.config import ConfigError
+    from rlfabric.services.core.config import ConfigError
 
     try:
         config = _load(args.spec, args.set)
@@ -704,8 +704,8 @@ def cmd_teleop(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from services.core import auth
-    from services.robot_gateway import teleop
+    from rlfabric.services.core import auth
+    from rlfabric.services.robot_gateway import teleop
 
     def point(text: str, what: str) -> np.ndarray:
         try:
@@ -719,7 +719,7 @@ def cmd_teleop(args: argparse.Namespace) -> int:
     try:
         auth.from_environment(args.token_file)
         if args.expert_goal:
-            from services.robot_gateway.drivers import build_driver
+            from rlfabric.services.robot_gateway.drivers import build_driver
 
             goal, start = point(args.expert_goal, "--expert-goal"), point(args.start, "--start")
             if len(goal) != 3:
@@ -760,10 +760,10 @@ def cmd_robot(args: argparse.Namespace) -> int:
     the operator's own secret, which no run holds."""
     import grpc
 
-    from services.core import auth
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-    from services.core.runtime import GRPC_OPTIONS
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from rlfabric.services.core.runtime import GRPC_OPTIONS
 
     path = args.operator_token_file or os.environ.get(auth.OPERATOR_TOKEN_FILE_ENV, "")
     if not path:
@@ -787,7 +787,7 @@ def cmd_robot(args: argparse.Namespace) -> int:
 
 
 def cmd_export_lerobot(args: argparse.Namespace, rest: list[str]) -> int:
-    from services.robot_gateway.export import main as export_main
+    from rlfabric.services.robot_gateway.export import main as export_main
 
     return int(export_main(rest) or 0)
 

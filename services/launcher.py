@@ -32,19 +32,19 @@ from pathlib import Path
 
 import setproctitle
 
-from services.core.paths import local_stack_args
+from rlfabric.services.core.paths import local_stack_args
 
 log = logging.getLogger(__name__)
 
 WORKER_ROLES = ("env", "replay", "learner", "rollout")
-# What the forked services import anyway (the collocated rollout hosts its env pool: services.env.local). A
+# What the forked services import anyway (the collocated rollout hosts its env pool: rlfabric.services.env.local). A
 # child also re-runs the launching program's main module (multiprocessing's rule), so the CLI is preloaded too.
-PRELOAD = ["services.launcher", "numpy", "torch", "services.coordinator.server", "services.env.server",
-           "services.rollout.collectors.gym", "services.rollout.backends.torch",
-           "services.replay.server", "services.learner.server", "services.rollout.server", "services.env.local",
-           "services.cli"]
+PRELOAD = ["rlfabric.services.launcher", "numpy", "torch", "rlfabric.services.coordinator.server", "rlfabric.services.env.server",
+           "rlfabric.services.rollout.collectors.gym", "rlfabric.services.rollout.backends.torch",
+           "rlfabric.services.replay.server", "rlfabric.services.learner.server", "rlfabric.services.rollout.server", "rlfabric.services.env.local",
+           "rlfabric.services.cli"]
 
-# A forked child re-runs the launching main module (e.g. services.cli), which the forkserver preloaded: runpy's
+# A forked child re-runs the launching main module (e.g. rlfabric.services.cli), which the forkserver preloaded: runpy's
 # "found in sys.modules" warning about that is expected here, not a sign of a double import going wrong.
 warnings.filterwarnings("ignore", message=r"'services\.[a-z_.]+' found in sys\.modules", category=RuntimeWarning)
 
@@ -56,7 +56,7 @@ def _service_env(torch_threads: int, token: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch_threads))
     if token:
-        from services.core import auth
+        from rlfabric.services.core import auth
 
         env[auth.TOKEN_ENV] = token
     return env
@@ -154,7 +154,7 @@ def spec_facts(config) -> dict:
 def _describe_spec(conn, path: str, overrides: list[str]) -> None:
     """In a child of the preloaded forkserver: validate a run spec there (its algorithm specs import torch, which
     the forkserver has loaded already) and send back its facts, or the error, as JSON."""
-    from services.core.config import ConfigError, load_config
+    from rlfabric.services.core.config import ConfigError, load_config
 
     try:
         facts = spec_facts(load_config(path, overrides))
@@ -169,7 +169,7 @@ def describe_spec(path: str | Path, overrides: list[str] | None = None, torch_th
     validation runs in a child of it: a CLI that starts local services then never imports torch itself (its
     algorithm specs do), which on 2 cores would compete with the forkserver's own imports at start-up."""
     if os.environ.get("RLFABRIC_LAUNCH", "fork") != "fork":
-        from services.core.config import ConfigError, load_config
+        from rlfabric.services.core.config import ConfigError, load_config
 
         try:
             return spec_facts(load_config(path, overrides))
@@ -191,7 +191,7 @@ def describe_spec(path: str | Path, overrides: list[str] | None = None, torch_th
 
 def roles_for(config) -> tuple[str, ...]:
     """The worker processes a run's plan needs on one host: its rollout workers and env services."""
-    from services.coordinator.server import CoordinatorService
+    from rlfabric.services.coordinator.server import CoordinatorService
 
     counts = CoordinatorService.worker_counts(config)
     return tuple(role for role in WORKER_ROLES for _ in range(counts[role]))
@@ -320,7 +320,9 @@ class LocalStack:
         self._lister = None  # the supervisor's coordinator client (ListWorkers), made on its first poll
         self.address = ""
         self.preload = os.environ.get("RLFABRIC_LAUNCH", "fork") == "fork"
-        from services.core import auth  # (imported here: prestart, above, runs before grpc and zmq load)
+        from rlfabric.services.core import (
+            auth,  # (imported here: prestart, above, runs before grpc and zmq load)
+        )
 
         if token is None:
             token = os.environ.get(auth.TOKEN_ENV) or auth.generate_token()
@@ -341,14 +343,14 @@ class LocalStack:
             self.procs[name] = ForkedProcess(proc)
             return self.procs[name]
         stderr = os.fdopen(open_private_log(self.log_dir / f"{name}.stderr"), "w")
-        proc = subprocess.Popen([sys.executable, "-c", "from services.launcher import _exec_service; _exec_service()",
+        proc = subprocess.Popen([sys.executable, "-c", "from rlfabric.services.launcher import _exec_service; _exec_service()",
                                  module, str(os.getpid()), *argv], stdin=subprocess.DEVNULL, stdout=stderr,
                                 stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
         return proc
 
     def _security_flags(self) -> list[str]:
-        from services.core.registry import IMPORT_PATHS_FLAG
+        from rlfabric.services.core.registry import IMPORT_PATHS_FLAG
 
         flags = ["--insecure-plaintext"] if self.insecure_plaintext else []
         flags += [IMPORT_PATHS_FLAG] if self.allow_import_paths else []
@@ -360,14 +362,14 @@ class LocalStack:
     def spawn_coordinator(self) -> None:
         """Start the coordinator without waiting for it (``wait_coordinator`` does): a launcher does its own
         remaining work (validating the spec, starting workers) while the coordinator comes up."""
-        from services.core import auth
+        from rlfabric.services.core import auth
 
         # this process is the stack's client, in the clear where the operator said so
         auth.configure(self.token, self.tls or auth.current().tls, self.insecure_plaintext or None)
         self.port_file = Path(tempfile.mkdtemp(prefix="rlfabric-")) / "coordinator.address"
         if self.preload:
             prestart(self.torch_threads)
-        self._spawn("coordinator", "services.coordinator.server",
+        self._spawn("coordinator", "rlfabric.services.coordinator.server",
                     ["--port-file", str(self.port_file), "--runs-root", str(self.runs_root),
                      "--heartbeat-timeout", str(self.heartbeat_timeout_s),
                      "--take-up-runs", "yes" if self.take_up_runs else "no"])
@@ -375,7 +377,7 @@ class LocalStack:
     def spawn_workers(self, roles: tuple[str, ...]) -> None:
         """Start workers that register with the coordinator once it is up (they wait for its address file)."""
         for name in _names(roles):
-            self._spawn(name, f"services.{name.split('-')[0]}.server", ["--coordinator-file", str(self.port_file),
+            self._spawn(name, f"rlfabric.services.{name.split('-')[0]}.server", ["--coordinator-file", str(self.port_file),
                                                                         *local_stack_args(self.host, self.runs_root)])
 
     def wait_coordinator(self, timeout_s: float = 60.0) -> str:
@@ -399,7 +401,7 @@ class LocalStack:
 
     def start_worker(self, role: str, name: str | None = None, pool: str = "") -> subprocess.Popen:
         """One more worker of ``role``; ``pool`` registers it in that resource pool (``--pool``)."""
-        return self._spawn(name or role, f"services.{role}.server",
+        return self._spawn(name or role, f"rlfabric.services.{role}.server",
                            ["--coordinator", self.address, *(["--pool", pool] if pool else []),
                             *local_stack_args(self.host, self.runs_root)])
 
@@ -456,7 +458,9 @@ class LocalStack:
         finds a live worker and never waits on a busy or frozen one. A live process told it is lost registers
         again within a heartbeat (or exits, if its work still runs), so only one listed lost for longer than
         twice the heartbeat timeout is killed."""
-        from services.coordinator.client import CoordinatorClient  # (not before the fork server started)
+        from rlfabric.services.coordinator.client import (
+            CoordinatorClient,  # (not before the fork server started)
+        )
 
         if not self.address:
             return

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from services.core import auth
-from services.core.config import RunConfig
-from services.core.runtime import GRPC_OPTIONS
-from services.launcher import LocalStack
+from rlfabric.services.core import auth
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.runtime import GRPC_OPTIONS
+from rlfabric.services.launcher import LocalStack
 
 
 class Aborted(Exception):
@@ -78,7 +78,7 @@ def stack(tmp_path_factory):
     # confines run directories to its runs root
     s = LocalStack(log_dir=root / "logs", runs_root=tmp_path_factory.getbasetemp(), heartbeat_timeout_s=3.0)
     s.start()
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     client = CoordinatorClient(s.address)
     client.wait_ready(30)
@@ -99,7 +99,7 @@ def stack(tmp_path_factory):
 @pytest.fixture
 def private_stack(tmp_path):
     """A stack of the test's own with a fast heartbeat timeout, for tests that kill its workers."""
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path, heartbeat_timeout_s=1.5)
     s.start()

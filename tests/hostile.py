@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from services.core.batch import TensorBatch
-from services.core.codec import encode
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import encode
 
 
 def _header(**patch) -> bytes:
@@ -82,7 +82,12 @@ CORPUS = {**MALFORMED, **REQUESTS}
 def data_ports(workers: dict, run_dir, config=None) -> dict[str, str]:
     """The data ports of a live stack's env, replay and learner (the learner's weight port exists once it is
     configured): each service configured by hand for a short CartPole run (or ``config``), as a coordinator would."""
-    from services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc, learner_pb2_grpc, replay_pb2_grpc
+    from rlfabric.services.core.proto.rlfabric.v1 import (
+        common_pb2,
+        env_pb2_grpc,
+        learner_pb2_grpc,
+        replay_pb2_grpc,
+    )
     from tests.conftest import grpc_channel, short_config
 
     req = dict(run_id="t-hostile", config_json=(config or short_config()).to_json())

@@ -25,7 +25,7 @@ def make_checkpoint(directory: str | Path, arch: str = "qwen2", texts: list[str]
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from services.core.models.tokenizer import train_bpe
+    from rlfabric.services.core.models.tokenizer import train_bpe
 
     directory = Path(directory)
     texts = list(texts or TEXTS)

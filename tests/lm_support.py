@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.core.config import RunConfig, parse_config
+from rlfabric.services.core.config import RunConfig, parse_config
 
 TEXT = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
 SPEC = {"observation_space": TEXT, "action_space": TEXT}

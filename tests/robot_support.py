@@ -17,7 +17,7 @@ OPERATOR_SECRET = "the-operators-own-secret-not-the-deployments"  # what a test 
 
 def as_operator(secret: str = OPERATOR_SECRET) -> tuple[tuple[str, str], ...]:
     """The metadata of a call made as the gateway's operator (ClearEStop takes it; a run never has it)."""
-    from services.core import auth
+    from rlfabric.services.core import auth
 
     return ((auth.OPERATOR_METADATA_KEY, auth.operator_credential(secret)),)
 
@@ -28,7 +28,7 @@ def gateway_process(workdir: Path, token: str, *args: str, operator: str = OPERA
     for none); yields its address, stops it after. Its log is ``workdir/gateway.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     if operator:
-        from services.core import auth
+        from rlfabric.services.core import auth
 
         operator_file = auth.write_token_file(workdir / "operator-token", operator)
         args = ("--operator-token-file", str(operator_file), *args)
@@ -36,7 +36,7 @@ def gateway_process(workdir: Path, token: str, *args: str, operator: str = OPERA
     port_file.unlink(missing_ok=True)
     log_path = workdir / "gateway.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the gateway
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+        proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "serve", "robot_gateway", "--port-file",
                                  str(port_file), *args], env={**os.environ, "RLFABRIC_TOKEN": token},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -80,8 +80,8 @@ def gateway_in_process(**service_kwargs) -> Iterator[tuple]:
 
     import grpc
 
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-    from services.robot_gateway.server import RobotGatewayService
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from rlfabric.services.robot_gateway.server import RobotGatewayService
 
     runtime, aloop, started = _Runtime(), asyncio.new_event_loop(), threading.Event()
     made: dict = {}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import StorageConfig
+from rlfabric.services.core.config import StorageConfig
 
 ENDPOINT_ENV = "RLFABRIC_TEST_S3_ENDPOINT"
 # CreateUser x2, CreateAccessKey x2, PutUserPolicy: the IAM calls made before auth is enforced.

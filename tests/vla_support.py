@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.env.sims import instructions
+from rlfabric.services.env.sims import instructions
 
 VOCAB = instructions.vocab_size()
 OBS_SPACE = {"kind": "dict", "spaces": {

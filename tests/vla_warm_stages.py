@@ -19,13 +19,13 @@ from pathlib import Path
 
 def inputs(stage: str, spec: str, sets: list[str]) -> dict:
     """What stage ``stage`` of the spec (with ``sets``) is built from."""
-    from services.core.config import load_config
+    from rlfabric.services.core.config import load_config
 
     config = load_config(spec, sets)
     env, warm = json.loads(config.env.model_dump_json()), config.warm_start
     if stage == "demos":
         return {"env": env, "demos": warm.demos, "demos_seed": warm.demos_seed}
-    from services.policies.vlm_inputs import siglip_paligemma_config
+    from rlfabric.services.policies.vlm_inputs import siglip_paligemma_config
 
     section = getattr(config.policy, config.policy_name)
     size = getattr(section, "image_size", 0) or env["kwargs"]["image_size"]
@@ -34,7 +34,7 @@ def inputs(stage: str, spec: str, sets: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from services import cli
+    from rlfabric.services import cli
 
     stage, spec, out, sets = argv[0], argv[1], Path(argv[2]), argv[4::2]
     config = cli._load(spec, sets)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.core import auth
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.core.runtime import GRPC_OPTIONS
+from rlfabric.services.core import auth
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from rlfabric.services.core.runtime import GRPC_OPTIONS
 
 if TYPE_CHECKING:
-    from services.core.config import RunConfig
+    from rlfabric.services.core.config import RunConfig
 
 STATE_NAMES = {v: k for k, v in coordinator_pb2.RunState.items()}
 
@@ -48,7 +48,7 @@ class CoordinatorClient:
         """Submit a run spec: a RunConfig, a YAML path, or YAML text. (The coordinator validates it; this client
         stays light, importing the schema only when handed a RunConfig.)"""
         if hasattr(config, "model_dump_json"):
-            from services.core.config import dump_yaml
+            from rlfabric.services.core.config import dump_yaml
 
             text = dump_yaml(config)
         elif isinstance(config, Path) or (isinstance(config, str) and "\n" not in config and Path(config).is_file()):

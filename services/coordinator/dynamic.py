@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.coordinator.records import IterationRecord, PlanControl
-from services.core.config import SchedulingConfig
+from rlfabric.services.coordinator.records import IterationRecord, PlanControl
+from rlfabric.services.core.config import SchedulingConfig
 
 ENV_IDLE = 0.30
 ROLLOUT_BUSY = 0.85

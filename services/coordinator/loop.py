@@ -20,17 +20,17 @@ import time
 from collections import deque
 from contextlib import aclosing
 
-from services.coordinator import recovery
-from services.coordinator.dynamic import DynamicScheduler
-from services.coordinator.plan import Acquire, PlanExecutor, Step
-from services.coordinator.records import IterationRecord
-from services.coordinator.recovery import Loss
-from services.coordinator.registry import Worker
-from services.coordinator.run import Run, RunFailed, StopRequested
-from services.coordinator.runlog import RunLog
-from services.coordinator.scheduler import StaticScheduler
-from services.coordinator.stages import rpc
-from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, replay_pb2, rollout_pb2
+from rlfabric.services.coordinator import recovery
+from rlfabric.services.coordinator.dynamic import DynamicScheduler
+from rlfabric.services.coordinator.plan import Acquire, PlanExecutor, Step
+from rlfabric.services.coordinator.records import IterationRecord
+from rlfabric.services.coordinator.recovery import Loss
+from rlfabric.services.coordinator.registry import Worker
+from rlfabric.services.coordinator.run import Run, RunFailed, StopRequested
+from rlfabric.services.coordinator.runlog import RunLog
+from rlfabric.services.coordinator.scheduler import StaticScheduler
+from rlfabric.services.coordinator.stages import rpc
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, replay_pb2, rollout_pb2
 
 
 def episode_counts(shards: list) -> dict[str, float]:

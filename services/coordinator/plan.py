@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.coordinator.recovery import unreachable
-from services.coordinator.registry import Worker
-from services.coordinator.run import Run, RunFailed
-from services.coordinator.stages import Stage, Unresponsive, rpc
-from services.core.config import RunConfig, SchedulingConfig
-from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
+from rlfabric.services.coordinator.recovery import unreachable
+from rlfabric.services.coordinator.registry import Worker
+from rlfabric.services.coordinator.run import Run, RunFailed
+from rlfabric.services.coordinator.stages import Stage, Unresponsive, rpc
+from rlfabric.services.core.config import RunConfig, SchedulingConfig
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
 Acquire = Callable[[str, int, float], Awaitable[list[Worker]]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.core.config import SchedulingConfig
+from rlfabric.services.core.config import SchedulingConfig
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from services.coordinator.registry import Worker
-from services.coordinator.run import Run
-from services.coordinator.stages import Stage, healthy
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.coordinator.registry import Worker
+from rlfabric.services.coordinator.run import Run
+from rlfabric.services.coordinator.stages import Stage, healthy
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 
 PROBE_TIMEOUT_S = 1.0
 

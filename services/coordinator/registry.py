@@ -8,8 +8,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
-from services.core.runtime import ROLE_NAMES
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+from rlfabric.services.core.runtime import ROLE_NAMES
 
 
 @dataclass
@@ -160,7 +160,7 @@ class WorkerRegistry:
                 w.run_id = ""
 
     def status(self, worker: Worker) -> coordinator_pb2.WorkerStatus:
-        from services.core.runtime import ROLES
+        from rlfabric.services.core.runtime import ROLES
 
         return coordinator_pb2.WorkerStatus(
             worker_id=worker.worker_id, role=ROLES[worker.role],

@@ -7,8 +7,8 @@ import secrets
 import time
 from pathlib import Path
 
-from services.core.config import RunConfig
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 
 TERMINAL = {coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.STOPPED}
 

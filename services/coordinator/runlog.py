@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.core.config import RunConfig, dump_yaml
+from rlfabric.services.core.config import RunConfig, dump_yaml
 
 # Every run's columns, first; an algorithm's own statistics (its losses, learning rate, ...) follow in the order
 # they first appear (the file is rewritten with the wider header when one appears).

@@ -20,9 +20,9 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from services.coordinator.records import IterationRecord, PlanControl
-from services.coordinator.simulator import PlanShape, Pool, StageProfile, simulate
-from services.core.config import RunConfig, SchedulingConfig
+from rlfabric.services.coordinator.records import IterationRecord, PlanControl
+from rlfabric.services.coordinator.simulator import PlanShape, Pool, StageProfile, simulate
+from rlfabric.services.core.config import RunConfig, SchedulingConfig
 
 OVERRIDE = 0.10
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import grpc
 
-from services.coordinator.loop import TrainingLoop
-from services.coordinator.recovery import Loss, unreachable
-from services.coordinator.registry import RegistryFull, Worker, WorkerRegistry
-from services.coordinator.run import Run, RunFailed, StopRequested, WorkerLost
-from services.coordinator.runindex import RUN_INDEX_ERRORS, RunIndex
-from services.core.config import ConfigError, RunConfig, parse_config
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.core.runtime import ServiceRuntime, run_service
+from rlfabric.services.coordinator.loop import TrainingLoop
+from rlfabric.services.coordinator.recovery import Loss, unreachable
+from rlfabric.services.coordinator.registry import RegistryFull, Worker, WorkerRegistry
+from rlfabric.services.coordinator.run import Run, RunFailed, StopRequested, WorkerLost
+from rlfabric.services.coordinator.runindex import RUN_INDEX_ERRORS, RunIndex
+from rlfabric.services.core.config import ConfigError, RunConfig, parse_config
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, run_service
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 60.0  # a stop waits this long for an iteration boundary before cancelling
@@ -505,7 +505,7 @@ def _extra(parser) -> None:
 
 def _warm_up() -> None:
     """Import the TensorBoard writer before the first run asks for it."""
-    from services.coordinator.runlog import import_tensorboardx
+    from rlfabric.services.coordinator.runlog import import_tensorboardx
 
     import_tensorboardx()
 

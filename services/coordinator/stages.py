@@ -9,11 +9,16 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.coordinator.registry import Worker
-from services.coordinator.run import RunFailed
-from services.core.ownership import RUN_KEY_METADATA
-from services.core.proto.rlfabric.v1 import env_pb2_grpc, learner_pb2_grpc, replay_pb2_grpc, rollout_pb2_grpc
-from services.core.runtime import channel
+from rlfabric.services.coordinator.registry import Worker
+from rlfabric.services.coordinator.run import RunFailed
+from rlfabric.services.core.ownership import RUN_KEY_METADATA
+from rlfabric.services.core.proto.rlfabric.v1 import (
+    env_pb2_grpc,
+    learner_pb2_grpc,
+    replay_pb2_grpc,
+    rollout_pb2_grpc,
+)
+from rlfabric.services.core.runtime import channel
 
 STUBS = {
     "env": env_pb2_grpc.EnvStub, "replay": replay_pb2_grpc.ReplayStub,

@@ -5,7 +5,7 @@ An algorithm is one file under ``services/learner/algorithms/`` (or any package 
 read by every service; an instance is the learner's update:
 
     Config        its config: a pydantic model whose ``name`` literal is the tag of ``algorithm`` in a run spec
-    policy        the policy it trains and the rollout acts with (a name in services.core.policy_names.POLICIES)
+    policy        the policy it trains and the rollout acts with (a name in rlfabric.services.core.policy_names.POLICIES)
     roles         which roles it needs: a rollout that collects (or none: offline), a frozen reference policy,
                   an expert policy
     trajectory()  the fields a collector must record per step, and how episode ends are treated
@@ -17,7 +17,7 @@ The coordinator reads ``roles``, ``data()`` and ``iterations()``; a rollout work
 learner builds the instance and feeds it the batches ``data()`` describes. Nothing else knows which algorithm runs.
 
 Every process imports every spec (the config schema is their union), and most processes never train: a spec file
-binds torch, and modules that import it, with ``services.core.lazy.lazy_import``, so only the update imports it.
+binds torch, and modules that import it, with ``rlfabric.services.core.lazy.lazy_import``, so only the update imports it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     import torch
 
-    from services.core.batch import TensorBatch
+    from rlfabric.services.core.batch import TensorBatch
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "rlfabric.algorithms"
@@ -297,7 +297,7 @@ def _import_spec_module(name: str) -> Any:
     module = importlib.import_module(name)
     if not had_torch and "torch" in sys.modules:
         log.warning("algorithm module %s imports torch when imported, so every service that reads run specs loads "
-                    "it. Fix: bind it on first use, torch = services.core.lazy.lazy_import('torch') (the same for "
+                    "it. Fix: bind it on first use, torch = rlfabric.services.core.lazy.lazy_import('torch') (the same for "
                     "modules that import torch)", name)
     return module
 

@@ -12,7 +12,7 @@ import ipaddress
 import socket
 from pathlib import Path
 
-from services.core.auth import AuthError, TLSFiles, write_private_file
+from rlfabric.services.core.auth import AuthError, TLSFiles, write_private_file
 
 FILES = ("ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key")
 LOOPBACK = ("localhost", "127.0.0.1", "::1")

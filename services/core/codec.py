@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from services.core.batch import SEP, Ragged, TensorBatch
+from rlfabric.services.core.batch import SEP, Ragged, TensorBatch
 
 WIRE_VERSION = 2
 READABLE_WIRE_VERSIONS = (1, 2)  # 1: before declared dims (still in Redis replays written then)

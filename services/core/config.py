@@ -12,9 +12,14 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from services.core.algorithm import ALGORITHMS, load_algorithms
-from services.core.registry import IMPORT_PATHS_FLAG, import_paths_allowed, is_literal, refuse_import_path
-from services.core.spec_yaml import ConfigError, read_spec, read_spec_file
+from rlfabric.services.core.algorithm import ALGORITHMS, load_algorithms
+from rlfabric.services.core.registry import (
+    IMPORT_PATHS_FLAG,
+    import_paths_allowed,
+    is_literal,
+    refuse_import_path,
+)
+from rlfabric.services.core.spec_yaml import ConfigError, read_spec, read_spec_file
 
 
 class _Strict(BaseModel):
@@ -646,7 +651,7 @@ class RunConfig(_Strict):
 
     @property
     def spec(self):
-        """The algorithm spec class of this run (services.core.algorithm)."""
+        """The algorithm spec class of this run (rlfabric.services.core.algorithm)."""
         return ALGORITHMS[self.algorithm.name]
 
     @property
@@ -727,7 +732,9 @@ class RunConfig(_Strict):
         sched = self.scheduling
         self.spec.check(self)
         if self.policy.name and self.policy.name != self.spec.policy:
-            from services.core.policy_names import check_policy  # torch-free: the coordinator validates specs
+            from rlfabric.services.core.policy_names import (
+                check_policy,  # torch-free: the coordinator validates specs
+            )
 
             check_policy(self.policy.name, self.spec.policy, f"algorithm {self.algorithm.name!r}")
         if self.runtime.learner_ranks > 1:

@@ -19,9 +19,9 @@ from typing import Any
 
 import zmq
 
-from services.core import auth, progress
-from services.core.batch import TensorBatch
-from services.core.codec import FrameError, decode, encode, message_bytes
+from rlfabric.services.core import auth, progress
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import FrameError, decode, encode, message_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m services.core.healthcheck HOST:PORT [--timeout S] [--service NAME]``
+"""``python -m rlfabric.services.core.healthcheck HOST:PORT [--timeout S] [--service NAME]``
 
 Asks a service's standard gRPC health service (grpc.health.v1) whether it is SERVING. Container health checks
 and scripts use it because it needs nothing but grpcio (no grpcurl or grpc_health_probe in the image).
@@ -13,7 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core import auth
+from rlfabric.services.core import auth
 
 
 def check(address: str, timeout_s: float = 3.0, service: str = "") -> tuple[bool, str]:
@@ -38,7 +38,7 @@ def _address(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.core.healthcheck",
+    parser = argparse.ArgumentParser(prog="python -m rlfabric.services.core.healthcheck",
                                      description="exit 0 if the service at HOST:PORT reports SERVING, else 1")
     parser.add_argument("address", type=_address, metavar="HOST:PORT")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")

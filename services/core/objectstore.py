@@ -17,7 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from services.core.config import ConfigError, StorageConfig
+from rlfabric.services.core.config import ConfigError, StorageConfig
 
 ACCESS_KEY_ENV = "RLFABRIC_S3_ACCESS_KEY"
 SECRET_KEY_ENV = "RLFABRIC_S3_SECRET_KEY"

@@ -14,8 +14,8 @@ import logging
 
 import grpc
 
-from services.core.proto.rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.core.runtime import ServiceRuntime, channel, set_process_title
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, channel, set_process_title
 
 log = logging.getLogger(__name__)
 

@@ -199,7 +199,7 @@ def local_stack_args(host: str, runs_root: str | Path) -> list[str]:
     made per stack), so its workers read what that user names and reach the endpoints the user's spec names; one
     bound to another interface reads under the launcher's RLFABRIC_DATA_ROOT (else the directory it was started in)
     and its runs root, and connects where the launcher's own RLFABRIC_ALLOW_ENDPOINTS says."""
-    from services.core import auth
+    from rlfabric.services.core import auth
 
     cwd = os.getcwd()
     if auth.is_loopback(host):

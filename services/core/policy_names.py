@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import sys
 
-from services.core.registry import Registry
+from rlfabric.services.core.registry import Registry
 
 BUILTINS = {  # name: (class, what it serves)
-    "actor_critic": ("services.core.models.actor_critic:ActorCritic", "actor_critic"),
-    "squashed_gaussian": ("services.core.models.squashed_gaussian:SquashedGaussianActor", "squashed_gaussian"),
-    "causal_lm": ("services.core.models.lm:CausalLMPolicy", "causal_lm"),  # imported when used: transformers
-    "causal_lm_value": ("services.core.models.lm:CausalLMValuePolicy", "causal_lm_value"),
-    "vla": ("services.policies.vla:VLAPolicy", "actor_critic"),
-    "pi0": ("services.policies.pi0:PI0Policy", "actor_critic"),  # transformers' PI0ForConditionalGeneration
-    "vla_tokens": ("services.policies.vla_tokens:VLATokensPolicy", "actor_critic"),  # a VLM, actions as tokens
-    "vlm": ("services.policies.vlm_text:VLMTextPolicy", "actor_critic"),  # a VLM writing text about its images
+    "actor_critic": ("rlfabric.services.core.models.actor_critic:ActorCritic", "actor_critic"),
+    "squashed_gaussian": ("rlfabric.services.core.models.squashed_gaussian:SquashedGaussianActor", "squashed_gaussian"),
+    "causal_lm": ("rlfabric.services.core.models.lm:CausalLMPolicy", "causal_lm"),  # imported when used: transformers
+    "causal_lm_value": ("rlfabric.services.core.models.lm:CausalLMValuePolicy", "causal_lm_value"),
+    "vla": ("rlfabric.services.policies.vla:VLAPolicy", "actor_critic"),
+    "pi0": ("rlfabric.services.policies.pi0:PI0Policy", "actor_critic"),  # transformers' PI0ForConditionalGeneration
+    "vla_tokens": ("rlfabric.services.policies.vla_tokens:VLATokensPolicy", "actor_critic"),  # a VLM, actions as tokens
+    "vlm": ("rlfabric.services.policies.vlm_text:VLMTextPolicy", "actor_critic"),  # a VLM writing text about its images
 }
 
 

@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import Counter, Gauge
 
-from services.core import auth, progress
-from services.core.logs import setup_logging
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.core.registry import IMPORT_PATHS_FLAG, allow_import_paths
+from rlfabric.services.core import auth, progress
+from rlfabric.services.core.logs import setup_logging
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from rlfabric.services.core.registry import IMPORT_PATHS_FLAG, allow_import_paths
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.core.proto.rlfabric.v1 import common_pb2
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2
 
 
 def episode_stats(returns: Sequence[float], lengths: Sequence[int] = ()) -> common_pb2.EpisodeStats:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from services.core.paths import DataRoots, PathRefused
+from rlfabric.services.core.paths import DataRoots, PathRefused
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 MAX_FILE_BYTES = 4 << 30  # a data set for one run; larger ones belong in a replay store, not a run spec

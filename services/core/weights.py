@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.batch import TensorBatch
-from services.core.codec import DTYPES, FrameError, decode, encode, pack_frames, unpack_frames
-from services.core.dataplane import DataClient, DataServer, RemoteError, Reply, meta_float, meta_int
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import DTYPES, FrameError, decode, encode, pack_frames, unpack_frames
+from rlfabric.services.core.dataplane import DataClient, DataServer, RemoteError, Reply, meta_float, meta_int
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class WeightPublisher:
             raise ValueError(f"this publisher serves weights over {self.sync.transport}, not {backend}; set the "
                              f"same weight_sync.transport on the learner")
         if self._pairs is None:
-            from services.core.weight_transport import PairHost, bind_address
+            from rlfabric.services.core.weight_transport import PairHost, bind_address
 
             self._pairs = PairHost("nccl" if self.sync.transport == "nccl" else "gloo",
                                    bind_address(self._host, self._advertise_host))
@@ -680,7 +680,7 @@ class WeightSubscriber:
 
     def _join(self):
         if self._pair is None:
-            from services.core.weight_transport import PairClient, local_ip_toward
+            from rlfabric.services.core.weight_transport import PairClient, local_ip_toward
 
             host = self.client.endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
             _, batch = self.client.request("join", TensorBatch(meta={

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from services.core.batch import TensorBatch
-from services.env.adapters.gymnasium import bounds
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.env.adapters.gymnasium import bounds
 
 CONVERT = ("LeRobot 0.3.x's python -m lerobot.datasets.v2.convert_dataset_v1_to_v2, where that lerobot imports "
            "(v1.x to v2.0)")
@@ -348,7 +348,7 @@ def import_dataset(root: str | Path, obs_spec: dict[str, Any], act_spec: dict[st
 def import_for_run(root: str | Path, config: Any, keys: dict[str, str] | None = None, max_episodes: int = 0,
                    progress: Any = None) -> tuple[TensorBatch, dict[str, Any]]:
     """import_dataset into the env of run config ``config`` (its eval pool, built here, says the format)."""
-    from services.env.local import LocalEnvChannel
+    from rlfabric.services.env.local import LocalEnvChannel
 
     channel = LocalEnvChannel(config)
     try:

@@ -7,9 +7,9 @@ Requests are served when sent; answers are kept until received, as a DataClient 
 
 from __future__ import annotations
 
-from services.core.batch import TensorBatch
-from services.core.dataplane import RemoteError
-from services.env.pool import EnvPools
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import RemoteError
+from rlfabric.services.env.pool import EnvPools
 
 
 class LocalEnvChannel:

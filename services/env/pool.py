@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from services.core.batch import Ragged, cat_ragged
-from services.core.dataplane import meta_int
-from services.env.adapters import adapter
-from services.env.adapters.gymnasium import describe_space, final_observations
-from services.env.chunking import info_rows, step_fields
+from rlfabric.services.core.batch import Ragged, cat_ragged
+from rlfabric.services.core.dataplane import meta_int
+from rlfabric.services.env.adapters import adapter
+from rlfabric.services.env.adapters.gymnasium import describe_space, final_observations
+from rlfabric.services.env.chunking import info_rows, step_fields
 
 log = logging.getLogger(__name__)
 MAX_SHARDS = 1024  # (scheduling.rollout_workers' bound): pools are named by worker index, so they are bounded too
@@ -40,7 +40,7 @@ def check_kwarg_files(env_cfg: Any) -> None:
     """Every ``env.kwargs`` value that names a file (by its key, e.g. MuJoCo's ``xml_file``, or its suffix) must
     resolve under this process's data roots: the simulator reads it, so a spec may not point it outside them
     (PathRefused names the field, the roots and the flag)."""
-    from services.env.tasks.dataset import data_roots
+    from rlfabric.services.env.tasks.dataset import data_roots
 
     for key, value in dict(getattr(env_cfg, "kwargs", {}) or {}).items():
         if isinstance(value, str) and (FILE_KWARG.search(key.lower()) or value.lower().endswith(FILE_SUFFIXES)):
@@ -258,8 +258,8 @@ class EnvPools:
 def add_host_arguments(parser) -> None:
     """The operator's flags of a worker that hosts env pools (the env service; a rollout worker in collocated
     plans): where a spec's files may be, which endpoints it may name, and the most its rewards may take."""
-    from services.core.paths import add_arguments
-    from services.env import reward_pool
+    from rlfabric.services.core.paths import add_arguments
+    from rlfabric.services.env import reward_pool
 
     add_arguments(parser)
     reward_pool.add_arguments(parser)
@@ -268,9 +268,9 @@ def add_host_arguments(parser) -> None:
 def apply_host_arguments(args) -> None:
     """This process's env pools follow those flags: data-set files (and corpora) and env kwargs' files only under
     --data-root, connections (a robot gateway) only to --allow-endpoints, rewards within the operator's limits."""
-    from services.core.paths import DataRoots, Endpoints, set_process_endpoints
-    from services.env import reward_pool
-    from services.env.tasks.dataset import set_data_roots
+    from rlfabric.services.core.paths import DataRoots, Endpoints, set_process_endpoints
+    from rlfabric.services.env import reward_pool
+    from rlfabric.services.env.tasks.dataset import set_data_roots
 
     set_data_roots(DataRoots.parse(args.data_root))
     set_process_endpoints(Endpoints.parse(args.allow_endpoints))  # (a robot env's gateway, for one)

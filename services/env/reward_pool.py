@@ -204,7 +204,7 @@ def _describe(exc: BaseException) -> str:
 
 def _score(target: str, prompt: str, completion: str, answer: str, fields: str,
            timeout_s: float = 0.0) -> tuple[float, str]:
-    from services.env.tasks.rewards import REWARDS, call_reward
+    from rlfabric.services.env.tasks.rewards import REWARDS, call_reward
 
     global _watchdog
     if timeout_s and _watchdog is None:
@@ -224,7 +224,7 @@ def _score(target: str, prompt: str, completion: str, answer: str, fields: str,
 
 
 def _resolve(target: str) -> str:
-    from services.env.tasks.rewards import REWARDS
+    from rlfabric.services.env.tasks.rewards import REWARDS
 
     try:
         REWARDS.load(target)

@@ -15,15 +15,15 @@ import threading
 import grpc
 from prometheus_client import Counter
 
-from services.core.batch import TensorBatch
-from services.core.config import ConfigError, RunConfig
-from services.core.dataplane import DataServer, Reply
-from services.core.ownership import check_owner
-from services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
-from services.core.runtime import ServiceRuntime, run_service
-from services.core.stats import episode_stats
-from services.env.adapters.gymnasium import UnknownEnvError, bounds
-from services.env.pool import EnvPools, add_host_arguments, apply_host_arguments
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.config import ConfigError, RunConfig
+from rlfabric.services.core.dataplane import DataServer, Reply
+from rlfabric.services.core.ownership import check_owner
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, run_service
+from rlfabric.services.core.stats import episode_stats
+from rlfabric.services.env.adapters.gymnasium import UnknownEnvError, bounds
+from rlfabric.services.env.pool import EnvPools, add_host_arguments, apply_host_arguments
 
 log = logging.getLogger(__name__)
 ENV_STEPS = Counter("rlfabric_env_steps_total", "env steps simulated", ["pool"])

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from services.core.objectstore import ObjectStore
+from rlfabric.services.core.objectstore import ObjectStore
 
 MAGIC = b"RLFCKPT1"
 FORMAT = "rlfabric-checkpoint-v1"

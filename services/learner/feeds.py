@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.core.algorithm import DataAccess
-from services.core.batch import TensorBatch
-from services.core.dataplane import DataClient, PeerTimeout
+from rlfabric.services.core.algorithm import DataAccess
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import DataClient, PeerTimeout
 
 log = logging.getLogger(__name__)
 WAIT_SLICE_S = 1.0  # a wait for shards is asked in slices this long, so a cancelled update stops within one

@@ -1,7 +1,7 @@
 """The learner as N torch.distributed ranks (``runtime.learner_ranks``): FSDP2 data parallelism.
 
 The learner service is rank 0. It starts ranks 1..N-1 itself, the way torchrun would (``python -m
-services.learner.ranks`` with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK in the environment), and
+rlfabric.services.learner.ranks`` with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK in the environment), and
 drives them as a single controller: each call it makes (configure, update, gather the weights) is broadcast to
 every rank as a command, and all ranks then run the same collective code. Gloo on CPU, NCCL on CUDA: the same code.
 
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.core.codec import decode, encode, pack_frames, unpack_frames
-from services.core.weight_transport import check_prefix, interface_of, listening_store, new_prefix
+from rlfabric.services.core.codec import decode, encode, pack_frames, unpack_frames
+from rlfabric.services.core.weight_transport import check_prefix, interface_of, listening_store, new_prefix
 
 log = logging.getLogger(__name__)
 CONFIGURE, UPDATE, WEIGHTS, OPTIMIZER, STOP = range(5)
@@ -141,7 +141,7 @@ def load_starting_weights(policy: torch.nn.Module, weights: dict, warm: bool) ->
 def initial_policy(config: Any, env_spec: dict, device: torch.device, weights: dict | None) -> torch.nn.Module:
     """The run's policy on ``device``, built from the run's seed, holding ``weights`` (a warm start's or a
     checkpoint's) when given: what a learner of any number of ranks starts from."""
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
@@ -205,8 +205,8 @@ def _sync_generator(generator: torch.Generator) -> None:
 
 def worker_main() -> None:
     """Ranks 1..N-1: execute rank 0's commands until it says stop (or its process group fails)."""
-    from services.core.config import RunConfig
-    from services.core.runtime import learner_precision, set_torch_threads
+    from rlfabric.services.core.config import RunConfig
+    from rlfabric.services.core.runtime import learner_precision, set_torch_threads
 
     logging.basicConfig(level=logging.INFO, format=f"learner rank {os.environ.get('RANK')}: %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -260,7 +260,7 @@ class RankGroup:
         env = {**os.environ, **interfaces, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(self.store.port),
                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "RLFABRIC_LEARNER_DEVICE": device.type,
                "RLFABRIC_LEARNER_TIMEOUT_S": str(timeout_s), PREFIX_ENV: prefix}
-        self.procs = [subprocess.Popen([sys.executable, "-m", "services.learner.ranks"],
+        self.procs = [subprocess.Popen([sys.executable, "-m", "rlfabric.services.learner.ranks"],
                                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL)
                       for r in range(1, world)]
         try:

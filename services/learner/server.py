@@ -18,22 +18,22 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
-from services.core import progress
-from services.core.config import ConfigError, RunConfig
-from services.core.dataplane import DataClient, PeerTimeout, RemoteError
-from services.core.devices import resolve_device
-from services.core.models import build_policy
-from services.core.objectstore import ObjectStore, open_store
-from services.core.offload import ModelOffload, state_tensors
-from services.core.ownership import check_owner
-from services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
-from services.core.paths import add_arguments as add_path_arguments
-from services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from services.core.runtime import ServiceRuntime, learner_precision, run_service, set_torch_threads
-from services.core.weights import WeightPublisher, save_weights
-from services.learner import checkpoint as ckpt
-from services.learner.feeds import UpdateCancelled, feed_for
-from services.learner.ranks import RankGroup, initial_policy, rank_device
+from rlfabric.services.core import progress
+from rlfabric.services.core.config import ConfigError, RunConfig
+from rlfabric.services.core.dataplane import DataClient, PeerTimeout, RemoteError
+from rlfabric.services.core.devices import resolve_device
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.core.objectstore import ObjectStore, open_store
+from rlfabric.services.core.offload import ModelOffload, state_tensors
+from rlfabric.services.core.ownership import check_owner
+from rlfabric.services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
+from rlfabric.services.core.paths import add_arguments as add_path_arguments
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, learner_precision, run_service, set_torch_threads
+from rlfabric.services.core.weights import WeightPublisher, save_weights
+from rlfabric.services.learner import checkpoint as ckpt
+from rlfabric.services.learner.feeds import UpdateCancelled, feed_for
+from rlfabric.services.learner.ranks import RankGroup, initial_policy, rank_device
 
 log = logging.getLogger(__name__)
 MAX_TRAIN_WAIT_S = 86_400.0  # the longest a Train call may wait for its data (a day)

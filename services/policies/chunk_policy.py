@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import box_bound
+from rlfabric.services.core.models.encoders import box_bound
 
 
 class ChunkPolicy(nn.Module):

@@ -19,14 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import is_image
-from services.policies.vlm_inputs import siglip_paligemma_config, to_pixels
+from rlfabric.services.core.models.encoders import is_image
+from rlfabric.services.policies.vlm_inputs import siglip_paligemma_config, to_pixels
 
 
 def scenes(envs: Any, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """``count`` scenes of a one-env vector env (seeds ``seed``, ``seed + 1``, ...): its camera images [N, C, H,
     W, 3] (every uint8 image entry, by name) and its ``scene_state()`` [N, D]."""
-    from services.env.adapters.gymnasium import describe_space
+    from rlfabric.services.env.adapters.gymnasium import describe_space
 
     spaces = describe_space(envs.single_observation_space)
     keys = sorted(k for k, v in spaces["spaces"].items() if is_image(v)) if spaces["kind"] == "dict" else \

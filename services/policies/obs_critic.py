@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import CNN, is_image
+from rlfabric.services.core.models.encoders import CNN, is_image
 
 
 class ObsCritic(nn.Module):

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.core.models.hf_cache import cache_arg, cache_of
-from services.policies import flow_sde
-from services.policies.chunk_policy import ChunkPolicy
-from services.policies.obs_critic import VLMCritic
-from services.policies.vlm_families import FAMILIES
-from services.policies.vlm_inputs import (
+from rlfabric.services.core.models.hf_cache import cache_arg, cache_of
+from rlfabric.services.policies import flow_sde
+from rlfabric.services.policies.chunk_policy import ChunkPolicy
+from rlfabric.services.policies.obs_critic import VLMCritic
+from rlfabric.services.policies.vlm_families import FAMILIES
+from rlfabric.services.policies.vlm_inputs import (
     VLMInputs,
     freeze,
     save_merged,
@@ -102,7 +102,7 @@ class PI0Policy(ChunkPolicy):
         self.read.bind(vision.image_size, (grid, grid), c.vlm_config.image_token_id,
                        c.vlm_config.text_config.vocab_size)
         if p.lora.rank:  # adapters on the attention of the VLM's language model, the expert or both
-            from services.core.models.lm import with_lora
+            from rlfabric.services.core.models.lm import with_lora
 
             scope = {"vlm": r"vlm\.language_model", "expert": r"dit", "both": r"(vlm\.language_model|dit)"}[p.lora_on]
             targets = rf".*model\.{scope}\.layers\.\d+\.self_attn\.({'|'.join(p.lora.targets)})"

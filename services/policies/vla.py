@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import CNN, is_image
-from services.policies import flow_sde
-from services.policies.chunk_policy import ChunkPolicy
+from rlfabric.services.core.models.encoders import CNN, is_image
+from rlfabric.services.policies import flow_sde
+from rlfabric.services.policies.chunk_policy import ChunkPolicy
 
 
 class VLAPolicy(ChunkPolicy):

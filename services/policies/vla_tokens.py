@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.core.models.hf_cache import cache_of
-from services.policies.chunk_policy import ChunkPolicy
-from services.policies.obs_critic import VLMCritic
-from services.policies.vlm_body import VLMBody, build_vlm
-from services.policies.vlm_inputs import VLMInputs, save_merged
+from rlfabric.services.core.models.hf_cache import cache_of
+from rlfabric.services.policies.chunk_policy import ChunkPolicy
+from rlfabric.services.policies.obs_critic import VLMCritic
+from rlfabric.services.policies.vlm_body import VLMBody, build_vlm
+from rlfabric.services.policies.vlm_inputs import VLMInputs, save_merged
 
 
 class VLATokensPolicy(ChunkPolicy, VLMBody):
@@ -51,7 +51,7 @@ class VLATokensPolicy(ChunkPolicy, VLMBody):
             raise ValueError(f"the VLM's vocabulary ({vocab} ids) cannot hold the instruction's {self.read.text_vocab} "
                              f"ids and policy.vla_tokens.bins={v.bins} action bins after them. Fix: fewer bins")
         if v.lora.rank:
-            from services.core.models.lm import with_lora
+            from rlfabric.services.core.models.lm import with_lora
 
             self.model = with_lora(self.model, v.lora)
         self.freeze_vision(v)

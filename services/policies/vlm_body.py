@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.core.models.hf_cache import cache_arg
-from services.policies.vlm_families import FAMILIES, Family, family_of
-from services.policies.vlm_inputs import VLMInputs, freeze, start_vlm, unwrapped
+from rlfabric.services.core.models.hf_cache import cache_arg
+from rlfabric.services.policies.vlm_families import FAMILIES, Family, family_of
+from rlfabric.services.policies.vlm_inputs import VLMInputs, freeze, start_vlm, unwrapped
 
 
 def load_pretrained(path: str, trust_remote_code: bool, field: str):

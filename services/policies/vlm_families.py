@@ -37,7 +37,7 @@ class Family:
         policy adds), the image placeholder id just past them, 0 pads, no bos/eos."""
         from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
-        from services.policies.vlm_inputs import siglip_paligemma_config
+        from rlfabric.services.policies.vlm_inputs import siglip_paligemma_config
 
         config = siglip_paligemma_config(p, vocab, image_size)
         return PaliGemmaForConditionalGeneration(PaliGemmaConfig(**{k: v for k, v in config.items()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.core.models.encoders import is_image, is_privileged
+from rlfabric.services.core.models.encoders import is_image, is_privileged
 
 
 def to_pixels(images: torch.Tensor, size: int, channels_last: bool = True) -> torch.Tensor:

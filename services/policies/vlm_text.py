@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.hf_cache import cache_of
-from services.policies.obs_critic import VLMCritic
-from services.policies.vlm_body import VLMBody, build_vlm
-from services.policies.vlm_inputs import VLMInputs, save_merged
+from rlfabric.services.core.models.hf_cache import cache_of
+from rlfabric.services.policies.obs_critic import VLMCritic
+from rlfabric.services.policies.vlm_body import VLMBody, build_vlm
+from rlfabric.services.policies.vlm_inputs import VLMInputs, save_merged
 
 
 def live_tokens(ids: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ class VLMTextPolicy(VLMBody):
             raise ValueError(f"the VLM's vocabulary ({c.text_config.vocab_size} ids) cannot hold the env's {vocab} "
                              f"text ids. Fix: a model whose tokenizer the env's ids come from")
         if p.lora.rank:
-            from services.core.models.lm import with_lora
+            from rlfabric.services.core.models.lm import with_lora
 
             self.model = with_lora(self.model, p.lora)
         self.freeze_vision(p)

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from services.core.batch import SEP, TensorBatch
-from services.core.paths import DataRoots, PathRefused
+from rlfabric.services.core.batch import SEP, TensorBatch
+from rlfabric.services.core.paths import DataRoots, PathRefused
 
 CHUNK_ROWS = 1 << 15
 TEXT_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -88,7 +88,7 @@ def load_dataset(path: str | Path, max_rows: int, max_bytes: int = 8 << 30, root
 def _messages_row(codec: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
     """A chat row: each assistant turn in the loss (its tokens + eos), every other turn context as the chat
     template renders the conversation up to that turn."""
-    from services.core import textdata
+    from rlfabric.services.core import textdata
 
     ids: list[int] = []
     mask: list[int] = []
@@ -114,9 +114,9 @@ def text_dataset(path: str | Path, config: Any, max_rows: int, roots: DataRoots 
                  field: str = "replay.datasets") -> TensorBatch:
     """A JSONL/Parquet file of prompts and responses as supervised arrays (tokens, lengths, loss_mask), tokenized with
     the run's tokenizer; the loss covers only response tokens (codec.response_ids: text + eos)."""
-    from services.core import textdata
-    from services.core.models.tokenizer import TextCodec, load_tokenizer
-    from services.core.paths import confine_model
+    from rlfabric.services.core import textdata
+    from rlfabric.services.core.models.tokenizer import TextCodec, load_tokenizer
+    from rlfabric.services.core.paths import confine_model
 
     try:
         rows = textdata.read_rows(path, field, roots, max_rows=max_rows)

@@ -31,20 +31,20 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from services.core import paths
-from services.core.algorithm import DEFAULT_SOURCE
-from services.core.batch import TensorBatch
-from services.core.config import ConfigError, RunConfig
-from services.core.dataplane import DataServer, Reply, meta_float, meta_int
-from services.core.objectstore import open_store
-from services.core.ownership import check_owner
-from services.core.paths import DataRoots, Endpoints, confine_storage, redis_endpoint
-from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2, replay_pb2_grpc
-from services.core.runtime import ServiceRuntime, run_service
-from services.replay.datasets import DatasetError, chunks, load_dataset
-from services.replay.stores import MAX_SAMPLE_ROWS, ReplayStore, check_sample, open_replay_store
-from services.replay.stores.memory import MemoryStore, default_capacity_bytes
-from services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable, redact_url
+from rlfabric.services.core import paths
+from rlfabric.services.core.algorithm import DEFAULT_SOURCE
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.config import ConfigError, RunConfig
+from rlfabric.services.core.dataplane import DataServer, Reply, meta_float, meta_int
+from rlfabric.services.core.objectstore import open_store
+from rlfabric.services.core.ownership import check_owner
+from rlfabric.services.core.paths import DataRoots, Endpoints, confine_storage, redis_endpoint
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, replay_pb2, replay_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, run_service
+from rlfabric.services.replay.datasets import DatasetError, chunks, load_dataset
+from rlfabric.services.replay.stores import MAX_SAMPLE_ROWS, ReplayStore, check_sample, open_replay_store
+from rlfabric.services.replay.stores.memory import MemoryStore, default_capacity_bytes
+from rlfabric.services.replay.stores.redis import ReplayStoreError, ReplayStoreUnavailable, redact_url
 
 log = logging.getLogger(__name__)
 PUTS = Counter("rlfabric_replay_puts_total", "trajectory batches stored")

@@ -16,7 +16,7 @@ request never takes the GIL from a tick and an EStop is applied by the next tick
 Nothing on either socket is pickled. The gateway re-exports each tick's lateness, jitter, holding and overruns as its
 own Prometheus series; a process that dies fails the gateway's health check with its exit code.
 
-    python -m services.robot_gateway.arm_process REQUEST_FD FRAME_FD   (started by ArmProcess, never by hand)
+    python -m rlfabric.services.robot_gateway.arm_process REQUEST_FD FRAME_FD   (started by ArmProcess, never by hand)
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from dataclasses import fields
 import numpy as np
 from prometheus_client import Counter
 
-from services.core.logs import setup_logging
-from services.core.registry import load_target
-from services.robot_gateway.cameras import CameraFeed
-from services.robot_gateway.drivers import (
+from rlfabric.services.core.logs import setup_logging
+from rlfabric.services.core.registry import load_target
+from rlfabric.services.robot_gateway.cameras import CameraFeed
+from rlfabric.services.robot_gateway.drivers import (
     DRIVERS,
     Driver,
     DriverConnectionError,
     DriverOptionError,
     DriverUnavailable,
 )
-from services.robot_gateway.loop import (
+from rlfabric.services.robot_gateway.loop import (
     EPISODES,
     HOLDING,
     INTERVENED,
@@ -60,8 +60,8 @@ from services.robot_gateway.loop import (
     TakeoverError,
     Tick,
 )
-from services.robot_gateway.safety import LimitError, Limits
-from services.robot_gateway.series import robot_series
+from rlfabric.services.robot_gateway.safety import LimitError, Limits
+from rlfabric.services.robot_gateway.series import robot_series
 
 log = logging.getLogger(__name__)
 STATES_DROPPED = Counter("rlfabric_robot_states_dropped_total", "tick states the gateway read too late to get "
@@ -334,7 +334,7 @@ class ArmProcess:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         frames_mine, frames_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock, self.frames = mine, frames_mine
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.robot_gateway.arm_process",
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.robot_gateway.arm_process",
                                       str(theirs.fileno()), str(frames_theirs.fileno())],
                                      pass_fds=(theirs.fileno(), frames_theirs.fileno()), stdin=subprocess.DEVNULL)
         theirs.close()

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.core.batch import TensorBatch
-from services.core.dataplane import DataServer, Reply
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import DataServer, Reply
 
 log = logging.getLogger(__name__)
 FRAME_BYTES = 4 << 20  # a request is tiny; an answer is one frame (256 x 256 x 3 at most)

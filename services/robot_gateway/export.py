@@ -5,7 +5,7 @@ than our reading of its layout.
 ``lerobot`` is an optional extra: it pins torch and needs torchvision, which the services do not use. This module
 imports it only when exporting, and says how to get it when it is missing.
 
-    python -m services.robot_gateway.export --store-root DIR --prefix recordings/demos/ --out OUT --repo-id me/demos
+    python -m rlfabric.services.robot_gateway.export --store-root DIR --prefix recordings/demos/ --out OUT --repo-id me/demos
 
 Per tick one frame: ``observation.state`` (joint positions, named by joint), ``observation.velocity``,
 ``observation.end_effector`` (x, y, z), ``action`` (the target sent after the safety filter), ``intervened``,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.core.objectstore import FilesystemObjectStore, ObjectStore
-from services.robot_gateway.recording import read_episodes
+from rlfabric.services.core.objectstore import FilesystemObjectStore, ObjectStore
+from rlfabric.services.robot_gateway.recording import read_episodes
 
 log = logging.getLogger(__name__)
 INSTALL = ("pip install 'lerobot>=0.4' (an extra: it needs Python >= 3.10, torch < 2.11 and torchvision for "

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.robot_gateway.drivers import Driver
-from services.robot_gateway.safety import LimitError, Limits, SafetyFilter
-from services.robot_gateway.series import robot_series
+from rlfabric.services.robot_gateway.drivers import Driver
+from rlfabric.services.robot_gateway.safety import LimitError, Limits, SafetyFilter
+from rlfabric.services.robot_gateway.series import robot_series
 
 log = logging.getLogger(__name__)
 BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 1.0)

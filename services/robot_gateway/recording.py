@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from prometheus_client import Counter
 
-from services.core.batch import TensorBatch
-from services.core.objectstore import ObjectStore
-from services.robot_gateway.loop import Tick
-from services.robot_gateway.series import robot_series
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.objectstore import ObjectStore
+from rlfabric.services.robot_gateway.loop import Tick
+from rlfabric.services.robot_gateway.series import robot_series
 
 log = logging.getLogger(__name__)
 FORMAT = "rlfabric.robot_episode/1"
@@ -204,7 +204,7 @@ class ReplaySink:
         self.pushes = 0
 
     def write(self, episode: Episode) -> str:
-        from services.core.dataplane import DataClient
+        from rlfabric.services.core.dataplane import DataClient
 
         if self._client is None:
             self._client = DataClient(self.endpoint, max_bytes=self.max_bytes, timeout_s=self.timeout_s,

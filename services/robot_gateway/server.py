@@ -29,23 +29,23 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from services.core import auth
-from services.core.config import ConfigError, StorageConfig
-from services.core.objectstore import ObjectStore, open_store
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-from services.core.runtime import ServiceRuntime, run_service
-from services.robot_gateway import series
-from services.robot_gateway.arm_process import ArmCamera, ArmProcess
-from services.robot_gateway.cameras import FrameServer
-from services.robot_gateway.drivers import (
+from rlfabric.services.core import auth
+from rlfabric.services.core.config import ConfigError, StorageConfig
+from rlfabric.services.core.objectstore import ObjectStore, open_store
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, run_service
+from rlfabric.services.robot_gateway import series
+from rlfabric.services.robot_gateway.arm_process import ArmCamera, ArmProcess
+from rlfabric.services.robot_gateway.cameras import FrameServer
+from rlfabric.services.robot_gateway.drivers import (
     DriverConnectionError,
     DriverOptionError,
     DriverUnavailable,
     driver_class,
 )
-from services.robot_gateway.loop import TakeoverError, Tick
-from services.robot_gateway.recording import (
+from rlfabric.services.robot_gateway.loop import TakeoverError, Tick
+from rlfabric.services.robot_gateway.recording import (
     ObjectStoreSink,
     Recorder,
     RecordingError,
@@ -54,7 +54,7 @@ from services.robot_gateway.recording import (
     check_name,
     session_name,
 )
-from services.robot_gateway.safety import LimitError, Limits
+from rlfabric.services.robot_gateway.safety import LimitError, Limits
 
 log = logging.getLogger(__name__)
 MAX_ROBOTS = 16

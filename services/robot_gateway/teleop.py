@@ -174,10 +174,10 @@ def run_expert(address: str, goal: np.ndarray, start: np.ndarray, forward_kinema
                start_tolerance: float = 0.05, poll_s: float = 0.5, **expert: Any) -> dict[str, ReachExpert]:
     """The scripted expert on every robot connected to the gateway at ``address`` (robots that connect later are
     picked up every ``poll_s``), until ``stop`` is set. Returns the experts by robot id."""
-    from services.core import auth
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-    from services.core.runtime import GRPC_OPTIONS
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from rlfabric.services.core.runtime import GRPC_OPTIONS
 
     channel = auth.sync_channel(address, GRPC_OPTIONS)
     stub = robot_gateway_pb2_grpc.RobotGatewayStub(channel)
@@ -221,10 +221,10 @@ def run_expert(address: str, goal: np.ndarray, start: np.ndarray, forward_kinema
 
 def run_keyboard(address: str, robot_id: str, keys: TextIO, out: TextIO, step: float = 0.02) -> None:
     """Keyboard teleop of one robot: reads keys from ``keys`` until 'x' or its end."""
-    from services.core import auth
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-    from services.core.runtime import GRPC_OPTIONS
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from rlfabric.services.core.runtime import GRPC_OPTIONS
 
     channel = auth.sync_channel(address, GRPC_OPTIONS)
     stub = robot_gateway_pb2_grpc.RobotGatewayStub(channel)

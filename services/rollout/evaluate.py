@@ -11,19 +11,19 @@ from pathlib import Path
 
 import numpy as np
 
-from services.core.batch import TensorBatch
-from services.core.config import RunConfig
-from services.env.local import LocalEnvChannel
-from services.rollout.backends import build_backend
-from services.rollout.collectors import collector_class
-from services.rollout.collectors.gym import Evaluation, play
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.env.local import LocalEnvChannel
+from rlfabric.services.rollout.backends import build_backend
+from rlfabric.services.rollout.collectors import collector_class
+from rlfabric.services.rollout.collectors.gym import Evaluation, play
 
 
 def _from_checkpoint(path: str | Path, overrides: list[str] | None = None):
     """The run config and an acting backend of a checkpoint; ``overrides`` (KEY=VALUE, as train's --set) change
     the run config, e.g. the env's kwargs for a held-out variant of the task."""
-    from services.core.config import parse_config
-    from services.learner.checkpoint import unpack
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.learner.checkpoint import unpack
 
     path = Path(path)
     if not path.is_file():
@@ -95,7 +95,7 @@ def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bo
         if not (random or expert):
             raise ValueError(f"{source} is a run spec: it has no policy to act with. Fix: pass a checkpoint, or "
                              f"--random for uniform actions, or --expert for the env's scripted expert")
-        from services.core.config import load_config
+        from rlfabric.services.core.config import load_config
 
         config = load_config(source, overrides)
         backend = None if expert else build_backend(config.rollout.backend, config, _env_spec(config), "cpu")

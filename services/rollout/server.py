@@ -12,15 +12,15 @@ from concurrent.futures import Future
 import grpc
 from prometheus_client import Counter, Gauge
 
-from services.core.config import ConfigError, RunConfig
-from services.core.dataplane import PeerTimeout, RemoteError
-from services.core.ownership import check_owner
-from services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
-from services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.core.runtime import ServiceRuntime, run_service
-from services.core.stats import episode_stats
-from services.env.pool import add_host_arguments, apply_host_arguments
-from services.rollout.worker import CollectResult, RolloutWorker, Stopped
+from rlfabric.services.core.config import ConfigError, RunConfig
+from rlfabric.services.core.dataplane import PeerTimeout, RemoteError
+from rlfabric.services.core.ownership import check_owner
+from rlfabric.services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rlfabric.services.core.runtime import ServiceRuntime, run_service
+from rlfabric.services.core.stats import episode_stats
+from rlfabric.services.env.pool import add_host_arguments, apply_host_arguments
+from rlfabric.services.rollout.worker import CollectResult, RolloutWorker, Stopped
 
 log = logging.getLogger(__name__)
 BATCHES = Counter("rlfabric_rollout_batches_total", "trajectory batches produced")

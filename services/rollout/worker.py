@@ -17,18 +17,18 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.core import progress
-from services.core.algorithm import INTERVENTIONS
-from services.core.config import RunConfig
-from services.core.dataplane import DataClient, PeerTimeout
-from services.core.devices import resolve_device
-from services.core.objectstore import open_store
-from services.core.offload import ModelOffload, state_tensors
-from services.core.runtime import set_torch_threads
-from services.core.weights import WeightSubscriber, load_weights
-from services.rollout.backends import build_backend
-from services.rollout.collectors import collector_class
-from services.rollout.collectors.gym import Evaluation, Stopped, intervened_transitions
+from rlfabric.services.core import progress
+from rlfabric.services.core.algorithm import INTERVENTIONS
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.dataplane import DataClient, PeerTimeout
+from rlfabric.services.core.devices import resolve_device
+from rlfabric.services.core.objectstore import open_store
+from rlfabric.services.core.offload import ModelOffload, state_tensors
+from rlfabric.services.core.runtime import set_torch_threads
+from rlfabric.services.core.weights import WeightSubscriber, load_weights
+from rlfabric.services.rollout.backends import build_backend
+from rlfabric.services.rollout.collectors import collector_class
+from rlfabric.services.rollout.collectors.gym import Evaluation, Stopped, intervened_transitions
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class RolloutWorker:
                 self.backend.generator.manual_seed(cfg.seed + 1 + 7919 * self.start_iteration)
             self.chunks = cfg.scheduling.chunks()
             if cfg.scheduling.env_in_rollout():  # stages share this worker: no hop per env step
-                from services.env.local import LocalEnvChannel
+                from rlfabric.services.env.local import LocalEnvChannel
 
                 self.env = LocalEnvChannel(cfg)
             else:

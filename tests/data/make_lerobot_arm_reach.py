@@ -25,7 +25,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-import services.env.sims  # noqa: F401  (registers rlfabric/ArmReachLang-v0)
+import rlfabric.services.env.sims  # noqa: F401  (registers rlfabric/ArmReachLang-v0)
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ def _train(tmp_path, adapter: str, *sets: str) -> list[dict[str, str]]:
     config.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / "run"
     args = [item for s in sets for item in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(config), "--run-dir", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(config), "--run-dir", str(run_dir),
                            "--quiet", *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return list(csv.DictReader(open(run_dir / "metrics.csv")))
@@ -96,7 +96,7 @@ PLUGIN = {  # a user's package, outside the repo: one of each extension point, r
                 f.write(f"{what} {os.getpid()}\\n")
     """,
     "rlf_smoke_plugin/env.py": """
-        from services.env.adapters import gymnasium as _gym
+        from rlfabric.services.env.adapters import gymnasium as _gym
         from rlf_smoke_plugin import mark
 
         collector = "plug_gym"
@@ -109,9 +109,9 @@ PLUGIN = {  # a user's package, outside the repo: one of each extension point, r
             return _gym.make_vector_env(env_cfg, num_envs, vectorization)
     """,
     "rlf_smoke_plugin/parts.py": """
-        from services.env.tasks.arith import ArithTask
-        from services.rollout.backends.torch import TorchBackend
-        from services.rollout.collectors.gym import GymCollector
+        from rlfabric.services.env.tasks.arith import ArithTask
+        from rlfabric.services.rollout.backends.torch import TorchBackend
+        from rlfabric.services.rollout.collectors.gym import GymCollector
         from rlf_smoke_plugin import mark
 
         class PlugCollector(GymCollector):
@@ -160,7 +160,7 @@ def _train_with(plugin, tmp_path, spec: dict, *sets: str) -> tuple[list[dict[str
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(spec))
     args = [item for s in sets for item in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(config), "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(config), "--run-dir",
                            str(tmp_path / "run"), "--quiet", *args], capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ from tests.artefacts import cached
 
 pytestmark = pytest.mark.minutes(1.6)  # on CI's 2 cores: the tiers start long files first
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "rlfabric.services.cli"]
 SFT_UPDATES = 500
 EPISODES = 64 * 100  # 100 iterations of 8 prompts x 8 samples
 EVAL_EPISODES = "512"
@@ -36,7 +36,7 @@ def _accuracy(checkpoint) -> float:
 def warm_start(request):
     """The SFT checkpoint and its held-out accuracy, built once for both tiers (tests/artefacts.py): the fast tier's
     GRPO and the slow tier's DAPO and REINFORCE++ start from the same one."""
-    from services.env.tasks.sft_data import build
+    from rlfabric.services.env.tasks.sft_data import build
 
     def sft(out):
         data = out / "arith_sft.npz"

@@ -13,7 +13,7 @@ THRESHOLD = 475.0
 
 def _train(tmp_path, *sets: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml", "--run-dir", str(run_dir)]
+    args = [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/cartpole_ppo.yaml", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
@@ -33,7 +33,7 @@ def _assert_solved(proc, rows, tmp_path):
     assert list(run_dir.glob("events.out.tfevents.*"))
     # the checkpoint is the evaluated policy: replayed in a fresh process without services, on the run's eval
     # seeds, it reproduces the run's last evaluation exactly
-    played = subprocess.run([sys.executable, "-m", "services.cli", "eval", str(run_dir / "checkpoints/final.pt"),
+    played = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "eval", str(run_dir / "checkpoints/final.pt"),
                              "--episodes", "10"], capture_output=True, text=True, timeout=300)
     assert played.returncode == 0, played.stderr
     assert float(played.stdout.strip().splitlines()[-1]) == pytest.approx(evals[-1][1], abs=1e-3)

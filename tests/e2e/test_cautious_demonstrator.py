@@ -70,7 +70,7 @@ def rl_raises_a_vla_over_its_imitation(request, tmp_path, family: str, order: tu
     sets = recipe_sets(family, ENV_STEPS[family])
     shared_stages(request.config, spec, sets, order, run_dir / "warm_start")
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", spec, "--run-dir", str(run_dir), "--quiet", *sets],
+        [sys.executable, "-m", "rlfabric.services.cli", "train", spec, "--run-dir", str(run_dir), "--quiet", *sets],
         capture_output=True, text=True, timeout=1700, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = scores(run_dir)

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import redis
 
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 from tests.support_redis import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.minutes(4.3)  # on CI's 2 cores: the tiers start long files first

@@ -17,7 +17,7 @@ from tests.lm_checkpoints import make_checkpoint
 
 pytestmark = pytest.mark.minutes(1.9)  # on CI's 2 cores: the tiers start long files first
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "rlfabric.services.cli"]
 EVAL_ROWS = 256
 
 
@@ -27,7 +27,7 @@ def _cli(*args: str, timeout: int = 900) -> None:
 
 
 def _rows(split: str, n: int, seed: int) -> list[dict]:
-    from services.env.tasks.arith import ArithTask
+    from rlfabric.services.env.tasks.arith import ArithTask
 
     return [{"question": p.question, "answer": p.answer} for p in ArithTask(2, split).problems(n, seed)]
 
@@ -68,7 +68,7 @@ def _greedy(model_dir, questions: list[str]) -> list[str]:
 
 
 def _accuracy(model_dir, rows: list[dict]) -> tuple[float, list[str]]:
-    from services.env.tasks.rewards import exact_match
+    from rlfabric.services.env.tasks.rewards import exact_match
 
     said = _greedy(model_dir, [r["question"] for r in rows])
     return sum(exact_match("", s, r["answer"]) for s, r in zip(said, rows, strict=True)) / len(rows), said
@@ -108,10 +108,10 @@ train: {total_env_steps: 9600, eval_every_iterations: 0, eval_episodes: 64}
     # the export is the run's final policy: the same greedy outputs as its own checkpoint in rlfabric's policy
     import torch
 
-    from services.core.config import load_config
-    from services.core.models import build_policy
-    from services.core.textdata import render_prompt
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.textdata import render_prompt
+    from rlfabric.services.learner import checkpoint as ckpt
     from tests.lm_support import SPEC
 
     config = load_config(tmp_path / "grpo.yaml")

@@ -17,9 +17,9 @@ import time
 import pytest
 import yaml
 
-from services.coordinator.client import CoordinatorClient
-from services.core.healthcheck import check
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+from rlfabric.services.coordinator.client import CoordinatorClient
+from rlfabric.services.core.healthcheck import check
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 
 MODES = ["ok", "sleep", "raise", "exit", "interrupt"]
 REWARD = """
@@ -42,7 +42,7 @@ REWARD = """
 
 
 def _up(tmp_path, env: dict) -> tuple[subprocess.Popen, str, CoordinatorClient]:
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs"),
+    up = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "up", "--runs-root", str(tmp_path / "runs"),
                            "--allow-import-paths"],  # the spec names its reward as module:function
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env)
     address = up.stdout.readline().strip()
@@ -85,7 +85,7 @@ def test_hostile_rewards_cost_their_samples_and_the_env_service_keeps_serving(tm
     try:
         [worker] = [w for w in client.workers() if w.role == common_pb2.ENV]
         monkeypatch.setenv("RLFABRIC_TOKEN_FILE", str(tmp_path / "runs" / ".rlfabric" / "token"))
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(config), "--coordinator", address,
+        proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(config), "--coordinator", address,
                                "--quiet", "--run-dir", str(tmp_path / "runs" / "r1")], capture_output=True, text=True,
                               timeout=300, stdin=subprocess.DEVNULL,
                               env={**env, "RLFABRIC_TOKEN_FILE": str(tmp_path / "runs" / ".rlfabric" / "token")})

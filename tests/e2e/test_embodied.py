@@ -23,7 +23,7 @@ CONFIG = "examples/arm_reach_vla.yaml"
 def test_the_vla_policy_learns_to_reach_with_action_chunks_through_every_service(tmp_path, head):
     run_dir = tmp_path / head
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", CONFIG, "--run-dir", str(run_dir), "--quiet",
+        [sys.executable, "-m", "rlfabric.services.cli", "train", CONFIG, "--run-dir", str(run_dir), "--quiet",
          "--set", "scheduling.mode=disaggregated", "--set", "env.kwargs={observation: state}",
          "--set", f"policy.vla.head={head}", "--set", "train.total_env_steps=16000",
          "--set", "algorithm.learning_rate=0.0005", "--set", "algorithm.target_kl=",  # as measured on state
@@ -42,7 +42,7 @@ def test_a_cnn_policy_learns_to_reach_from_pixels_through_every_service(tmp_path
     return 0.17 to over 1.0 (most episodes touch the ball) in ~17k decisions and to 1.34 in 29k."""
     run_dir = tmp_path / "cnn"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_cnn.yaml", "--run-dir", str(run_dir),
+        [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arm_reach_cnn.yaml", "--run-dir", str(run_dir),
          "--quiet", "--set", "train.total_env_steps=28000", "--set", "train.stop_at_eval_return=1.0"],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

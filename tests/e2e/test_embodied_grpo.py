@@ -20,7 +20,7 @@ pytestmark = pytest.mark.minutes(1.3)  # on CI's 2 cores: the tiers start long f
 def test_grpo_with_episode_groups_learns_to_reach(tmp_path):
     run_dir = tmp_path / "grpo"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_grpo.yaml", "--run-dir", str(run_dir),
+        [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arm_reach_grpo.yaml", "--run-dir", str(run_dir),
          "--quiet", "--set", "scheduling.mode=disaggregated", "--set", "env.kwargs={observation: state}",
          "--set", "train.total_env_steps=40000", "--set", "train.eval_every_iterations=0"],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)

@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
-from services.robot_gateway.teleop import run_expert  # noqa: E402
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.robot_gateway.drivers.sim import SimArm  # noqa: E402
+from rlfabric.services.robot_gateway.teleop import run_expert  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a teleoperated arm at 100 Hz: never beside another test
@@ -43,7 +43,7 @@ def test_hg_dagger_raises_success_without_intervention_through_the_gateway(tmp_p
         expert.start()
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "services.cli", "train", "examples/robot_reach_hg_dagger.yaml", "--run-dir",
+                [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/robot_reach_hg_dagger.yaml", "--run-dir",
                  str(tmp_path / "run"), "--quiet", "--set", f"env.options.gateway={gateway}", "--set",
                  "env.num_envs=4", "--set", "train.total_env_steps=4800"],
                 env={**os.environ, "RLFABRIC_TOKEN": TOKEN}, capture_output=True, text=True, timeout=600,

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.minutes(1.5)  # on CI's 2 cores: the tiers start long files first
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "rlfabric.services.cli"]
 
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ TARGET = -400.0  # random play scores about -1200 to -1500; a swung-up, balanced
 @pytest.mark.slow
 def test_pendulum_ppo_learns_on_seed_0(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/pendulum_ppo.yaml",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", "examples/pendulum_ppo.yaml",
                            "--run-dir", str(run_dir), "--quiet", "--set", f"train.stop_at_eval_return={TARGET}"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

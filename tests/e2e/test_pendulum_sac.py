@@ -20,7 +20,7 @@ TARGET = -300.0  # random play scores about -1200 to -1500
                          ids=["collocated", "hybrid-stream"])
 def test_pendulum_sac_learns_on_seed_0(tmp_path, plan):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "services.cli", "train", "examples/pendulum_sac.yaml", "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/pendulum_sac.yaml", "--run-dir", str(run_dir),
             "--quiet", "--set", "train.total_env_steps=15000"]
     for s in plan:
         args += ["--set", s]

@@ -30,7 +30,7 @@ def rows(path) -> list[dict[str, str]]:
 def test_pi0_sft_then_rl_in_one_command(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
+        [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
          "--quiet", "--set", "warm_start.vision.scenes=1500", "--set", "warm_start.vision.updates=600",
          "--set", "warm_start.demos=200", "--set", "warm_start.supervised.total_updates=600",
          "--set", "warm_start.supervised.updates_per_iteration=100", "--set", "train.eval_every_iterations=1",
@@ -84,7 +84,7 @@ def test_a_lerobot_data_set_and_expert_demos_warm_start_pi0(tmp_path):
     imported into the env's format beside 20 expert episodes, and the supervised stage learns from both."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
+        [sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arm_reach_pi0.yaml", "--run-dir", str(run_dir),
          "--quiet", "--set", "warm_start.vision.scenes=0", "--set", "warm_start.demos=20",
          "--set", "warm_start.dataset=tests/data/lerobot_arm_reach",
          "--set", "warm_start.supervised.total_updates=200", "--set", "warm_start.supervised.updates_per_iteration=50",

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import redis
 
-from services.core.batch import TensorBatch
-from services.core.codec import decode, unpack_frames
-from services.core.config import load_config
-from services.core.dataplane import DataClient
-from services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc
-from services.core.runtime import ROLE_NAMES
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import decode, unpack_frames
+from rlfabric.services.core.config import load_config
+from rlfabric.services.core.dataplane import DataClient
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc
+from rlfabric.services.core.runtime import ROLE_NAMES
 from tests.conftest import grpc_channel
 from tests.support_redis import redis_server  # noqa: F401
 
@@ -49,7 +49,7 @@ def test_the_env_service_sends_uint8_images(stack):
 @pytest.mark.smoke
 def test_ppo_learns_from_pixels_through_every_service(tmp_path, redis_server):  # noqa: F811
     run_dir = tmp_path / "pixels"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", CONFIG, "--run-dir", str(run_dir), "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", CONFIG, "--run-dir", str(run_dir), "--quiet",
                            "--set", "scheduling.mode=disaggregated", "--set", "replay.store=redis",
                            "--set", f"replay.redis_url={redis_server}"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)

@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 from tests.support_redis import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.minutes(1.1)  # on CI's 2 cores: the tiers start long files first
@@ -31,7 +31,7 @@ def _train_then_sigkill(run_dir, spec: str, *sets: str) -> None:
     """Train in a session of its own; once two periodic checkpoints are behind it, SIGKILL the CLI and every
     service it started, with no chance to clean up."""
     args = [a for s in sets for a in ("--set", s)]
-    train = subprocess.Popen([sys.executable, "-m", "services.cli", "train", spec, "--run-dir", str(run_dir),
+    train = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "train", spec, "--run-dir", str(run_dir),
                               "--quiet", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -84,7 +84,7 @@ def test_sigkill_whole_run_then_cli_resume_solves(tmp_path):
     run_dir = tmp_path / "run"
     _train_then_sigkill(run_dir, "examples/cartpole_ppo.yaml", f"checkpoint.every_iterations={CKPT_EVERY}")
     resumed_from = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "resume", str(run_dir), "--quiet"],
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "resume", str(run_dir), "--quiet"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from checkpoints/ckpt-{resumed_from:010d}.pt" in proc.stderr
@@ -102,7 +102,7 @@ def test_sac_on_redis_killed_and_resumed_keeps_its_replay_window(tmp_path, redis
     stats = redis.Redis.from_url(redis_server).hgetall(f"rlfabric:{run_dir.name}:stats")
     window = int(stats[b"transitions"])
     assert window >= 2 * CKPT_EVERY * 128  # every collected epoch is in the window
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "resume", str(run_dir), "--quiet"],
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "resume", str(run_dir), "--quiet"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"kept {window} transitions in the replay window at this resume" in proc.stderr

@@ -14,14 +14,14 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.core.config import load_config  # noqa: E402
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.core.config import load_config  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import (
     coordinator_pb2,  # noqa: E402
     robot_gateway_pb2_grpc,  # noqa: E402
 )
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
-from services.core.runtime import GRPC_OPTIONS  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from rlfabric.services.core.runtime import GRPC_OPTIONS  # noqa: E402
 from tests.robot_support import as_operator, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a live 100 Hz loop with a 0.2 s watchdog: never beside another test

@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.core.config import load_config  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
-from services.core.runtime import GRPC_OPTIONS  # noqa: E402
-from services.robot_gateway.teleop import TeleopSession  # noqa: E402
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.core.config import load_config  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
+from rlfabric.services.core.runtime import GRPC_OPTIONS  # noqa: E402
+from rlfabric.services.robot_gateway.teleop import TeleopSession  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a watchdog window of 0.1 s: never beside another test

@@ -16,7 +16,7 @@ pytest.importorskip("transformers.models.paligemma")
 
 pytestmark = pytest.mark.minutes(1.3)  # on CI's 2 cores: the tiers start long files first
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "rlfabric.services.cli"]
 SPEC = """
 name: vlm-captions
 seed: 0
@@ -53,7 +53,7 @@ def _captions(policy, envs, rows: int) -> tuple[float, float, float]:
 @pytest.mark.slow
 def test_vlm_sft_lowers_held_out_loss_and_captions_held_out_frames_better(tmp_path):
     data = tmp_path / "captions"
-    made = subprocess.run([sys.executable, "-m", "services.env.sims.caption_data", str(data), "--frames", "400",
+    made = subprocess.run([sys.executable, "-m", "rlfabric.services.env.sims.caption_data", str(data), "--frames", "400",
                                   "--heldout", "64"], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     spec = tmp_path / "spec.yaml"
@@ -62,11 +62,11 @@ def test_vlm_sft_lowers_held_out_loss_and_captions_held_out_frames_better(tmp_pa
     assert "400 transitions" in recorded.stderr
     _run("train", str(spec), "--run-dir", str(tmp_path / "run"), "--quiet")
 
-    from services.core.config import EnvConfig, load_config
-    from services.core.models import build_policy
-    from services.env.adapters import adapter
-    from services.env.adapters.gymnasium import describe_space
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.core.config import EnvConfig, load_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.env.adapters import adapter
+    from rlfabric.services.env.adapters.gymnasium import describe_space
+    from rlfabric.services.learner import checkpoint as ckpt
 
     config = load_config(tmp_path / "run" / "config.yaml", [])
     heldout = EnvConfig(adapter="captions", id=str(data / "heldout.jsonl"), options=config.env.options)

@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("mujoco")
 pytest.importorskip("av")
 
-from services.core.config import load_config  # noqa: E402
-from services.env.lerobot_data import LeRobotDataError, import_dataset, import_for_run  # noqa: E402
+from rlfabric.services.core.config import load_config  # noqa: E402
+from rlfabric.services.env.lerobot_data import LeRobotDataError, import_dataset, import_for_run  # noqa: E402
 
 FIXTURE = Path(__file__).parents[1] / "data" / "lerobot_arm_reach"
 SPEC = "examples/arm_reach_pi0.yaml"
@@ -37,7 +37,7 @@ def replay(seed: int):
     """The episode the fixture recorded at ``seed``: each step's observation and the expert's move."""
     import gymnasium as gym
 
-    import services.env.sims  # noqa: F401
+    import rlfabric.services.env.sims  # noqa: F401
 
     env = gym.make("rlfabric/ArmReachLang-v0", image_size=64)
     obs, _ = env.reset(seed=seed)
@@ -169,10 +169,10 @@ def test_what_the_env_cannot_take_is_refused_with_the_fix(tmp_path, imported):
 
 
 def test_import_lerobot_writes_a_data_set_the_replay_service_loads(tmp_path, imported):
-    from services.replay.datasets import load_dataset
+    from rlfabric.services.replay.datasets import load_dataset
 
     out = tmp_path / "demos.npz"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "import-lerobot", str(FIXTURE), SPEC, "--out",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "import-lerobot", str(FIXTURE), SPEC, "--out",
                            str(out), "--episodes", "3", "--set", "env.eval_envs=1"],
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -182,7 +182,7 @@ def test_import_lerobot_writes_a_data_set_the_replay_service_loads(tmp_path, imp
     assert loaded.rows == int(first3.sum())
     for k in ("obs/image", "obs/proprio", "obs/instruction", "actions"):
         np.testing.assert_array_equal(loaded.tensors[k], batch.tensors[k][first3])
-    bad = subprocess.run([sys.executable, "-m", "services.cli", "import-lerobot", str(FIXTURE), SPEC, "--out",
+    bad = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "import-lerobot", str(FIXTURE), SPEC, "--out",
                           str(tmp_path / "x.npz"), "--key", "camera"], capture_output=True, text=True, timeout=300,
                          stdin=subprocess.DEVNULL)
     assert bad.returncode == 2 and "<env observation key>=<LeRobot feature>" in bad.stdout + bad.stderr

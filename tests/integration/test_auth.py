@@ -19,11 +19,11 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core import auth
-from services.core.batch import TensorBatch
-from services.core.codec import encode
-from services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc
-from services.core.runtime import GRPC_OPTIONS, ROLE_NAMES
+from rlfabric.services.core import auth
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import encode
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, env_pb2_grpc
+from rlfabric.services.core.runtime import GRPC_OPTIONS, ROLE_NAMES
 from tests.conftest import grpc_channel, metrics_text, short_config
 
 
@@ -105,7 +105,7 @@ def test_run_dir_outside_the_runs_root_is_refused(stack, tmp_path):
 
 def test_serve_on_all_interfaces_without_a_secret_exits_2_with_the_fix():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "env", "--host", "0.0.0.0",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "serve", "env", "--host", "0.0.0.0",
                            "--coordinator", "127.0.0.1:9"], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "refusing to serve on 0.0.0.0 without a secret" in proc.stderr and "RLFABRIC_TOKEN" in proc.stderr
@@ -153,7 +153,7 @@ def test_tls_and_mutual_tls_through_grpc_credentials(tmp_path):
     token = auth.generate_token()
     port_file = tmp_path / "env.address"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")} | {"RLFABRIC_TOKEN": token}
-    proc = subprocess.Popen([sys.executable, "-m", "services.env.server", "--port-file", str(port_file),
+    proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.env.server", "--port-file", str(port_file),
                              "--tls-cert", certs["server"], "--tls-key", certs["server.key"], "--tls-ca", certs["ca"]],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -183,7 +183,7 @@ def test_tls_and_mutual_tls_through_grpc_credentials(tmp_path):
 
 def test_in_the_clear_on_loopback_when_no_secret_is_set():
     """Without a token (a developer's loopback) data ports speak plaintext and every call is accepted."""
-    from services.core.dataplane import DataClient, DataServer
+    from rlfabric.services.core.dataplane import DataClient, DataServer
 
     assert not auth.current().enabled
     server = DataServer(max_bytes=1 << 16, name="plain")

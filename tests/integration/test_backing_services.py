@@ -6,8 +6,8 @@ import json
 
 import redis
 
-from services.core.objectstore import open_store
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core.objectstore import open_store
+from rlfabric.services.core.proto.rlfabric.v1 import (
     common_pb2,
     coordinator_pb2,
     env_pb2_grpc,
@@ -15,7 +15,7 @@ from services.core.proto.rlfabric.v1 import (
     rollout_pb2,
     rollout_pb2_grpc,
 )
-from services.core.weights import load_weights
+from rlfabric.services.core.weights import load_weights
 from tests.conftest import grpc_channel, short_config
 from tests.integration.test_coordinator import _wait_idle
 from tests.support_redis import redis_server as redis_server  # noqa: F401

@@ -12,9 +12,9 @@ import time
 import grpc
 import pytest
 
-from services.coordinator.client import CoordinatorClient
-from services.core import auth
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.coordinator.client import CoordinatorClient
+from rlfabric.services.core import auth
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.minutes(0.4)  # on CI's 2 cores: the tiers start long files first
 
@@ -34,7 +34,7 @@ def _serving(up: subprocess.Popen, tmp_path) -> tuple[str, CoordinatorClient]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
     # as a background job: SIGINT ignored (set by the shell, not a preexec_fn: see tests/support_redis.py)
-    up = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" -m services.cli up --runs-root "$1"', sys.executable,
+    up = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" -m rlfabric.services.cli up --runs-root "$1"', sys.executable,
                            str(tmp_path / "runs")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
@@ -52,7 +52,7 @@ def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         pids = {w.pid for w in client.workers()}
         if sig == signal.SIGTERM:  # one run through the served stack, as a notebook would submit it
-            train = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/cartpole_ppo.yaml",
+            train = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", "examples/cartpole_ppo.yaml",
                                     "--coordinator", address, "--quiet", "--set", "train.total_env_steps=512",
                                     "--run-dir", str(tmp_path / "runs" / "r1")], capture_output=True, text=True,
                                    timeout=120, env={**os.environ, "RLFABRIC_TOKEN_FILE": str(token_file)})
@@ -71,7 +71,7 @@ def test_up_serves_runs_and_stops_everything_on_a_signal(tmp_path, sig):
 def test_a_sigkilled_cli_takes_its_services_with_it(tmp_path):
     """Services are forked from a forkserver (their parent), which outlives the CLI while any of them runs: they
     watch the CLI itself, so a SIGKILL of it leaves nothing behind."""
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
+    up = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "up", "--runs-root", str(tmp_path / "runs")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         _, client = _serving(up, tmp_path)
@@ -89,7 +89,7 @@ def test_a_sigkilled_cli_takes_its_services_with_it(tmp_path):
 def test_up_restarts_a_killed_coordinator_on_its_address_and_keeps_serving(tmp_path):
     """`rlfabric up` supervises its coordinator too: SIGKILLed, it comes back on the same address, the workers
     register with it again, and `up` goes on serving (it used to exit once the coordinator died)."""
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "runs")],
+    up = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "up", "--runs-root", str(tmp_path / "runs")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         address, client = _serving(up, tmp_path)
@@ -130,15 +130,15 @@ def test_up_with_tls_auto_serves_mutual_tls_and_a_public_host_wants_tls(tmp_path
     import ssl
     import urllib.request
 
-    from services.core import auth
-    from services.core.runtime import GRPC_OPTIONS, ROLE_NAMES
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.runtime import GRPC_OPTIONS, ROLE_NAMES
 
-    refused = subprocess.run([sys.executable, "-m", "services.cli", "up", "--runs-root", str(tmp_path / "public"),
+    refused = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "up", "--runs-root", str(tmp_path / "public"),
                               "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--tls auto" in refused.stderr and "--insecure-plaintext" in refused.stderr
     assert not (tmp_path / "public").exists()
     runs = tmp_path / "runs"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--runs-root", str(runs), "--tls", "auto"],
+    up = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "up", "--runs-root", str(runs), "--tls", "auto"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         tls = runs / ".rlfabric" / "tls"
@@ -146,7 +146,7 @@ def test_up_with_tls_auto_serves_mutual_tls_and_a_public_host_wants_tls(tmp_path
             monkeypatch.setenv(f"RLFABRIC_TLS_{var}", str(tls / name))
         address, client = _serving(up, tmp_path)
         token_file = runs / ".rlfabric" / "token"
-        status = subprocess.run([sys.executable, "-m", "services.cli", "status", "--coordinator", address,
+        status = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "status", "--coordinator", address,
                                  "--tls-ca", str(tls / "ca.pem"), "--tls-cert", str(tls / "client.pem"),
                                  "--tls-key", str(tls / "client.key")], capture_output=True, text=True, timeout=60,
                                 env={**{k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")},

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.core.config import load_config
-from services.core.proto.rlfabric.v1 import common_pb2
-from services.core.runtime import ServiceOptions, apply_env_defaults, env_var
+from rlfabric.services.core.config import load_config
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2
+from rlfabric.services.core.runtime import ServiceOptions, apply_env_defaults, env_var
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def _service_flags(role: str) -> set[str]:
     import importlib
 
     extras = []
-    module = importlib.import_module(f"services.{role}.server")
+    module = importlib.import_module(f"rlfabric.services.{role}.server")
     real = module.run_service
     try:  # what the service's main hands run_service as its own flags
         module.run_service = lambda _role, _build, _argv=None, extra=None: extras.append(extra)
@@ -165,7 +165,7 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
         assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
         port = env["RLFABRIC_PORT"]
         ports.add(port)
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.core.healthcheck", f"{role}:{port}"]
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "rlfabric.services.core.healthcheck", f"{role}:{port}"]
         # (secrets are read from the environment, never flags: they would show in `ps`)
         unknown = {k for k in env if k.startswith("RLFABRIC_") and not k.startswith("RLFABRIC_S3_")
                    and k not in ("RLFABRIC_TOKEN", "RLFABRIC_REDIS_PASSWORD")}
@@ -209,7 +209,7 @@ def test_compose_run_spec_uses_redis_and_minio_by_service_name():
 # -- (c) configuration by environment, for real --------------------------------------------------------------
 
 def _health(address: str, timeout: float = 3.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.core.healthcheck", address, "--timeout", str(timeout)],
+    return subprocess.run([sys.executable, "-m", "rlfabric.services.core.healthcheck", address, "--timeout", str(timeout)],
                           capture_output=True, text=True, env=_clean_env(), timeout=30)
 
 
@@ -239,7 +239,7 @@ def test_service_configured_only_by_environment_and_healthcheck_follows_it(tmp_p
     log_file = tmp_path / "env.log"
     env = _clean_env(RLFABRIC_HOST="127.0.0.1", RLFABRIC_PORT=str(port), RLFABRIC_METRICS_PORT=str(metrics_port),
                      RLFABRIC_LOG_FILE=str(log_file))
-    proc = subprocess.Popen([sys.executable, "-m", "services.env.server"], env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.env.server"], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     address = f"127.0.0.1:{port}"
     try:
@@ -263,7 +263,7 @@ def test_service_configured_only_by_environment_and_healthcheck_follows_it(tmp_p
     ("RLFABRIC_COORDINATOR", "coordinator", "HOST:PORT"),
 ])
 def test_malformed_environment_value_exits_2_naming_the_variable(name, value, expected):
-    result = subprocess.run([sys.executable, "-m", "services.env.server"], env=_clean_env(**{name: value}),
+    result = subprocess.run([sys.executable, "-m", "rlfabric.services.env.server"], env=_clean_env(**{name: value}),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert name in result.stderr and expected in result.stderr and repr(value) in result.stderr
@@ -275,12 +275,12 @@ def test_coordinator_ignores_rlfabric_coordinator_and_reads_its_own_flags_from_e
     log_file = tmp_path / "coordinator.log"
     env = _clean_env(RLFABRIC_HOST="127.0.0.1", RLFABRIC_PORT=str(port), RLFABRIC_COORDINATOR=f"127.0.0.1:{port}",
                      RLFABRIC_LOG_FILE=str(log_file), RLFABRIC_HEARTBEAT_TIMEOUT="5")
-    proc = subprocess.Popen([sys.executable, "-m", "services.coordinator.server"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.coordinator.server"], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_healthy(f"127.0.0.1:{port}", proc)
         time.sleep(1.0)  # registration would follow SERVING at once
-        from services.coordinator.client import CoordinatorClient
+        from rlfabric.services.coordinator.client import CoordinatorClient
 
         with CoordinatorClient(f"127.0.0.1:{port}") as client:
             assert [w for w in client.workers() if w.role == common_pb2.COORDINATOR] == []
@@ -323,7 +323,7 @@ def test_certs_one_shot_makes_the_ca_once_and_keeps_it_on_every_later_up(compose
     out, key_dir = tmp_path / "certs", tmp_path / "ca-key"
     volumes = {"/srv/rlfabric/certs": str(out), "/srv/rlfabric/ca-key": str(key_dir)}
     assert set(volumes) == {v.split(":")[1] for v in compose["services"]["certs"]["volumes"]}
-    argv = [sys.executable, "-m", "services.cli", *[volumes.get(a, a) for a in command]]
+    argv = [sys.executable, "-m", "rlfabric.services.cli", *[volumes.get(a, a) for a in command]]
     first = subprocess.run(argv, capture_output=True, text=True, env=_clean_env(), timeout=60)
     assert first.returncode == 0, first.stderr
     ca = (out / "ca.pem").read_bytes()

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.coordinator.client import CoordinatorClient
-from services.core.config import dump_yaml
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.coordinator.client import CoordinatorClient
+from rlfabric.services.core.config import dump_yaml
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 from tests.conftest import short_config
 
 
@@ -107,12 +107,12 @@ def test_runs_and_watchers_a_coordinator_holds_are_bounded(tmp_path):
     import grpc
     import pytest
 
-    from services.coordinator.client import CoordinatorClient
-    from services.core import auth
+    from rlfabric.services.coordinator.client import CoordinatorClient
+    from rlfabric.services.core import auth
     from tests.conftest import short_config
 
     port_file = tmp_path / "address"
-    proc = subprocess.Popen([sys.executable, "-m", "services.coordinator.server", "--port-file", str(port_file),
+    proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.coordinator.server", "--port-file", str(port_file),
                              "--runs-root", str(tmp_path), "--max-active-runs", "2", "--max-watchers-per-run", "1"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={k: v for k, v in __import__("os").environ.items() if k != "RLFABRIC_TOKEN"})
@@ -128,7 +128,7 @@ def test_runs_and_watchers_a_coordinator_holds_are_bounded(tmp_path):
         with pytest.raises(grpc.RpcError, match="max-active-runs") as err:
             client.submit(cfg)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        stream = client.stub.WatchRun(__import__("services.core.proto.rlfabric.v1.coordinator_pb2",
+        stream = client.stub.WatchRun(__import__("rlfabric.services.core.proto.rlfabric.v1.coordinator_pb2",
                                                  fromlist=["RunRef"]).RunRef(run_id=first.run_id))
         next(stream)  # the first watcher is in
         with pytest.raises(grpc.RpcError, match="max-watchers-per-run"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-from services.robot_gateway.drivers import (
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+from rlfabric.services.robot_gateway.drivers import (
     Driver,
     DriverConnectionError,
     DriverOptionError,

@@ -18,20 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-from services.cli import build_parser, cmd_eval
-from services.coordinator.loop import TrainingLoop
-from services.coordinator.registry import Worker
-from services.coordinator.run import Run
-from services.core.config import RunConfig
-from services.core.proto.rlfabric.v1 import rollout_pb2_grpc
-from services.core.runtime import ServiceOptions, ServiceRuntime
-from services.env.local import LocalEnvChannel
-from services.learner.checkpoint import pack
-from services.rollout.backends import build_backend
-from services.rollout.collectors.gym import play
-from services.rollout.evaluate import _env_spec, evaluate_checkpoint
-from services.rollout.server import RolloutService
-from services.rollout.worker import RolloutWorker
+from rlfabric.services.cli import build_parser, cmd_eval
+from rlfabric.services.coordinator.loop import TrainingLoop
+from rlfabric.services.coordinator.registry import Worker
+from rlfabric.services.coordinator.run import Run
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.proto.rlfabric.v1 import rollout_pb2_grpc
+from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
+from rlfabric.services.env.local import LocalEnvChannel
+from rlfabric.services.learner.checkpoint import pack
+from rlfabric.services.rollout.backends import build_backend
+from rlfabric.services.rollout.collectors.gym import play
+from rlfabric.services.rollout.evaluate import _env_spec, evaluate_checkpoint
+from rlfabric.services.rollout.server import RolloutService
+from rlfabric.services.rollout.worker import RolloutWorker
 from tests.conftest import short_config
 
 CORRIDOR = "rlfabric-test/Corridor-v0"

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core.proto.rlfabric.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.minutes(0.5)  # on CI's 2 cores: the tiers start long f
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlfabric.services.cli", *args], capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -126,7 +126,7 @@ def test_admin_calls_that_would_break_a_running_run_are_refused_while_it_owns_th
 def test_a_long_call_whose_caller_went_away_stops_and_frees_the_worker(private_stack, tmp_path):
     """Regression: Evaluate with a huge episode count kept burning CPU after the caller gave up, and blocked later
     calls. Now the job stops at its next step once its caller is gone (Collect and Probe stop the same way)."""
-    from services.core.proto.rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+    from rlfabric.services.core.proto.rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
     client = private_stack.client
     final = client.wait(client.submit(short_config(), run_dir=tmp_path / "run").run_id)

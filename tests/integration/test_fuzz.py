@@ -23,8 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.core import auth
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core import auth
+from rlfabric.services.core.proto.rlfabric.v1 import (
     common_pb2,
     coordinator_pb2,
     env_pb2,
@@ -34,7 +34,7 @@ from services.core.proto.rlfabric.v1 import (
     robot_gateway_pb2_grpc,
     rollout_pb2,
 )
-from services.core.runtime import ROLE_NAMES
+from rlfabric.services.core.runtime import ROLE_NAMES
 from tests.conftest import grpc_channel, short_config
 from tests.hostile import data_ports
 from tests.robot_support import gateway_process

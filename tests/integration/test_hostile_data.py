@@ -7,11 +7,11 @@ from __future__ import annotations
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core import auth
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core import auth
+from rlfabric.services.core.proto.rlfabric.v1 import (
     coordinator_pb2,
 )
-from services.core.runtime import ROLE_NAMES
+from rlfabric.services.core.runtime import ROLE_NAMES
 from tests.conftest import grpc_channel, metrics_text, short_config
 from tests.hostile import CORPUS, data_ports
 

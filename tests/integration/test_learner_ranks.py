@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from services.core.batch import Ragged, TensorBatch  # noqa: E402
-from services.core.config import parse_config  # noqa: E402
-from services.core.models import build_policy  # noqa: E402
+from rlfabric.services.core.batch import Ragged, TensorBatch  # noqa: E402
+from rlfabric.services.core.config import parse_config  # noqa: E402
+from rlfabric.services.core.models import build_policy  # noqa: E402
 from tests.lm_support import SPEC  # noqa: E402
 
 pytestmark = pytest.mark.minutes(0.7)  # on CI's 2 cores: the tiers start long files first
@@ -59,7 +59,7 @@ def one_rank_update(config, batch: TensorBatch) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    from services.learner.ranks import RankGroup
+    from rlfabric.services.learner.ranks import RankGroup
 
     group = RankGroup(2, torch.device("cpu"), timeout_s=120)
     yield group
@@ -132,12 +132,12 @@ def test_the_learner_service_trains_with_two_ranks(tmp_path):
     import subprocess
     import sys
 
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.learner import checkpoint as ckpt
 
     run = tmp_path / "ranks"
     sets = ["policy.init_checkpoint=''", "runtime.learner_ranks=2", "env.num_envs=16", "env.eval_envs=8",
             "algorithm.minibatch_size=8", "train.total_env_steps=48", "train.eval_every_iterations=0"]
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/arith_grpo.yaml", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arith_grpo.yaml", "--quiet",
                            "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,7 +151,7 @@ def test_the_learner_service_trains_with_two_ranks(tmp_path):
 
 
 def test_more_ranks_are_refused_for_an_algorithm_that_does_not_split_its_update():
-    from services.core.config import ConfigError
+    from rlfabric.services.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="learner_ranks"):
         parse_config("name: r\nenv: {id: CartPole-v1}\nalgorithm: {name: ppo}\nruntime: {learner_ranks: 2}\n")
@@ -159,7 +159,7 @@ def test_more_ranks_are_refused_for_an_algorithm_that_does_not_split_its_update(
 
 
 def test_starting_weights_of_another_shape_are_refused_with_the_field_named():
-    from services.learner.ranks import initial_policy
+    from rlfabric.services.learner.ranks import initial_policy
 
     config = run_config("sequence")
     with pytest.raises(ValueError, match="policy.init_checkpoint.*another policy shape"):

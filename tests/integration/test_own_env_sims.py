@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import yaml
 
-from services.core.config import EnvConfig
-from services.env.adapters.instruction import decode_instruction
-from services.env.pool import EnvPool
+from rlfabric.services.core.config import EnvConfig
+from rlfabric.services.env.adapters.instruction import decode_instruction
+from rlfabric.services.env.pool import EnvPool
 
 
 def _lift_the_cube(env) -> None:
@@ -121,7 +121,7 @@ def test_a_run_with_every_service_in_its_own_process(tmp_path, adapter):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(config), "--run-dir", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(config), "--run-dir", str(run_dir),
                            "--quiet"], capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def test_a_served_process_is_titled_with_its_role_and_port(tmp_path):
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+    proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "serve", "robot_gateway", "--port-file",
                              str(port_file)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "RLFABRIC_TOKEN": "process-titles-test-token"})
     try:
@@ -32,7 +32,7 @@ def test_a_served_process_is_titled_with_its_role_and_port(tmp_path):
 
 TITLES = """
 import asyncio, setproctitle
-from services.core.runtime import ServiceOptions, ServiceRuntime
+from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
 
 async def titles():  # a runtime is built inside its event loop, as run_service builds it (grpc.aio needs one)
     runtime = ServiceRuntime(ServiceOptions(role="learner"))

@@ -17,23 +17,23 @@ import numpy as np
 import pytest
 import redis
 
-from services.core.batch import TensorBatch
-from services.core.config import dump_yaml
-from services.core.dataplane import DataClient, RemoteError
-from services.core.proto.rlfabric.v1 import common_pb2, replay_pb2_grpc
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.config import dump_yaml
+from rlfabric.services.core.dataplane import DataClient, RemoteError
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, replay_pb2_grpc
 from tests.conftest import free_port, short_config
 from tests.support_redis import RedisServer, redis_server  # noqa: F401
 
 
 class ReplayProcess:
-    """``python -m services.replay.server`` on loopback (no coordinator), with a gRPC stub."""
+    """``python -m rlfabric.services.replay.server`` on loopback (no coordinator), with a gRPC stub."""
 
     def __init__(self, workdir: Path, name: str):
         port_file = workdir / f"{name}.address"
         self.log = workdir / f"{name}.log"
         with open(workdir / f"{name}.stderr", "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.replay.server", "--port-file", str(port_file),
+                [sys.executable, "-m", "rlfabric.services.replay.server", "--port-file", str(port_file),
                  "--log-file", str(self.log), "--data-root", str(workdir), "--allow-endpoints", "*"],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"))  # no preexec_fn: see tests/support_redis.py
@@ -178,7 +178,7 @@ def test_a_training_run_keeps_its_replay_in_redis_and_large_tensors_in_the_run_d
     spec = tmp_path / "run.yaml"
     spec.write_text(dump_yaml(cfg))
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "services.cli", "train", str(spec), "--run-dir", str(run_dir)],
+    done = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(spec), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     r = redis.Redis.from_url(redis_server)

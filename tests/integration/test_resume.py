@@ -14,7 +14,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 from tests.conftest import Aborted, AbortingContext, short_config
 from tests.integration.test_coordinator import _wait_idle
 
@@ -91,7 +91,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(stack, tmp_path):
 
 def _restart_coordinator(runs_root) -> dict:
     """A coordinator started on ``runs_root`` (in this process): its runs, as GetRun would give them."""
-    from services.coordinator.server import CoordinatorService
+    from rlfabric.services.coordinator.server import CoordinatorService
 
     async def main():
         service = CoordinatorService(SimpleNamespace(address="127.0.0.1:1", on_shutdown=lambda hook: None),
@@ -146,7 +146,7 @@ def test_a_recorded_run_whose_config_no_longer_validates_is_failed_with_the_reas
 ])
 def test_an_env_that_crashes_in_configure_is_internal_not_bad_input(monkeypatch, error, code):
     """INVALID_ARGUMENT marks the run bad input (FAILED, not recovered); a crash of the simulator is not the spec's."""
-    from services.env import server
+    from rlfabric.services.env import server
 
     def crash(*args):
         raise error

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from services.core.batch import Ragged
-from services.env.reward_pool import RewardCall, RewardPool
+from rlfabric.services.core.batch import Ragged
+from rlfabric.services.env.reward_pool import RewardCall, RewardPool
 
 REWARD = "rlf_hostile_reward:judge"
 HOSTILE = """
@@ -86,7 +86,7 @@ def test_each_hostile_reward_costs_only_its_sample_and_the_pool_keeps_working(ho
         pool.resolve(REWARD, REWARD)  # starts the workers
         completions = ["42", "sleep", "raise", "41", "exit", "hog", "42"]
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
+        with caplog.at_level(logging.WARNING, logger="rlfabric.services.env.reward_pool"):
             scored = pool.score(_calls(completions), timeout_s=1.5, failure_reward=-1.0)
         took = time.monotonic() - t0
         assert [s.value for s in scored] == [1.0, -1.0, -1.0, 0.0, -1.0, -1.0, 1.0]
@@ -120,7 +120,7 @@ def test_an_unimportable_reward_is_a_spec_error_when_the_env_is_built(hostile):
 
 
 def test_the_text_env_reports_failed_rewards_in_its_step_reply_and_goes_on(hostile, tmp_path):
-    from services.env.pool import EnvPool
+    from rlfabric.services.env.pool import EnvPool
 
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} times 7?", "answer": str(7 * i)}) + "\n"
@@ -148,7 +148,7 @@ def test_the_text_env_reports_failed_rewards_in_its_step_reply_and_goes_on(hosti
 
 def test_built_in_rewards_score_in_the_workers_with_their_fields():
     """math (math-verify, which times itself with SIGALRM in the worker's main thread) and gsm8k by target."""
-    from services.env.tasks.rewards import REWARDS
+    from rlfabric.services.env.tasks.rewards import REWARDS
 
     pool = RewardPool(workers=2, memory_mb=2048)
     math, gsm8k = REWARDS.target("math"), REWARDS.target("gsm8k")
@@ -173,7 +173,7 @@ def test_a_step_of_hung_rewards_ends_by_its_step_deadline(hostile, caplog):
     try:
         pool.resolve(REWARD, REWARD)
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
+        with caplog.at_level(logging.WARNING, logger="rlfabric.services.env.reward_pool"):
             scored = pool.score(_calls(["sleep", "sleep", "sleep", "42"]), timeout_s=1.0, failure_reward=0.0,
                                 step_timeout_s=2.0)
         took = time.monotonic() - t0
@@ -202,7 +202,7 @@ def test_no_process_a_reward_starts_outlives_its_call_and_nothing_it_raises_esca
     pool = RewardPool(workers=2, memory_mb=1024)
     try:
         pool.resolve(REWARD, REWARD)
-        with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
+        with caplog.at_level(logging.WARNING, logger="rlfabric.services.env.reward_pool"):
             scored = pool.score(_calls(["interrupt", "unprintable", "spawn", "daemon", "spawn_hang", "42"]),
                                 timeout_s=2.0, failure_reward=-1.0)
         assert [(s.value, s.failure) for s in scored] == [

@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.core.config import EnvConfig  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
-from services.env.pool import EnvPool  # noqa: E402
-from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.core.config import EnvConfig  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from rlfabric.services.env.pool import EnvPool  # noqa: E402
+from rlfabric.services.robot_gateway.drivers.sim import SimArm  # noqa: E402
 from tests.robot_support import as_operator, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # real-time chunking against a 100 Hz arm: never beside another test
@@ -76,7 +76,7 @@ def test_a_scripted_policy_reaches_targets_through_the_gateway(gateway_address):
 
 def estopped_env(address: str, latch_wait_s: float):
     """A one-arm robot env, reset, whose arm a token holder has just e-stopped; and the arm's RobotRef."""
-    from services.env.adapters.robot import RobotVectorEnv
+    from rlfabric.services.env.adapters.robot import RobotVectorEnv
 
     auth.configure(TOKEN)
     env = RobotVectorEnv(EnvConfig(adapter="robot", id="reach", num_envs=1,
@@ -127,8 +127,8 @@ def test_once_the_operator_clears_the_estop_the_waiting_reset_walks_the_arm_back
         assert not state.estopped and np.abs(np.asarray(state.target) - env.start).max() < 1e-6  # walked back
     finally:
         env.close()
-    from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-    from services.core.runtime import GRPC_OPTIONS
+    from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+    from rlfabric.services.core.runtime import GRPC_OPTIONS
 
     with auth.sync_channel(gateway_address, GRPC_OPTIONS) as channel:  # closing the env freed its robots
         with pytest.raises(grpc.RpcError) as err:
@@ -137,7 +137,7 @@ def test_once_the_operator_clears_the_estop_the_waiting_reset_walks_the_arm_back
 
 
 def robot_env(address: str, hz: int, horizon: int, **options):
-    from services.env.adapters.robot import RobotVectorEnv
+    from rlfabric.services.env.adapters.robot import RobotVectorEnv
 
     auth.configure(TOKEN)
     cfg = EnvConfig(adapter="robot", id="reach", num_envs=1, action_chunk=horizon,
@@ -206,9 +206,9 @@ def test_an_episode_that_ends_in_a_chunks_tail_ends_the_next_decision_without_ru
 def test_camera_frames_come_over_the_data_plane_and_show_the_arm_move(gateway_address):
     """A robot connected with a camera: the env's observation carries the newest frame (fetched on the gateway's
     ZeroMQ camera port, not gRPC), the frames follow the arm, and the port refuses strangers and unknown robots."""
-    from services.core.batch import TensorBatch
-    from services.core.dataplane import DataClient, PeerTimeout, RemoteError
-    from services.robot_gateway.cameras import FRAME_BYTES
+    from rlfabric.services.core.batch import TensorBatch
+    from rlfabric.services.core.dataplane import DataClient, PeerTimeout, RemoteError
+    from rlfabric.services.robot_gateway.cameras import FRAME_BYTES
 
     env = robot_env(gateway_address, hz=50, horizon=1, episode_steps=1000, camera=32)
     try:
@@ -246,9 +246,9 @@ def test_pi0_drives_the_robot_env_from_its_camera_with_realtime_chunks(gateway_a
     pytest.importorskip("transformers.models.pi0")
     import torch
 
-    from services.core.config import PolicyConfig
-    from services.core.models import build_policy
-    from services.env.adapters.gymnasium import describe_space
+    from rlfabric.services.core.config import PolicyConfig
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.env.adapters.gymnasium import describe_space
 
     env = robot_env(gateway_address, hz=20, horizon=4, episode_steps=10_000, camera=32, realtime_chunks=True)
     try:

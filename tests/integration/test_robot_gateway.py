@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
-from services.core.runtime import GRPC_OPTIONS  # noqa: E402
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
+from rlfabric.services.core.runtime import GRPC_OPTIONS  # noqa: E402
 from tests.robot_support import OPERATOR_SECRET, as_operator, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a 100 Hz deadline loop: timed, so never beside another test
@@ -79,9 +79,9 @@ def test_a_killed_commanding_process_leaves_the_arm_in_safe_hold(gateway, tmp_pa
     client = tmp_path / "client.py"
     client.write_text(textwrap.dedent(f"""
         import sys, time
-        from services.core import auth
-        from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb, robot_gateway_pb2_grpc
-        from services.core.runtime import GRPC_OPTIONS
+        from rlfabric.services.core import auth
+        from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb, robot_gateway_pb2_grpc
+        from rlfabric.services.core.runtime import GRPC_OPTIONS
         ch = auth.sync_channel({address!r}, GRPC_OPTIONS, auth.Security({TOKEN!r}))
         stub = robot_gateway_pb2_grpc.RobotGatewayStub(ch)
         def commands():
@@ -229,7 +229,7 @@ def test_rlfabric_robot_clear_estop_clears_with_the_operators_file_and_only_with
 
     def clear(*args: str) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLFABRIC_")}
-        return subprocess.run([sys.executable, "-m", "services.cli", "robot", "clear-estop", "arm", "--gateway",
+        return subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "robot", "clear-estop", "arm", "--gateway",
                                address, *args], env={**env, "RLFABRIC_TOKEN": TOKEN}, capture_output=True,
                               text=True, timeout=60, stdin=subprocess.DEVNULL)
 

@@ -16,15 +16,15 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.core.batch import TensorBatch  # noqa: E402
-from services.core.dataplane import DataServer  # noqa: E402
-from services.core.objectstore import FilesystemObjectStore  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
-from services.core.runtime import GRPC_OPTIONS  # noqa: E402
-from services.replay.stores.memory import MemoryStore  # noqa: E402
-from services.robot_gateway.recording import read_episodes  # noqa: E402
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.core.batch import TensorBatch  # noqa: E402
+from rlfabric.services.core.dataplane import DataServer  # noqa: E402
+from rlfabric.services.core.objectstore import FilesystemObjectStore  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
+from rlfabric.services.core.runtime import GRPC_OPTIONS  # noqa: E402
+from rlfabric.services.replay.stores.memory import MemoryStore  # noqa: E402
+from rlfabric.services.robot_gateway.recording import read_episodes  # noqa: E402
 from tests.robot_support import gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a 100 Hz deadline loop: timed, so never beside another test

@@ -10,8 +10,8 @@ import time
 import pytest
 from minio import Minio
 
-from services.core.config import ConfigError
-from services.core.objectstore import ObjectStoreError, S3ObjectStore, open_store
+from rlfabric.services.core.config import ConfigError
+from rlfabric.services.core.objectstore import ObjectStoreError, S3ObjectStore, open_store
 from tests.support_s3 import S3Server, _free_port, _stop, start_moto
 from tests.support_s3 import s3_server as s3_server  # noqa: F401
 

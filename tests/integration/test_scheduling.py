@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.coordinator.client import STATE_NAMES
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
-from services.launcher import LocalStack
+from rlfabric.services.coordinator.client import STATE_NAMES
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+from rlfabric.services.launcher import LocalStack
 from tests.conftest import short_config
 
 pytestmark = pytest.mark.serial  # heartbeat windows and measured stage times: never beside another test
@@ -35,7 +35,7 @@ def _wait_iteration(client, run_id: str, n: int, timeout_s: float = 60) -> None:
 @pytest.fixture
 def scaling_stack(tmp_path):
     """Coordinator, env, replay, learner and two rollout workers (the second one idle until a run scales)."""
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     s = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path,
                    roles=("env", "replay", "learner", "rollout", "rollout", "env"))
@@ -204,7 +204,7 @@ def test_scale_env_services_mid_run(scaling_stack, tmp_path):
 def test_hybrid_placement_runs_each_stage_on_its_pools_workers(tmp_path):
     """Workers registered with ``--pool``: a run whose placement puts env and rollout on pool ``a`` and the
     learner on pool ``b`` takes the pool-a rollout worker, never the pool-b one, and learns as usual."""
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     stack = LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path)
     stack.start_coordinator()
@@ -296,7 +296,7 @@ def test_a_worker_that_does_not_answer_is_not_placed_by_scale(private_stack, tmp
     failed the live run. Now it is probed first: the Scale fails naming it, and the run goes on."""
     import threading
 
-    from services.core.proto.rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
     from tests.conftest import free_port, grpc_channel
 
     client = private_stack.client

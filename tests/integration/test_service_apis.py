@@ -11,10 +11,10 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core import auth
-from services.core.batch import TensorBatch
-from services.core.dataplane import DataClient, RemoteError
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core import auth
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import DataClient, RemoteError
+from rlfabric.services.core.proto.rlfabric.v1 import (
     common_pb2,
     env_pb2_grpc,
     learner_pb2,
@@ -24,7 +24,7 @@ from services.core.proto.rlfabric.v1 import (
     rollout_pb2,
     rollout_pb2_grpc,
 )
-from services.core.runtime import ROLE_NAMES
+from rlfabric.services.core.runtime import ROLE_NAMES
 from tests.conftest import grpc_channel, metrics_text, short_config
 
 STUBS = {"env": env_pb2_grpc.EnvStub, "replay": replay_pb2_grpc.ReplayStub,
@@ -96,7 +96,7 @@ def test_corrupt_and_oversized_frames_are_refused_and_channel_survives(stack):
     assert raw.poll(5000), "a corrupt frame must be answered, not swallowed"
     assert b"not valid JSON" in raw.recv_multipart()[0]
     big = TensorBatch({"actions": np.ones(4, np.int64), "pad": np.zeros(6000, np.uint8)}, meta={"chunk": 0})
-    from services.core.codec import encode
+    from rlfabric.services.core.codec import encode
 
     raw.send_multipart(encode("step", big))
     assert raw.poll(5000)

@@ -48,13 +48,13 @@ def _jsonl(path, rows) -> str:
 
 
 def _config(ckpt, data, **kw):
-    from services.core.config import parse_config
+    from rlfabric.services.core.config import parse_config
 
     return parse_config(_spec(ckpt, data, **kw))
 
 
 def _codec(config):
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
     from tests.lm_support import SPEC
 
     policy = build_policy("causal_lm", SPEC, config.policy)
@@ -62,8 +62,8 @@ def _codec(config):
 
 
 def test_jsonl_rows_are_rendered_as_in_rl_and_only_responses_carry_loss(ckpt, tmp_path):
-    from services.core.textdata import chat_text
-    from services.replay.datasets import load_dataset
+    from rlfabric.services.core.textdata import chat_text
+    from rlfabric.services.replay.datasets import load_dataset
 
     data = _jsonl(tmp_path / "sft.jsonl", ROWS)
     config = _config(ckpt, data)
@@ -84,8 +84,8 @@ def test_jsonl_rows_are_rendered_as_in_rl_and_only_responses_carry_loss(ckpt, tm
 
 
 def test_sft_on_a_jsonl_file_lowers_the_loss(ckpt, tmp_path):
-    from services.learner.algorithms.sft import SFT
-    from services.replay.datasets import load_dataset
+    from rlfabric.services.learner.algorithms.sft import SFT
+    from rlfabric.services.replay.datasets import load_dataset
 
     data = _jsonl(tmp_path / "sft.jsonl", ROWS)
     config = _config(ckpt, data)
@@ -105,7 +105,7 @@ def test_sft_on_a_jsonl_file_lowers_the_loss(ckpt, tmp_path):
 def test_parquet_chat_rows_train_every_assistant_turn(ckpt, tmp_path):
     import datasets
 
-    from services.replay.datasets import load_dataset
+    from rlfabric.services.replay.datasets import load_dataset
 
     rows = [{"messages": [{"role": "user", "content": f"{a} plus 1?"}, {"role": "assistant", "content": str(a + 1)},
                           {"role": "user", "content": "and plus 2?"}, {"role": "assistant", "content": str(a + 3)}]}
@@ -126,7 +126,7 @@ def test_parquet_chat_rows_train_every_assistant_turn(ckpt, tmp_path):
 
 
 def test_a_row_longer_than_the_context_is_an_error_naming_it(ckpt, tmp_path):
-    from services.replay.datasets import DatasetError, load_dataset
+    from rlfabric.services.replay.datasets import DatasetError, load_dataset
 
     rows = ROWS[:3] + [{"prompt": "What is " + " plus ".join(["1"] * 80) + "?", "completion": "80"}]
     data = _jsonl(tmp_path / "long.jsonl", rows)
@@ -140,9 +140,9 @@ def test_a_row_longer_than_the_context_is_an_error_naming_it(ckpt, tmp_path):
 def test_an_sft_run_exports_a_hugging_face_directory_with_the_final_weights(ckpt, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.core.models import build_policy
-    from services.learner import checkpoint as ckpt_io
-    from services.replay.datasets import load_dataset, save_dataset
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.learner import checkpoint as ckpt_io
+    from rlfabric.services.replay.datasets import load_dataset, save_dataset
     from tests.lm_support import SPEC
 
     data = _jsonl(tmp_path / "sft.jsonl", ROWS)
@@ -150,7 +150,7 @@ def test_an_sft_run_exports_a_hugging_face_directory_with_the_final_weights(ckpt
     npz = save_dataset(tmp_path / "sft.npz", load_dataset(data, max_rows=1000, config=config))
     (tmp_path / "run.yaml").write_text(_spec(ckpt, npz, system=False))
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(tmp_path / "run.yaml"), "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(tmp_path / "run.yaml"), "--run-dir",
                            str(run), "--quiet"], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hf = run / "checkpoints" / "hf"
@@ -175,7 +175,7 @@ def test_an_sft_run_exports_a_hugging_face_directory_with_the_final_weights(ckpt
 def test_an_sft_run_reads_the_jsonl_file_itself(ckpt, tmp_path):
     data = _jsonl(tmp_path / "sft.jsonl", ROWS)
     (tmp_path / "run.yaml").write_text(_spec(ckpt, data, system=False))
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(tmp_path / "run.yaml"), "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(tmp_path / "run.yaml"), "--run-dir",
                            str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -187,9 +187,9 @@ def test_an_sft_run_reads_the_jsonl_file_itself(ckpt, tmp_path):
 def test_sft_prompts_are_the_dataset_tasks_prompts(ckpt, tmp_path):
     """The env's dataset task and the SFT loader turn a row into the same prompt text (system prompt, chat list,
     template), so a warm start trains on the contexts RL samples from."""
-    from services.core.config import parse_config
-    from services.env.tasks.dataset import DatasetTask
-    from services.replay.datasets import load_dataset
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.env.tasks.dataset import DatasetTask
+    from rlfabric.services.replay.datasets import load_dataset
 
     rows = [{"prompt": "What is 2 plus 2?", "completion": "4", "answer": "4"},
             {"prompt": [{"role": "user", "content": "What is 3 plus 3?"}], "completion": "6", "answer": "6"}]

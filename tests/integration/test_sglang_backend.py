@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.config import parse_config
+from rlfabric.services.core.config import parse_config
 
 TEXT = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
 SPEC = {"observation_space": TEXT, "action_space": TEXT}
@@ -22,7 +22,7 @@ algorithm: {name: grpo}
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: the refusal applies to CPU hosts")
 def test_without_a_gpu_the_backend_refuses_with_the_fix():
-    from services.rollout.backends import build_backend
+    from rlfabric.services.rollout.backends import build_backend
 
     with pytest.raises(ValueError, match="CUDA GPUs only.*vllm"):
         build_backend("sglang", parse_config(RUN), SPEC, "cpu")
@@ -32,9 +32,9 @@ def test_on_a_gpu_a_weight_version_changes_greedy_outputs_like_hf():
     if not torch.cuda.is_available():
         pytest.skip("SGLang runs on CUDA GPUs only: no CUDA device on this host")
     pytest.importorskip("sglang", reason="SGLang is not installed on this GPU host")
-    from services.core.models import build_policy
-    from services.rollout.backends import build_backend
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.rollout.backends import build_backend
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     run = parse_config(RUN)
     engine = build_backend("sglang", run, SPEC, "cuda")

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from services.core.proto.rlfabric.v1 import common_pb2
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2
 
 
 def wait_for(what, timeout_s: float = 60.0, every_s: float = 0.1):
@@ -55,7 +55,7 @@ def test_serve_restart_on_failure_brings_a_killed_service_back(private_stack, tm
     client = private_stack.client
     before = {w.pid for w in client.workers()}
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "env", "--coordinator", private_stack.address,
+        [sys.executable, "-m", "rlfabric.services.cli", "serve", "env", "--coordinator", private_stack.address,
          "--restart", "on-failure", "--max-restarts", "2"], env={**os.environ, "RLFABRIC_TOKEN": private_stack.token},
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "wb"))
     try:

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from services.coordinator.client import CoordinatorClient
-from services.core import auth
-from services.core.proto.rlfabric.v1 import coordinator_pb2
-from services.launcher import LocalStack
+from rlfabric.services.coordinator.client import CoordinatorClient
+from rlfabric.services.core import auth
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.launcher import LocalStack
 from tests.conftest import short_config
 
 
@@ -46,7 +46,7 @@ def test_a_run_leaves_the_services_that_do_not_train_without_torch(tmp_path, mon
 def test_a_served_robot_gateway_maps_no_torch(tmp_path):
     port_file = tmp_path / "port"
     # as a gateway host starts it: through the command line, which must not bring torch in either
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "robot_gateway", "--port-file",
+    proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "serve", "robot_gateway", "--port-file",
                              str(port_file), "--storage-root", str(tmp_path / "recordings")], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "RLFABRIC_TOKEN": "torch-free-test-token"})

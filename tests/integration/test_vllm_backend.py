@@ -25,7 +25,7 @@ def _run(lora: int = 0):
 
 
 def _perturbed(run, seed: int):
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     return perturb(build_policy("causal_lm", SPEC, run.policy), seed)
 
@@ -34,8 +34,8 @@ def _perturbed(run, seed: int):
 def engines():
     """One engine for the module (its start-up is most of the time): a LoRA policy, so every test also covers
     serving adapters merged."""
-    from services.rollout.backends.hf import HFBackend
-    from services.rollout.backends.vllm import VLLMBackend
+    from rlfabric.services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.vllm import VLLMBackend
 
     run = _run(lora=4)
     v = VLLMBackend(run, SPEC, "cpu")
@@ -108,7 +108,7 @@ def test_the_engine_says_whether_sleeping_frees_its_memory(engines):
 
 
 def test_a_streamed_round_ends_once_enough_samples_finished_and_aborts_the_tail(engines):
-    from services.core.models.lm import EOS, bias_end_token
+    from rlfabric.services.core.models.lm import EOS, bias_end_token
 
     run, v, _ = engines
     v.load(6, bias_end_token(_perturbed(run, 41).state_dict(), 2.0))  # responses of varied length
@@ -135,7 +135,7 @@ def test_grpo_through_every_service_with_the_vllm_engine(tmp_path):
     import sys
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/arith_grpo.yaml", "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arith_grpo.yaml", "--run-dir",
                            str(run_dir), "--quiet", "--set", "policy.init_checkpoint=''", "--set",
                            "rollout.backend=vllm", "--set", "train.total_env_steps=192", "--set",
                            "train.eval_every_iterations=0"], capture_output=True, text=True, timeout=600,
@@ -155,10 +155,10 @@ def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
     import subprocess
     import sys
 
-    from services.core.config import load_config
-    from services.core.models import build_policy
-    from services.core.models.lm import bias_end_token
-    from services.learner import checkpoint as ckpt
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.models.lm import bias_end_token
+    from rlfabric.services.learner import checkpoint as ckpt
 
     torch.manual_seed(0)
     config = load_config("examples/arith_grpo.yaml")
@@ -169,7 +169,7 @@ def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
     run_dir = tmp_path / "run"
     sets = [f"policy.init_checkpoint={init}", "rollout.backend=vllm", "rollout.max_new_tokens=48",
             "rollout.finish_fraction=0.5", "train.total_env_steps=192", "train.eval_every_iterations=0"]
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "examples/arith_grpo.yaml", "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", "examples/arith_grpo.yaml", "--run-dir",
                            str(run_dir), "--quiet", *[a for s in sets for a in ("--set", s)]], capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -183,10 +183,10 @@ def test_over_sampling_cuts_the_slowest_groups_out_of_each_update(tmp_path):
 def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_path):
     """A Hugging Face directory (make_checkpoint: BPE tokenizer, chat template, eos <|im_end|> from its
     generation_config) as policy.lm.path: the engine gives the hf backend's greedy tokens and stops at that eos."""
-    from services.core.models.lm import bias_end_token
-    from services.core.textdata import chat_text
-    from services.rollout.backends.hf import HFBackend
-    from services.rollout.backends.vllm import VLLMBackend
+    from rlfabric.services.core.models.lm import bias_end_token
+    from rlfabric.services.core.textdata import chat_text
+    from rlfabric.services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.vllm import VLLMBackend
     from tests.lm_checkpoints import make_checkpoint
 
     run = lm_run("vllm", hidden=64, heads=1, positions=128)
@@ -223,7 +223,7 @@ def test_the_engine_serves_a_qwen2_checkpoint_dir_as_the_hf_backend_does(tmp_pat
 def test_a_bfloat16_engine_takes_fp32_versions_and_samples_close_to_the_fp32_learner():
     """rollout.dtype bfloat16 on a CPU (AMX kernels where the CPU has them): fp32 weight versions reload into the
     bf16 engine, and its log-probs of its own samples stay within bf16 rounding of the fp32 learner's."""
-    from services.rollout.backends.vllm import VLLMBackend
+    from rlfabric.services.rollout.backends.vllm import VLLMBackend
 
     run = _run()
     run.rollout.dtype = "bfloat16"

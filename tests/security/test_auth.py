@@ -24,9 +24,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core import auth, certs
-from services.core.runtime import GRPC_OPTIONS
-from services.launcher import open_private_log, private_dir
+from rlfabric.services.core import auth, certs
+from rlfabric.services.core.runtime import GRPC_OPTIONS
+from rlfabric.services.launcher import open_private_log, private_dir
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.minutes(0.5)  # on CI's 2 cores: the tiers start long files first
@@ -44,7 +44,7 @@ def _env_service(workdir: Path, *flags: str) -> Iterator[tuple[str, int, int, Pa
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, log_file, metrics_port = workdir / "env.address", workdir / "env.log", free_port()
     with open(workdir / "env.stderr", "wb") as stderr:  # a file: a pipe nobody reads could stall the service
-        proc = subprocess.Popen([sys.executable, "-m", "services.env.server", "--port-file", str(port_file),
+        proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.env.server", "--port-file", str(port_file),
                                  "--metrics-port", str(metrics_port), "--log-file", str(log_file), *flags],
                                 env=_clean_env(RLFABRIC_TOKEN=TOKEN), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=stderr)
@@ -179,7 +179,7 @@ def test_the_secret_never_goes_on_the_wire_and_each_credential_opens_only_its_ow
 def test_serve_on_a_public_address_wants_tls_or_an_explicit_insecure_plaintext(tmp_path):
     """Finding 6(a): a token alone let `serve --host 0.0.0.0` put the bearer on the network in clear."""
     try:
-        refused = subprocess.run([sys.executable, "-m", "services.cli", "serve", "env", "--host", "0.0.0.0",
+        refused = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "serve", "env", "--host", "0.0.0.0",
                                   "--coordinator", "127.0.0.1:9"], capture_output=True, text=True, timeout=60,
                                  env=_clean_env(RLFABRIC_TOKEN=TOKEN))
     except subprocess.TimeoutExpired:
@@ -196,14 +196,14 @@ def test_serve_on_a_public_address_wants_tls_or_an_explicit_insecure_plaintext(t
 def test_certs_give_services_mtls_and_https_metrics_and_clients_connect_with_the_ca(tmp_path):
     """Finding 6(b, c): `rlfabric certs` makes the deployment's CA and certificates; a service serves gRPC (mTLS)
     and metrics (HTTPS) with them; clients, the health probe among them, take the CA (and their certificate)."""
-    made = subprocess.run([sys.executable, "-m", "services.cli", "certs", str(tmp_path / "tls"), "--hosts",
+    made = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "certs", str(tmp_path / "tls"), "--hosts",
                            "node-a.lab,10.1.2.3"], capture_output=True, text=True, timeout=60, env=_clean_env())
     assert made.returncode == 0, made.stderr
     paths = certs.existing(tmp_path / "tls")
     assert paths is not None
     for key in ("ca.key", "server.key", "client.key"):
         assert paths[key].stat().st_mode & 0o077 == 0, key
-    again = subprocess.run([sys.executable, "-m", "services.cli", "certs", str(tmp_path / "tls"), "--hosts", "x"],
+    again = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "certs", str(tmp_path / "tls"), "--hosts", "x"],
                            capture_output=True, text=True, timeout=60, env=_clean_env())
     assert again.returncode == 2 and "--force" in again.stderr  # never replaces a CA silently
     service_tls = certs.service_files(paths)
@@ -214,13 +214,15 @@ def test_certs_give_services_mtls_and_https_metrics_and_clients_connect_with_the
         client = auth.Security(TOKEN, certs.client_files(paths))
         with auth.sync_channel(address, GRPC_OPTIONS, client) as channel:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        probe = subprocess.run([sys.executable, "-m", "services.core.healthcheck", address], capture_output=True,
+        probe = subprocess.run([sys.executable, "-m", "rlfabric.services.core.healthcheck", address], capture_output=True,
                                text=True, timeout=60, env=_clean_env(
                                    RLFABRIC_TOKEN=TOKEN, RLFABRIC_TLS_CA=str(paths["ca.pem"]),
                                    RLFABRIC_TLS_CERT=str(paths["client.pem"]),
                                    RLFABRIC_TLS_KEY=str(paths["client.key"])))
         assert probe.returncode == 0, probe.stderr
-        from services.coordinator.client import CoordinatorClient  # a notebook's client takes the files too
+        from rlfabric.services.coordinator.client import (
+            CoordinatorClient,  # a notebook's client takes the files too
+        )
 
         notebook = CoordinatorClient(address, token=TOKEN, tls=certs.client_files(paths))
         try:

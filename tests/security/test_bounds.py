@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from services.core.batch import Ragged, TensorBatch
-from services.core.codec import FrameError, decode
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.core.codec import FrameError, decode
 from tests.conftest import short_config
 from tests.support_redis import redis_server  # noqa: F401
 
@@ -46,7 +46,7 @@ def test_ragged_constructor_refuses_lengths_that_do_not_describe_the_values(leng
 
 def test_a_wrapping_ragged_field_never_reaches_a_replay_store():
     """Before the fix the wrapping lengths were stored, and every later sample of the store broke."""
-    from services.replay.stores.memory import MemoryStore
+    from rlfabric.services.replay.stores.memory import MemoryStore
 
     store = MemoryStore(100)
     store.put(TensorBatch({"tokens": Ragged.from_rows([[1], [2, 3]], dtype=np.int64)}, dims=("sample",), version=0))
@@ -59,7 +59,7 @@ def test_a_wrapping_ragged_field_never_reaches_a_replay_store():
 # ---- registry entries -------------------------------------------------------------------------------------------
 
 def _registration(**kw):
-    from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+    from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 
     endpoint = {"grpc": "127.0.0.1:5000", "data": "tcp://127.0.0.1:5001",
                 "metrics": "http://127.0.0.1:5002/metrics", **kw.pop("endpoint", {})}
@@ -78,7 +78,7 @@ def _registration(**kw):
 ])
 def test_registrations_larger_than_any_real_worker_are_refused(request_kw, field):
     """Before the fix each entry could hold up to 8 MiB of strings (the gRPC message bound), 4096 entries at once."""
-    from services.coordinator.registry import WorkerRegistry
+    from rlfabric.services.coordinator.registry import WorkerRegistry
 
     reg = WorkerRegistry()
     first = reg.register(_registration())
@@ -106,8 +106,8 @@ def test_refs_written_into_redis_cannot_make_replay_delete_a_checkpoint(redis_se
     """Whoever could write the refs hash used to make replay delete any object (a checkpoint) on eviction."""
     import redis
 
-    from services.core.objectstore import FilesystemObjectStore
-    from services.replay.stores.redis import RedisStore
+    from rlfabric.services.core.objectstore import FilesystemObjectStore
+    from rlfabric.services.replay.stores.redis import RedisStore
 
     objects = FilesystemObjectStore(tmp_path / "objects")
     checkpoint = "checkpoints/ckpt-000001/model.safetensors"
@@ -134,9 +134,9 @@ def test_refs_written_into_redis_cannot_make_replay_delete_a_checkpoint(redis_se
 def test_a_stored_batch_that_names_a_foreign_object_is_not_read(redis_server, tmp_path):  # noqa: F811
     import redis
 
-    from services.core.codec import unpack_frames
-    from services.core.objectstore import FilesystemObjectStore
-    from services.replay.stores.redis import RedisStore, ReplayStoreError
+    from rlfabric.services.core.codec import unpack_frames
+    from rlfabric.services.core.objectstore import FilesystemObjectStore
+    from rlfabric.services.replay.stores.redis import RedisStore, ReplayStoreError
 
     objects = FilesystemObjectStore(tmp_path / "objects")
     objects.put_bytes("checkpoints/secret", np.zeros(4 * 2 * 64, np.float32).tobytes())
@@ -147,7 +147,7 @@ def test_a_stored_batch_that_names_a_foreign_object_is_not_read(redis_server, tm
     frames = [bytes(f) for f in unpack_frames(r.get(f"rlfabric:run1:batch:{bid}"))]
     header = json.loads(frames[0])
     header["refs"][0]["key"] = "checkpoints/secret"
-    from services.core.codec import pack_frames
+    from rlfabric.services.core.codec import pack_frames
 
     r.set(f"rlfabric:run1:batch:{bid}", pack_frames([json.dumps(header).encode(), *frames[1:]]))
     with pytest.raises(ReplayStoreError, match="names object 'checkpoints/secret'"):
@@ -161,8 +161,8 @@ def replay():
     """A replay service in this process, as `rlfabric serve replay` builds it (its data plane on loopback)."""
     import asyncio
 
-    from services.core.runtime import ServiceOptions, ServiceRuntime
-    from services.replay.server import ReplayService
+    from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
+    from rlfabric.services.replay.server import ReplayService
 
     async def build():
         return ReplayService(ServiceRuntime(ServiceOptions(role="replay")), "127.0.0.1")
@@ -171,7 +171,7 @@ def replay():
     clients = []
 
     def client(max_bytes: int = 1 << 26):
-        from services.core.dataplane import DataClient
+        from rlfabric.services.core.dataplane import DataClient
 
         clients.append(DataClient(service.data.endpoint, max_bytes=max_bytes, timeout_s=10, peer="replay"))
         return clients[-1]
@@ -192,8 +192,8 @@ def _wait_parked(service, count: int) -> None:
 
 def test_parked_long_polls_are_bounded_per_connection_and_per_service(replay):
     """Before the fix every get with wait_s was parked, without limit, for up to an hour each."""
-    from services.core.dataplane import RemoteError
-    from services.replay.server import MAX_PARKED_GETS, MAX_PARKED_PER_PEER
+    from rlfabric.services.core.dataplane import RemoteError
+    from rlfabric.services.replay.server import MAX_PARKED_GETS, MAX_PARKED_PER_PEER
 
     get = TensorBatch(meta={"min_version": 0, "wait_s": 60.0})
     greedy = replay.client()
@@ -227,7 +227,7 @@ def test_parked_long_polls_are_bounded_per_connection_and_per_service(replay):
 def test_a_sample_larger_than_a_reply_can_carry_is_refused_before_it_is_gathered(replay):
     """Before the fix `sample` gathered n rows of any size (n up to 2^24) and only then found it could not send
     them; now n x the largest row is checked against data_plane.max_message_bytes first."""
-    from services.core.dataplane import RemoteError
+    from rlfabric.services.core.dataplane import RemoteError
 
     replay.data.max_bytes = 1 << 20
     c = replay.client(max_bytes=1 << 20)
@@ -249,7 +249,7 @@ def test_a_sample_larger_than_a_reply_can_carry_is_refused_before_it_is_gathered
 
 def test_memory_replay_capacity_counts_bytes_too():
     """Before the fix only rows counted: 1M rows of large images could take all of the host's memory."""
-    from services.replay.stores.memory import MemoryStore, default_capacity_bytes
+    from rlfabric.services.replay.stores.memory import MemoryStore, default_capacity_bytes
 
     assert MemoryStore(10).capacity_bytes == default_capacity_bytes() > 0
     store = MemoryStore(1_000_000, capacity_bytes=10_000)
@@ -263,7 +263,7 @@ def test_memory_replay_capacity_counts_bytes_too():
 
 
 def test_row_bytes_follow_the_window_as_it_evicts():
-    from services.replay.stores.memory import MemoryStore
+    from rlfabric.services.replay.stores.memory import MemoryStore
 
     store = MemoryStore(30)
     wide = TensorBatch({"obs": np.zeros((10, 100), np.float32)}, version=0, dims=("sample",))
@@ -283,7 +283,7 @@ def test_row_bytes_follow_the_window_as_it_evicts():
 
 
 def test_a_run_spec_sets_the_memory_replays_byte_capacity():
-    from services.replay.stores import open_replay_store
+    from rlfabric.services.replay.stores import open_replay_store
 
     store = open_replay_store(short_config(replay={"capacity_bytes": 2 << 20}), "run-1")
     assert store.capacity_bytes == 2 << 20
@@ -296,9 +296,9 @@ def test_a_data_set_larger_than_the_byte_capacity_is_refused_not_cut(tmp_path):
     run would train on part of the user's data without a word. It is refused naming the fix instead."""
     from types import SimpleNamespace
 
-    from services.core.paths import DataRoots, Endpoints
-    from services.replay.datasets import DatasetError
-    from services.replay.server import ReplayService
+    from rlfabric.services.core.paths import DataRoots, Endpoints
+    from rlfabric.services.replay.datasets import DatasetError
+    from rlfabric.services.replay.server import ReplayService
 
     np.savez(tmp_path / "demos.npz", obs=np.zeros((4096, 128), np.float32))  # 2 MiB
     np.savez(tmp_path / "small_rows.npz", obs=np.zeros((65536, 8), np.float32))  # 2 MiB in chunks under 1 MiB
@@ -318,8 +318,8 @@ def test_a_runs_memory_replay_sources_share_the_operators_budget_and_messages_ar
     interventions asked for 1.5x the host); data_plane.max_message_bytes had no upper bound."""
     import pydantic
 
-    from services.core.config import ConfigError
-    from services.replay.server import within_memory_budget
+    from rlfabric.services.core.config import ConfigError
+    from rlfabric.services.replay.server import within_memory_budget
 
     two = {"datasets": {"demos": "demos.npz"}}  # the online source and the data set's
     assert within_memory_budget(short_config(replay=two), 64 << 20).replay.capacity_bytes == 32 << 20

@@ -29,9 +29,9 @@ import grpc
 import pytest
 import zmq
 
-from services.core import auth, registry
-from services.core.registry import IMPORT_PATHS_FLAG
-from services.launcher import LocalStack
+from rlfabric.services.core import auth, registry
+from rlfabric.services.core.registry import IMPORT_PATHS_FLAG
+from rlfabric.services.launcher import LocalStack
 from tests.conftest import Aborted, AbortingContext
 
 TOKEN = "deployment-claims-secret-0123456789"
@@ -68,9 +68,9 @@ def clean_env(monkeypatch):
 def process_settings(monkeypatch):
     """What a service's start sets for its whole process (import paths, data roots, endpoints, reward limits) is
     put back afterwards."""
-    from services.core import paths
-    from services.env import reward_pool
-    from services.env.tasks import dataset
+    from rlfabric.services.core import paths
+    from rlfabric.services.env import reward_pool
+    from rlfabric.services.env.tasks import dataset
 
     monkeypatch.setattr(registry, "_import_paths", registry._import_paths)
     saved = dataset._roots, paths._process_endpoints, reward_pool.operator_limits()
@@ -95,22 +95,22 @@ class _Unserved:
 
 # role -> (module, its servicer class, its generated grpc module, the function that adds the servicer)
 SERVICES = {
-    "env": ("services.env.server", "EnvService", "env_pb2_grpc", "add_EnvServicer_to_server"),
-    "rollout": ("services.rollout.server", "RolloutService", "rollout_pb2_grpc", "add_RolloutServicer_to_server"),
-    "replay": ("services.replay.server", "ReplayService", "replay_pb2_grpc", "add_ReplayServicer_to_server"),
-    "robot_gateway": ("services.robot_gateway.server", "RobotGatewayService", "robot_gateway_pb2_grpc",
+    "env": ("rlfabric.services.env.server", "EnvService", "env_pb2_grpc", "add_EnvServicer_to_server"),
+    "rollout": ("rlfabric.services.rollout.server", "RolloutService", "rollout_pb2_grpc", "add_RolloutServicer_to_server"),
+    "replay": ("rlfabric.services.replay.server", "ReplayService", "replay_pb2_grpc", "add_ReplayServicer_to_server"),
+    "robot_gateway": ("rlfabric.services.robot_gateway.server", "RobotGatewayService", "robot_gateway_pb2_grpc",
                       "add_RobotGatewayServicer_to_server"),
 }
 
 
 def _start(monkeypatch, role: str, argv: list[str], via_cli: bool = False) -> SimpleNamespace:
-    """Start service ``role`` as ``rlfabric serve`` does (``via_cli``: through services.cli's own ``serve``), up to
+    """Start service ``role`` as ``rlfabric serve`` does (``via_cli``: through rlfabric.services.cli's own ``serve``), up to
     the moment it would serve: its parser with the RLFABRIC_* variables, its security, its own build step (the
     operator's flags applied to the process). Returns the parsed flags (``args``) and what the build gave the
     servicer (``built``)."""
     import uvloop
 
-    from services.core import runtime
+    from rlfabric.services.core import runtime
 
     module_name, servicer, grpc_module, add = SERVICES[role]
     module = importlib.import_module(module_name)
@@ -133,7 +133,7 @@ def _start(monkeypatch, role: str, argv: list[str], via_cli: bool = False) -> Si
 
     monkeypatch.setattr(module, "run_service", run_service)
     if via_cli:
-        from services import cli
+        from rlfabric.services import cli
 
         with pytest.raises(SystemExit) as done:
             cli.main(["serve", role, *argv])
@@ -175,7 +175,7 @@ class _Stack(LocalStack):
 
 @pytest.fixture
 def fake_stack(clean_env):
-    import services.launcher as launcher
+    import rlfabric.services.launcher as launcher
 
     _Stack.made = []
     clean_env.setattr(launcher, "LocalStack", _Stack)
@@ -187,7 +187,7 @@ def fake_stack(clean_env):
 
 
 def _cli(*argv: str) -> int:
-    from services import cli
+    from rlfabric.services import cli
 
     args = cli.build_parser().parse_args(list(argv))
     return {"up": cli.cmd_up, "train": cli.cmd_train, "resume": cli.cmd_resume, "certs": cli.cmd_certs,
@@ -283,12 +283,12 @@ def test_a_data_port_is_a_curve_server_and_a_peer_without_the_derived_key_never_
     key pairs derived from the token; the ZAP handler admits only the derived client key, so a peer without it
     never reaches a handler". The replay and weight ports here (the env port:
     tests/integration/test_auth.py::test_a_data_plane_peer_without_the_key_gets_nothing)."""
-    from services.core.batch import TensorBatch
-    from services.core.codec import encode
-    from services.core.config import RunConfig
-    from services.core.dataplane import DataServer
-    from services.core.weights import WeightPublisher
-    from services.replay.server import ReplayService
+    from rlfabric.services.core.batch import TensorBatch
+    from rlfabric.services.core.codec import encode
+    from rlfabric.services.core.config import RunConfig
+    from rlfabric.services.core.dataplane import DataServer
+    from rlfabric.services.core.weights import WeightPublisher
+    from rlfabric.services.replay.server import ReplayService
 
     reached = []
     real_handle = DataServer._handle
@@ -350,9 +350,9 @@ def test_a_data_port_is_a_curve_server_and_a_peer_without_the_derived_key_never_
 def test_weight_sync_defaults_to_the_data_plane_and_a_pairs_prefix_is_128_random_bits(monkeypatch):
     """README and deployment.md: "`zmq` (the default) rides the CURVE data plane"; a weight pair's keys live
     "under its pair's 128-bit random prefix"."""
-    from services.core import weight_transport
-    from services.core.config import RunConfig, parse_config
-    from services.core.weights import _options
+    from rlfabric.services.core import weight_transport
+    from rlfabric.services.core.config import RunConfig, parse_config
+    from rlfabric.services.core.weights import _options
 
     assert RunConfig().weight_sync.transport == "zmq"
     assert parse_config("name: t\n", "spec").weight_sync.transport == "zmq"
@@ -448,11 +448,11 @@ def test_allow_import_paths_and_its_variable_enable_import_paths_on_a_service(cl
     """README: "a deployment's services refuse a run spec that names code by import path (`package.module:attr`)
     unless their operator started them with `--allow-import-paths`"; deployment.md: "starts each service with
     `--allow-import-paths` (`RLFABRIC_ALLOW_IMPORT_PATHS=1`; ...)"."""
-    from services.core.config import parse_config
-    from services.core.spec_yaml import ConfigError
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.spec_yaml import ConfigError
 
     spec = json.dumps({"env": {"adapter": "text", "id": "arith", "num_envs": 2, "eval_envs": 2,
-                               "options": {"reward": "services.env.tasks.rewards:exact_match"}}})
+                               "options": {"reward": "rlfabric.services.env.tasks.rewards:exact_match"}}})
     for argv, variable, allowed in (([], "", False), (["--allow-import-paths"], "", True), ([], "1", True),
                                     ([], "0", False)):
         if variable:
@@ -460,7 +460,7 @@ def test_allow_import_paths_and_its_variable_enable_import_paths_on_a_service(cl
         _start(clean_env, "env", ["--coordinator", "127.0.0.1:9", *argv], via_cli=True)  # `rlfabric serve env`
         assert registry.import_paths_allowed() is allowed, (argv, variable)
         if allowed:
-            assert parse_config(spec, "spec").env.options["reward"] == "services.env.tasks.rewards:exact_match"
+            assert parse_config(spec, "spec").env.options["reward"] == "rlfabric.services.env.tasks.rewards:exact_match"
         else:
             with pytest.raises(ConfigError, match=rf"env.options.reward .*{IMPORT_PATHS_FLAG}"):
                 parse_config(spec, "spec")
@@ -490,9 +490,9 @@ def test_trust_remote_code_is_refused_with_invalid_argument_by_services_without_
     """deployment.md: "`policy.vlm.trust_remote_code: true` (a checkpoint's own modeling code) is refused the same
     way" (INVALID_ARGUMENT naming the field and the flag, by the coordinator at submit and by a worker at
     Configure)."""
-    from services.coordinator.server import CoordinatorService
-    from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
-    from services.env.server import EnvService
+    from rlfabric.services.coordinator.server import CoordinatorService
+    from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+    from rlfabric.services.env.server import EnvService
 
     monkeypatch.setattr(registry, "_import_paths", False)  # a service whose operator did not allow it
     spec = json.dumps({"name": "remote-code", "policy": {"vlm": {"trust_remote_code": True}}})
@@ -559,10 +559,10 @@ def test_a_resolved_import_path_that_is_not_its_kind_is_refused_before_it_is_cal
     calls_it)."""
     import torch  # noqa: F401 — as in a learner or rollout worker, where a policy's class is looked at
 
-    from services.core.config import parse_config
-    from services.core.spec_yaml import ConfigError
-    from services.env.tasks import TASKS
-    from services.env.tasks.rewards import REWARDS
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.spec_yaml import ConfigError
+    from rlfabric.services.env.tasks import TASKS
+    from rlfabric.services.env.tasks.rewards import REWARDS
 
     for name in ("rlf_claims_plugin:NoProblem", "rlf_claims_plugin:task_function"):
         with pytest.raises(ValueError, match=r"env.id .*is not a text task: a text task is a class with a problem"):
@@ -580,9 +580,9 @@ def test_a_literal_policy_that_is_no_policy_class_is_refused_before_it_is_called
     """deployment.md: "the other kinds are checked against their Protocols" — for policy.name."""
     import torch  # noqa: F401
 
-    from services.core.config import parse_config
-    from services.core.models import build_policy
-    from services.core.spec_yaml import ConfigError
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.spec_yaml import ConfigError
 
     with pytest.raises((ConfigError, ValueError)):
         parse_config(json.dumps({"policy": {"name": "rlf_claims_plugin:policy_function"}}), "spec")
@@ -597,9 +597,9 @@ def test_a_deregistration_carries_its_registrations_key_and_no_other_caller_dere
     """deployment.md: "Each registration gets a key of its own from the coordinator, which its heartbeats and its
     deregistration carry ... and so is [refused with PERMISSION_DENIED] a heartbeat or a deregistration for a
     worker that is not the caller"."""
-    from services.coordinator.server import CoordinatorService
-    from services.core import runtime as runtime_mod
-    from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+    from rlfabric.services.coordinator.server import CoordinatorService
+    from rlfabric.services.core import runtime as runtime_mod
+    from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 
     async def coordinator_side() -> None:
         service = CoordinatorService(SimpleNamespace(address="127.0.0.1:1", on_shutdown=lambda hook: None),
@@ -708,7 +708,7 @@ def test_certs_names_every_host_keeps_keys_0600_never_replaces_a_ca_silently_and
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    from services.core import certs
+    from rlfabric.services.core import certs
 
     out = tmp_path / "tls"
     assert _cli("certs", str(out), "--hosts", "node-a.lab,10.1.2.3,host-c") == 0
@@ -739,7 +739,7 @@ def test_certs_names_every_host_keeps_keys_0600_never_replaces_a_ca_silently_and
 def test_up_tls_auto_makes_its_ca_once_and_reuses_it_on_later_starts(tmp_path, fake_stack):
     """deployment.md: "`rlfabric up --tls auto` ... a CA under `<runs-root>/.rlfabric/tls` (made once, reused on
     later starts; delete it for a new one)"; README: "(`up --tls auto` a private CA too)"."""
-    from services.core import certs
+    from rlfabric.services.core import certs
 
     runs = tmp_path / "runs"
     tls = runs / ".rlfabric" / "tls"
@@ -760,9 +760,9 @@ def test_up_tls_auto_makes_its_ca_once_and_reuses_it_on_later_starts(tmp_path, f
 def test_the_operators_reward_limits_default_to_2048_mib_and_60_s(clean_env, process_settings):
     """deployment.md: "Memory (`--reward-memory-mb`, default 2048 MiB of address space per worker) and time
     (`--reward-timeout-s`, default 60 s per call) are the operator's"."""
-    from services.core.config import EnvConfig
-    from services.env import reward_pool
-    from services.env.adapters import text
+    from rlfabric.services.core.config import EnvConfig
+    from rlfabric.services.env import reward_pool
+    from rlfabric.services.env.adapters import text
 
     for role in ("env", "rollout"):  # (a rollout worker hosts a collocated plan's text envs)
         reward_pool.set_operator_limits(reward_pool.OperatorLimits(1, 1.0))
@@ -776,7 +776,7 @@ def test_the_operators_reward_limits_default_to_2048_mib_and_60_s(clean_env, pro
 
 def test_the_pool_warns_once_when_its_workers_keep_the_services_network(caplog, monkeypatch):
     """deployment.md: "Elsewhere it has the service's network, and the pool logs a warning saying so once"."""
-    from services.env.reward_pool import RewardPool
+    from rlfabric.services.env.reward_pool import RewardPool
 
     class Workers:  # pebble's pool, whose started workers each wrote what _init found (as _init does)
         def __init__(self, groups: str, why: str):
@@ -794,9 +794,9 @@ def test_the_pool_warns_once_when_its_workers_keep_the_services_network(caplog, 
         monkeypatch.setattr(pool, "_get", lambda workers=workers: workers)
         caplog.clear()
         try:
-            with caplog.at_level(logging.WARNING, logger="services.env.reward_pool"):
-                for target in ("services.env.tasks.rewards:exact_match", "services.env.tasks.rewards:gsm8k",
-                               "services.env.tasks.rewards:signed_match"):
+            with caplog.at_level(logging.WARNING, logger="rlfabric.services.env.reward_pool"):
+                for target in ("rlfabric.services.env.tasks.rewards:exact_match", "rlfabric.services.env.tasks.rewards:gsm8k",
+                               "rlfabric.services.env.tasks.rewards:signed_match"):
                     pool.resolve(target, target)
         finally:
             pool.close()
@@ -810,9 +810,9 @@ def test_eval_path_corpus_and_a_collocated_rollouts_envs_are_confined_and_the_de
     """deployment.md: "Workers apply the same rule to every path a run spec names (... a text task's
     `env.options.path`, `eval_path` and `corpus`, ...; a rollout worker hosting a collocated plan's envs as much as
     the env service), under the operator's `--data-root` (...; default: the directory the worker started in)"."""
-    from services.core.paths import DataRoots
-    from services.core.textdata import DataFileError
-    from services.env.tasks import dataset
+    from rlfabric.services.core.paths import DataRoots
+    from rlfabric.services.core.textdata import DataFileError
+    from rlfabric.services.env.tasks import dataset
 
     start, data = tmp_path / "start", tmp_path / "data"
     for d in (start, data):
@@ -838,7 +838,7 @@ def test_eval_path_corpus_and_a_collocated_rollouts_envs_are_confined_and_the_de
 
 def test_files_over_64_gib_are_refused(tmp_path):
     """deployment.md: "They read only regular files of at most 64 GiB"."""
-    from services.core.paths import DataRoots, PathRefused
+    from rlfabric.services.core.paths import DataRoots, PathRefused
 
     roots = DataRoots.parse(str(tmp_path))
     limit, over = tmp_path / "limit.pt", tmp_path / "over.pt"
@@ -856,7 +856,7 @@ def test_no_allow_endpoints_refuses_every_endpoint_the_variable_is_read_and_star
                                                                                             process_settings):
     """deployment.md: "must be on the worker's `--allow-endpoints` (`RLFABRIC_ALLOW_ENDPOINTS`, `host:port,...`,
     `*` for any; default: none), or Configure is refused naming the field and the flag"."""
-    from services.core import paths
+    from rlfabric.services.core import paths
 
     for variable, allowed, refused in (("", (), ("minio:9000", "127.0.0.1:6379", "localhost:80")),
                                        ("minio:9000,redis:6379", ("minio:9000", "redis:6379"), ("minio:9001",)),
@@ -879,7 +879,7 @@ def test_a_loopback_local_stack_reads_anything_but_devices_and_fifos_and_a_publi
     """deployment.md: "A local stack on loopback (`rlfabric train`, `up`) serves only the user who started it and
     allows any endpoint and path except devices and FIFOs; one on another interface is confined to its start
     directory (or the launcher's `RLFABRIC_DATA_ROOT`) and runs root"."""
-    from services.core import paths
+    from rlfabric.services.core import paths
 
     start, runs = tmp_path / "start", tmp_path / "runs"
     start.mkdir()
@@ -945,7 +945,7 @@ def test_a_gateways_operator_secret_is_its_own_long_enough_and_read_from_the_var
 def test_a_local_stack_takes_the_deployments_token_when_it_is_set(tmp_path, monkeypatch):
     """README: "`rlfabric train` and `up` make a secret per local stack unless `RLFABRIC_TOKEN` is set";
     deployment.md: "(or take `RLFABRIC_TOKEN` when it is set)"."""
-    from services.launcher import LocalStack
+    from rlfabric.services.launcher import LocalStack
 
     monkeypatch.setenv("RLFABRIC_TOKEN", "the-deployments-own-secret-0123456789")
     assert LocalStack(tmp_path / "logs", runs_root=tmp_path).token == "the-deployments-own-secret-0123456789"

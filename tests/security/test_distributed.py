@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.core.weight_transport import bind_address
-from services.core.weights import WeightPublisher, WeightSubscriber, WeightSyncOptions
+from rlfabric.services.core.weight_transport import bind_address
+from rlfabric.services.core.weights import WeightPublisher, WeightSubscriber, WeightSyncOptions
 
 MiB = 1 << 20
 
@@ -97,7 +97,7 @@ def test_the_store_binds_the_advertised_address_when_the_service_binds_all_inter
 
 def test_a_pair_reads_and_writes_its_own_rendezvous_keys_only():
     """The weight channel's store requests come from token holders: each reaches only its pair's keys, bounded."""
-    from services.core.weight_transport import MAX_VALUE_BYTES, PairHost
+    from rlfabric.services.core.weight_transport import MAX_VALUE_BYTES, PairHost
 
     host = PairHost("gloo", "127.0.0.1")
     try:
@@ -171,7 +171,7 @@ def test_strangers_on_another_host_can_neither_list_nor_join_a_torch_distributed
     the next weight version."""
     import json
 
-    from services.learner.ranks import RankGroup
+    from rlfabric.services.learner.ranks import RankGroup
     from tests.netns import other_host, run_there
 
     with other_host() as (namespace, here, _):
@@ -203,7 +203,7 @@ def test_strangers_on_another_host_can_neither_list_nor_join_a_torch_distributed
 
 @pytest.fixture(scope="module")
 def rank_group():
-    from services.learner.ranks import RankGroup
+    from rlfabric.services.learner.ranks import RankGroup
 
     before = listeners(os.getpid())
     group = RankGroup(2, torch.device("cpu"), timeout_s=60)

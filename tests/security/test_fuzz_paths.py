@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from services.core.proto.rlfabric.v1 import coordinator_pb2
-from services.launcher import LocalStack
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.launcher import LocalStack
 from tests.conftest import short_config, wait_for_workers
 
 ROLES = ("env", "replay", "learner", "rollout")
@@ -22,7 +22,7 @@ TERMINAL = (coordinator_pb2.SUCCEEDED, coordinator_pb2.FAILED, coordinator_pb2.S
 @pytest.fixture
 def confined_stack(tmp_path):
     """A coordinator whose workers read only under data/ and runs/ and connect nowhere a spec names."""
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     data, runs, outside = tmp_path / "data", tmp_path / "runs", tmp_path / "outside"
     for d in (data, runs, outside):
@@ -30,7 +30,7 @@ def confined_stack(tmp_path):
     stack = LocalStack(log_dir=tmp_path / "logs", runs_root=runs, roles=(), heartbeat_timeout_s=3.0)
     stack.start()
     for role in ROLES:  # (LocalStack's own workers would get a loopback stack's wide roots)
-        stack._spawn(role, f"services.{role}.server", ["--coordinator", stack.address, "--data-root",
+        stack._spawn(role, f"rlfabric.services.{role}.server", ["--coordinator", stack.address, "--data-root",
                                                        f"{data}{os.pathsep}{runs}", "--allow-endpoints", ""])
     stack.client = CoordinatorClient(stack.address)
     try:
@@ -100,9 +100,9 @@ def test_a_local_stack_refuses_devices_and_fifos_as_checkpoints(stack, tmp_path)
 
 
 def test_a_spec_cannot_aim_a_robot_env_at_a_gateway_the_operator_did_not_allow():
-    from services.core.config import EnvConfig
-    from services.core.paths import EndpointRefused, Endpoints, set_process_endpoints
-    from services.env.adapters import robot
+    from rlfabric.services.core.config import EnvConfig
+    from rlfabric.services.core.paths import EndpointRefused, Endpoints, set_process_endpoints
+    from rlfabric.services.env.adapters import robot
 
     cfg = EnvConfig(adapter="robot", id="reach", num_envs=1, options={"gateway": "10.1.2.3:50051"})
     set_process_endpoints(Endpoints.parse("127.0.0.1:7000"))  # the env service's --allow-endpoints
@@ -115,10 +115,10 @@ def test_a_spec_cannot_aim_a_robot_env_at_a_gateway_the_operator_did_not_allow()
 
 
 def test_env_kwargs_that_name_files_are_confined_to_the_data_roots(tmp_path):
-    from services.core.config import EnvConfig
-    from services.core.paths import DataRoots, PathRefused
-    from services.env.pool import EnvPool
-    from services.env.tasks.dataset import set_data_roots
+    from rlfabric.services.core.config import EnvConfig
+    from rlfabric.services.core.paths import DataRoots, PathRefused
+    from rlfabric.services.env.pool import EnvPool
+    from rlfabric.services.env.tasks.dataset import set_data_roots
 
     (tmp_path / "data").mkdir()
     set_data_roots(DataRoots.parse(str(tmp_path / "data")))
@@ -133,7 +133,7 @@ def test_env_kwargs_that_name_files_are_confined_to_the_data_roots(tmp_path):
 
 
 def test_a_public_local_stack_takes_the_launchers_data_root(tmp_path, monkeypatch):
-    from services.core.paths import local_stack_args
+    from rlfabric.services.core.paths import local_stack_args
 
     monkeypatch.setenv("RLFABRIC_DATA_ROOT", str(tmp_path / "datasets"))
     args = local_stack_args("0.0.0.0", tmp_path / "runs")

@@ -13,17 +13,17 @@ import json
 import grpc
 import pytest
 
-from services.core.config import RunConfig
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.proto.rlfabric.v1 import (
     common_pb2,
     env_pb2_grpc,
     learner_pb2_grpc,
     replay_pb2_grpc,
     rollout_pb2_grpc,
 )
-from services.core.registry import IMPORT_PATHS_FLAG
-from services.core.runtime import ROLE_NAMES
-from services.launcher import LocalStack
+from rlfabric.services.core.registry import IMPORT_PATHS_FLAG
+from rlfabric.services.core.runtime import ROLE_NAMES
+from rlfabric.services.launcher import LocalStack
 from tests.conftest import grpc_channel, wait_for_workers
 
 ROLES = ("env", "replay", "learner", "rollout")
@@ -60,7 +60,7 @@ NAMES = ("subprocess:Popen", "os:system", "builtins:exec", "rlf_evil:Task", "rlf
 def unflagged_stack(tmp_path, monkeypatch):
     """Every service as its own process, started the way an operator starts them, without the flag; the module
     ``rlf_evil`` is importable in each (PYTHONPATH), and importing it anywhere writes the sentinel."""
-    from services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.client import CoordinatorClient
 
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "rlf_evil.py").write_text(EVIL)

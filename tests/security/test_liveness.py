@@ -12,11 +12,16 @@ import time
 import grpc
 import pytest
 
-from services.coordinator.plan import PlanExecutor
-from services.coordinator.registry import BUSY_CPU_SHARE, Worker
-from services.coordinator.run import Run, RunFailed
-from services.coordinator.stages import Unresponsive
-from services.core.proto.rlfabric.v1 import coordinator_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from rlfabric.services.coordinator.plan import PlanExecutor
+from rlfabric.services.coordinator.registry import BUSY_CPU_SHARE, Worker
+from rlfabric.services.coordinator.run import Run, RunFailed
+from rlfabric.services.coordinator.stages import Unresponsive
+from rlfabric.services.core.proto.rlfabric.v1 import (
+    coordinator_pb2,
+    learner_pb2,
+    learner_pb2_grpc,
+    rollout_pb2_grpc,
+)
 from tests.conftest import short_config
 
 pytestmark = pytest.mark.serial  # liveness windows and heartbeats in seconds: never beside another test
@@ -191,8 +196,8 @@ def _run_with_learner(mode: str, tmp_path, monkeypatch):
     """A CartPole run on a local stack (supervised, as `rlfabric train` runs it) whose learner misbehaves as
     tests/security/wedged_learner.py's ``mode`` says; returns the final status, the run's events, the seconds from
     submit to the end, the marker file, and the stack's restarts."""
-    from services.coordinator.client import CoordinatorClient
-    from services.launcher import LocalStack
+    from rlfabric.services.coordinator.client import CoordinatorClient
+    from rlfabric.services.launcher import LocalStack
 
     spawn = LocalStack._spawn
 

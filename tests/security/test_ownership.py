@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import Aborted, AbortingContext, short_config
 
 
@@ -48,18 +48,18 @@ class _Runtime:
 
 def _service(role: str, runtime):
     if role == "env":
-        from services.env.server import EnvService
+        from rlfabric.services.env.server import EnvService
 
         return EnvService(runtime, "127.0.0.1")
     if role == "replay":
-        from services.replay.server import ReplayService
+        from rlfabric.services.replay.server import ReplayService
 
         return ReplayService(runtime, "127.0.0.1")
     if role == "rollout":
-        from services.rollout.server import RolloutService
+        from rlfabric.services.rollout.server import RolloutService
 
         return RolloutService(runtime)
-    from services.learner.server import LearnerService
+    from rlfabric.services.learner.server import LearnerService
 
     return LearnerService(runtime, "127.0.0.1", 1)
 
@@ -69,7 +69,7 @@ def _configure(role: str, cached_owner: str, holder: str, run_id: str, key: str 
     """Configure a ``role`` worker whose last heartbeat named ``cached_owner`` while the coordinator says ``holder``
     holds it, for ``run_id`` (with ``key``, by default that run's, as the coordinator sends it) and a config_json
     that is not JSON: (the abort, questions asked, owner after)."""
-    from services.core.ownership import RUN_KEY_METADATA
+    from rlfabric.services.core.ownership import RUN_KEY_METADATA
 
     key = key_of(run_id) if key is None else key
 

@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 import pytest
 
-from services.core.config import RunConfig
-from services.core.paths import (
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.paths import (
     DataRoots,
     EndpointRefused,
     Endpoints,
@@ -66,7 +66,7 @@ def test_devices_fifos_and_oversized_files_are_refused_without_reading(layout):
 
 
 def test_learner_reads_checkpoints_only_under_its_roots(layout):
-    from services.learner.server import _read_checkpoint
+    from rlfabric.services.learner.server import _read_checkpoint
 
     for path, roots, expected in (("/dev/zero", DataRoots.anywhere(), "a device, not a regular file"),
                                   ("/dev/zero", layout.roots, "outside this worker's data root"),
@@ -78,7 +78,7 @@ def test_learner_reads_checkpoints_only_under_its_roots(layout):
 
 
 def test_data_sets_are_read_only_under_the_roots_and_only_from_regular_files(layout):
-    from services.replay.datasets import DatasetError, load_dataset
+    from rlfabric.services.replay.datasets import DatasetError, load_dataset
 
     np.savez(layout.root / "demos.npz", obs=np.zeros((4, 2), np.float32))
     assert load_dataset("demos.npz", 10, roots=layout.roots).rows == 4
@@ -119,7 +119,7 @@ def test_endpoints_come_from_the_allow_list():
 
 def test_replay_refuses_a_redis_url_not_allowed_before_connecting(layout):
     """The replay service opens Redis where the spec says only if its operator allowed it (SSRF otherwise)."""
-    from services.replay.server import ReplayService
+    from rlfabric.services.replay.server import ReplayService
 
     worker = SimpleNamespace(roots=layout.roots, endpoints=Endpoints.parse("redis:6379"), max_memory_bytes=1 << 30)
     config = short_config(replay={"store": "redis", "redis_url": "redis://:hunter2@10.0.0.1:6380/0"})
@@ -127,14 +127,14 @@ def test_replay_refuses_a_redis_url_not_allowed_before_connecting(layout):
         ReplayService._open_stores(worker, config, "r", str(layout.root))
     assert "10.0.0.1:6380" in str(info.value) and "hunter2" not in str(info.value)
     config = short_config(replay={"datasets": {"demos": str(layout.outside)}})
-    from services.replay.datasets import DatasetError
+    from rlfabric.services.replay.datasets import DatasetError
 
     with pytest.raises(DatasetError, match="replay.datasets.demos.*outside"):
         ReplayService._open_stores(worker, config, "r", str(layout.root))
 
 
 def test_rollout_configure_refuses_a_storage_root_outside(layout):
-    from services.rollout.server import RolloutService
+    from rlfabric.services.rollout.server import RolloutService
 
     runtime = SimpleNamespace(options=SimpleNamespace(role="rollout", coordinator=""), worker_id="", owner_run="",
                               on_shutdown=lambda hook: None, watch=lambda name, probe: None)
@@ -149,7 +149,7 @@ def test_rollout_configure_refuses_a_storage_root_outside(layout):
 
 
 def test_a_saved_model_directory_is_confined_too(layout):
-    from services.core.paths import confine_model
+    from rlfabric.services.core.paths import confine_model
 
     config = short_config(policy={"lm": {"path": "models/lm"}})
     assert confine_model(config, layout.roots).policy.lm.path == str(layout.root / "models" / "lm")
@@ -162,7 +162,7 @@ def test_a_saved_model_directory_is_confined_too(layout):
 def test_a_vlm_policys_model_directory_is_confined_too(layout, section, field):
     """A VLM directory is read by transformers itself (its modeling code too, with trust_remote_code): it must lie
     under the roots like any other file a spec names."""
-    from services.core.paths import confine_model
+    from rlfabric.services.core.paths import confine_model
 
     inside = confine_model(short_config(policy={section: {field: "models/vlm"}}), layout.roots)
     assert getattr(getattr(inside.policy, section), field) == str(layout.root / "models" / "vlm")
@@ -173,7 +173,7 @@ def test_a_vlm_policys_model_directory_is_confined_too(layout, section, field):
 def test_learner_configure_answers_a_run_directory_that_is_a_fifo_with_a_status(layout):
     """A run directory inside the roots that is not a directory (here a FIFO) is the host's refusal, answered as
     FAILED_PRECONDITION naming the path, not an unhandled exception (UNKNOWN) the fuzz suite counts as a crash."""
-    from services.learner.server import LearnerService
+    from rlfabric.services.learner.server import LearnerService
 
     runtime = SimpleNamespace(options=SimpleNamespace(role="learner", coordinator=""), worker_id="", owner_run="",
                               on_shutdown=lambda hook: None, watch=lambda name, probe: None)
@@ -191,8 +191,8 @@ def test_learner_configure_answers_a_run_directory_that_is_a_fifo_with_a_status(
 
 def test_the_env_service_reads_data_set_files_only_under_its_roots(layout):
     """env.options.path of the dataset text task: the env service's --data-root confines it like the others."""
-    from services.core.textdata import DataFileError
-    from services.env.tasks import dataset
+    from rlfabric.services.core.textdata import DataFileError
+    from rlfabric.services.env.tasks import dataset
 
     (layout.root / "qa.jsonl").write_text('{"prompt": "2+2", "answer": "4"}\n')
     layout.outside.with_suffix(".jsonl").write_text('{"prompt": "secret", "answer": "1"}\n')

@@ -9,8 +9,8 @@ import sys
 import grpc
 import pytest
 
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-from services.robot_gateway.drivers import DRIVERS, driver_class
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+from rlfabric.services.robot_gateway.drivers import DRIVERS, driver_class
 from tests.robot_support import gateway_in_process
 
 SIDE_EFFECT = "import os\nopen(os.environ['RLF_IMPORTED'], 'w').close()\n\n\nclass Arm:\n    pass\n"
@@ -28,7 +28,7 @@ def importable(tmp_path, monkeypatch):
     sys.modules.pop("rlf_test_trap", None)
 
 
-@pytest.mark.parametrize("name", ["rlf_test_trap:Arm", "rlf_test_trap", "services.robot_gateway.drivers.sim:SimArm"])
+@pytest.mark.parametrize("name", ["rlf_test_trap:Arm", "rlf_test_trap", "rlfabric.services.robot_gateway.drivers.sim:SimArm"])
 def test_a_driver_name_is_never_an_import_path(importable, name):
     with pytest.raises(ValueError, match=rf"driver {name!r} is not a registered driver; available: \["):
         driver_class(name)

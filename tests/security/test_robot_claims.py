@@ -27,12 +27,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-from services.robot_gateway import loop as loop_module
-from services.robot_gateway.drivers import Driver, register_driver
-from services.robot_gateway.drivers.sim import SimArm
-from services.robot_gateway.loop import ControlLoop, TakeoverError, Tick
-from services.robot_gateway.safety import Limits, SafetyFilter
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+from rlfabric.services.robot_gateway import loop as loop_module
+from rlfabric.services.robot_gateway.drivers import Driver, register_driver
+from rlfabric.services.robot_gateway.drivers.sim import SimArm
+from rlfabric.services.robot_gateway.loop import ControlLoop, TakeoverError, Tick
+from rlfabric.services.robot_gateway.safety import Limits, SafetyFilter
 from tests.robot_support import OPERATOR_SECRET, as_operator, gateway_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -414,7 +414,7 @@ class FakeArmProcess:
 def fake_gateway(monkeypatch):
     """A RobotGatewayService whose arms are FakeArmProcesses; ``call(handler, request, metadata)`` runs a handler
     on a fresh event loop and returns its reply (or raises Aborted)."""
-    from services.robot_gateway import server
+    from rlfabric.services.robot_gateway import server
     from tests.conftest import Aborted, AbortingContext  # (here: the arm processes below import this module)
     from tests.robot_support import _Runtime
 
@@ -451,7 +451,7 @@ def test_a_gateway_remembers_the_safety_state_of_1024_devices_and_refuses_a_1025
     """robot_safety.md: "... and safety state for 1024 devices"; "The gateway remembers this state while it runs
     (up to 1024 devices)". 1023 real arms' latches kept, one more device fits; the next is refused rather than a
     remembered latch dropped. (A simulated arm's record that no one holds is dropped to make room.)"""
-    from services.robot_gateway.server import Device
+    from rlfabric.services.robot_gateway.server import Device
 
     service = fake_gateway.make()
     for i in range(1023):
@@ -496,8 +496,8 @@ def test_the_arm_process_builds_its_loop_with_the_spin_it_was_given():
     """robot_safety.md, spin_s: the arm process's loop runs with the spin Connect gave it (0: never spin)."""
     import socket
 
-    from services.robot_gateway.arm_process import _Serve
-    from services.robot_gateway.drivers import DRIVERS
+    from rlfabric.services.robot_gateway.arm_process import _Serve
+    from rlfabric.services.robot_gateway.drivers import DRIVERS
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -515,7 +515,7 @@ def test_the_arm_process_builds_its_loop_with_the_spin_it_was_given():
 def test_estop_answers_after_25_periods_anyway_and_logs_the_age_of_the_last_tick(fake_gateway, monkeypatch, caplog):
     """robot_safety.md: "A loop stuck in its driver's I/O ... cannot act on it: after 25 periods EStop answers
     anyway, with `estop_requested` and without `estopped`, and logs an error with the age of the last tick"."""
-    from services.robot_gateway import server
+    from rlfabric.services.robot_gateway import server
 
     service = fake_gateway.make()
     fake_gateway.call(service.Connect, _connect_request("stuck"))
@@ -529,7 +529,7 @@ def test_estop_answers_after_25_periods_anyway_and_logs_the_age_of_the_last_tick
         slept.append(seconds)
 
     monkeypatch.setattr(server.asyncio, "sleep", sleep)
-    with caplog.at_level(logging.ERROR, logger="services.robot_gateway.server"):
+    with caplog.at_level(logging.ERROR, logger="rlfabric.services.robot_gateway.server"):
         reply = fake_gateway.call(service.EStop, pb.EStopRequest(robot_id="stuck", reason="test"))
     assert reply.estop_requested and not reply.estopped and reply.seq == 7
     assert sum(slept) == pytest.approx(25 * arm.period)
@@ -542,7 +542,7 @@ def test_a_missed_deadline_turns_the_health_check_not_serving_until_the_operator
     until the operator's ClearEStop"."""
     from grpc_health.v1 import health_pb2
 
-    from services.core.runtime import ServiceOptions, ServiceRuntime
+    from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
 
     async def scenario():
         runtime = ServiceRuntime(ServiceOptions(role="robot_gateway"))
@@ -568,8 +568,8 @@ def test_a_dead_recorder_thread_turns_the_gateway_not_serving_with_the_reason_in
     service runtime that answers the health check.)"""
     from grpc_health.v1 import health_pb2
 
-    from services.core.runtime import ServiceOptions, ServiceRuntime
-    from services.robot_gateway.recording import Recorder
+    from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
+    from rlfabric.services.robot_gateway.recording import Recorder
 
     async def scenario():
         runtime = ServiceRuntime(ServiceOptions(role="robot_gateway"))
@@ -583,7 +583,7 @@ def test_a_dead_recorder_thread_turns_the_gateway_not_serving_with_the_reason_in
         await asyncio.sleep(0.05)
         return runtime.health._server_status[""], runtime.failed  # noqa: SLF001
 
-    with caplog.at_level(logging.CRITICAL, logger="services.core.runtime"):
+    with caplog.at_level(logging.CRITICAL, logger="rlfabric.services.core.runtime"):
         status, failed = asyncio.run(scenario())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert "recorder of arm died" in failed["control-loops"]
@@ -594,7 +594,7 @@ def test_a_dead_recorder_thread_turns_the_gateway_not_serving_with_the_reason_in
 def test_a_recording_past_the_memory_cap_is_refused_naming_the_cap_and_the_largest_episode_that_fits():
     """robot_safety.md: "... must fit 256 MiB, or `StartRecording` is refused with `INVALID_ARGUMENT` naming the cap
     and the largest episode that fits." The largest named fits; one tick more does not."""
-    from services.robot_gateway.recording import RecordingError, check_memory
+    from rlfabric.services.robot_gateway.recording import RecordingError, check_memory
 
     for queue_ticks in (0, 20_000):
         with pytest.raises(RecordingError) as err:
@@ -614,8 +614,8 @@ def test_the_replay_endpoints_come_from_the_flag_or_rlfabric_replay_endpoints(mo
     StartRecording naming another is refused with PERMISSION_DENIED (tests/security/test_robot_safety.py)."""
     import argparse
 
-    from services.core.runtime import ServiceOptions, apply_env_defaults
-    from services.robot_gateway import server
+    from rlfabric.services.core.runtime import ServiceOptions, apply_env_defaults
+    from rlfabric.services.robot_gateway import server
 
     def built(argv: list[str], environ: dict[str, str]):
         parser = argparse.ArgumentParser()
@@ -651,8 +651,8 @@ class _LatchedGateway:
 
 
 def _latched_env(monkeypatch, state: pb.RobotState, **options):
-    from services.core.config import EnvConfig
-    from services.env.adapters import robot
+    from rlfabric.services.core.config import EnvConfig
+    from rlfabric.services.env.adapters import robot
 
     env = robot.RobotVectorEnv.__new__(robot.RobotVectorEnv)  # its reset's wait, without a gateway
     env.pb, env.ids, env.stub = pb, ["env7-0-0"], _LatchedGateway(state)
@@ -667,7 +667,7 @@ def test_the_reset_of_a_latched_arm_waits_latch_wait_s_default_10_s_then_fails_n
     with the arm held, and logs the arm's id and the command above in the env service's log. ... otherwise the step
     fails with the same message". The default, as the adapter uses it (a fake clock): 10 s of waiting with only
     GetState sent (nothing that moves or clears the arm), then the error naming the arm, the fault and the fix."""
-    from services.env.adapters import robot
+    from rlfabric.services.env.adapters import robot
 
     clock = FakeClock()
     monkeypatch.setattr(robot, "time", clock)
@@ -687,7 +687,7 @@ def test_a_small_latch_wait_s_gives_up_after_it_for_an_estop(monkeypatch):
     """robot_safety.md: "up to `env.options.latch_wait_s`": a small value, really waited (a fake clock), then the
     step's error for an e-stopped arm. (tests/integration/test_robot_env.py: the same on a live gateway, and the
     cleared case, where the episode ends truncated with `hold_reason` "e-stop".)"""
-    from services.env.adapters import robot
+    from rlfabric.services.env.adapters import robot
 
     clock = FakeClock()
     monkeypatch.setattr(robot, "time", clock)
@@ -759,7 +759,7 @@ def test_a_franka_at_a_clean_disconnect_stops_its_motion_and_its_next_connect_re
     (`JointStopMotion`, or `stop_control`)"; and "The next Connect recovers the robot's errors
     (`recover_from_errors` / `automatic_error_recovery`)". The arm process's stop, as it runs it: the loop stops
     (brake), then the driver closes."""
-    from services.robot_gateway.drivers.franka import FrankaArm
+    from rlfabric.services.robot_gateway.drivers.franka import FrankaArm
 
     lib = _FakeFranky if backend == "franky" else _FakePylibfranka
     monkeypatch.setattr(FrankaArm, "_import_backend", lambda self: lib)
@@ -782,7 +782,7 @@ def test_an_so_arm_keeps_torque_at_disconnect_unless_release_torque_is_true(monk
     """robot_safety.md, the so100/so101 row: "torque stays on ... With `options.release_torque: "true"` the servos'
     torque is turned off at Disconnect". What the driver asks of LeRobot (``disable_torque_on_disconnect``), and
     that closing it disconnects: a fake LeRobot follower, since LeRobot is not installed here."""
-    from services.robot_gateway.drivers import so_follower
+    from rlfabric.services.robot_gateway.drivers import so_follower
 
     class Config(SimpleNamespace):
         pass
@@ -878,7 +878,7 @@ def test_a_paused_arm_process_latches_a_deadline_fault_and_fails_health_naming_t
     ClearEStop clears the fault and the probe (the runtime then serves again: the test above)."""
     from grpc_health.v1 import health_pb2
 
-    from services.core.runtime import ServiceOptions, ServiceRuntime
+    from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
 
     stub, service, runtime = gateway
     connect(stub, "paused", watchdog_s=0.1)
@@ -906,7 +906,7 @@ def test_a_paused_arm_process_latches_a_deadline_fault_and_fails_health_naming_t
         await asyncio.sleep(0.05)
         return served.health._server_status[""]  # noqa: SLF001 — what Check answers
 
-    with caplog.at_level(logging.CRITICAL, logger="services.core.runtime"):
+    with caplog.at_level(logging.CRITICAL, logger="rlfabric.services.core.runtime"):
         assert asyncio.run(watched()) == health_pb2.HealthCheckResponse.NOT_SERVING
     reason = next(r.reason for r in caplog.records if getattr(r, "component", "") == "control-loops")
     assert "paused" in reason and "ms late" in reason
@@ -939,9 +939,9 @@ def test_the_arm_process_ticks_at_sched_fifo_on_a_core_of_its_own_where_permitte
 
 MINI_GATEWAY = """
 import sys, time
-from services.robot_gateway.drivers import register_driver
+from rlfabric.services.robot_gateway.drivers import register_driver
 register_driver("claims_mark_sim", "tests.security.test_robot_claims:MarkSim")
-from services.robot_gateway.arm_process import ArmProcess
+from rlfabric.services.robot_gateway.arm_process import ArmProcess
 arm = ArmProcess("arm", "claims_mark_sim", {"marks": sys.argv[1], "start": "0,-0.3,0.6"}, 100.0, 1.0, 0.001)
 arm.start()
 print(arm.proc.pid, flush=True)

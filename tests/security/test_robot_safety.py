@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from services.robot_gateway.safety import LimitError, Limits, SafetyFilter
+from rlfabric.services.robot_gateway.safety import LimitError, Limits, SafetyFilter
 
 HARD = Limits(position_min=np.array([-2.6, -1.6, -2.3]), position_max=np.array([2.6, 1.6, 2.3]),
               velocity_max=np.full(3, 2.0), slew_max=np.full(3, 0.05), jump_max=0.5,
@@ -113,14 +113,14 @@ def test_a_negative_velocity_limit_no_longer_drives_a_still_arm():
 # -- a live gateway --------------------------------------------------------------------------------------------------
 mujoco = pytest.importorskip("mujoco")
 
-from services.core import auth  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
-from services.core.runtime import GRPC_OPTIONS  # noqa: E402
-from services.robot_gateway.drivers import register_driver  # noqa: E402
-from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
-from services.robot_gateway.loop import ControlLoop  # noqa: E402
-from services.robot_gateway.recording import Recorder  # noqa: E402
+from rlfabric.services.core import auth  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
+from rlfabric.services.core.runtime import GRPC_OPTIONS  # noqa: E402
+from rlfabric.services.robot_gateway.drivers import register_driver  # noqa: E402
+from rlfabric.services.robot_gateway.drivers.sim import SimArm  # noqa: E402
+from rlfabric.services.robot_gateway.loop import ControlLoop  # noqa: E402
+from rlfabric.services.robot_gateway.recording import Recorder  # noqa: E402
 from tests.robot_support import as_operator, gateway_in_process, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.minutes(0.4)  # on CI's 2 cores: the tiers start long files first
@@ -250,7 +250,7 @@ register_driver("slow_sim", f"{__name__}:SlowSim")
 
 @pytest.fixture
 def gateway(tmp_path):
-    from services.core.config import StorageConfig
+    from rlfabric.services.core.config import StorageConfig
 
     with gateway_in_process(storage=StorageConfig(kind="filesystem", root=str(tmp_path / "rec")),
                             replay_endpoints=frozenset({"tcp://127.0.0.1:1"})) as made:
@@ -414,7 +414,7 @@ def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(g
     stuck.touch()
     time.sleep(0.2)  # the loop is inside the driver's command now
     t0 = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="services.robot_gateway.server"):
+    with caplog.at_level(logging.ERROR, logger="rlfabric.services.robot_gateway.server"):
         requested = stub.EStop(pb.EStopRequest(robot_id="arm", reason="test"), timeout=5)
     assert time.monotonic() - t0 < 1.0  # answered while the loop is still stuck
     assert requested.estop_requested and not requested.estopped, requested
@@ -491,7 +491,7 @@ def test_a_killed_gateway_leaves_no_arm_process_behind(tmp_path):
         gateway = next(pid for pid, (parent, _, cmd) in procs.items()
                        if parent == os.getpid() and "robot_gateway" in cmd)
         arms = [pid for pid, (parent, _, cmd) in procs.items()
-                if parent == gateway and "services.robot_gateway.arm_process" in cmd]
+                if parent == gateway and "rlfabric.services.robot_gateway.arm_process" in cmd]
         assert len(arms) == 1, procs
         os.kill(gateway, signal.SIGKILL)
         deadline = time.monotonic() + 5
@@ -532,7 +532,7 @@ def _tick(loop_tick, episode: int):
 
 @live_loop
 def test_an_episode_no_sink_took_counts_failed_not_kept():
-    from services.robot_gateway.loop import Tick
+    from rlfabric.services.robot_gateway.loop import Tick
 
     base = Tick(0, 0.0, np.zeros(3), np.zeros(3), np.zeros(3), False, "", False, "", 0.0, 0.0, 0, 1)
     fates: list = []

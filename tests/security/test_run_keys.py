@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from services.core.proto.rlfabric.v1 import (
+from rlfabric.services.core.proto.rlfabric.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.core.config import RunConfig, dump_yaml
+from rlfabric.services.core.config import RunConfig, dump_yaml
 from tests.conftest import short_config
 
 SECRETS = ("AKIA-SPEC-KEY", "spec-secret-key", "hunter2")
@@ -42,7 +42,7 @@ def test_redacted_config_has_no_secret_and_keeps_the_rest():
 
 
 def test_run_directory_is_private_and_config_yaml_holds_no_secret(tmp_path):
-    from services.coordinator.runlog import RunLog
+    from rlfabric.services.coordinator.runlog import RunLog
 
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True, mode=0o755)
@@ -59,7 +59,7 @@ def test_run_directory_is_private_and_config_yaml_holds_no_secret(tmp_path):
 
 
 def test_log_files_are_owner_only_and_never_written_through_a_symlink(tmp_path):
-    from services.core.logs import setup_logging
+    from rlfabric.services.core.logs import setup_logging
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -91,8 +91,8 @@ class _Context:
 
 def test_run_index_holds_no_secret_and_is_owner_only(tmp_path):
     """SubmitRun records the run in runs.json: its spec without the secrets, in a 0600 file of a 0700 folder."""
-    from services.coordinator.server import CoordinatorService
-    from services.core.proto.rlfabric.v1 import coordinator_pb2
+    from rlfabric.services.coordinator.server import CoordinatorService
+    from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 
     async def main():
         runtime = SimpleNamespace(address="127.0.0.1:1", on_shutdown=lambda hook: None)
@@ -114,7 +114,7 @@ def test_run_index_holds_no_secret_and_is_owner_only(tmp_path):
 
 
 def test_replay_takes_the_redis_password_from_its_environment_not_the_spec():
-    from services.replay.server import with_password
+    from rlfabric.services.replay.server import with_password
 
     assert with_password("redis://redis:6379/0", "p@ss/word") == "redis://:p%40ss%2Fword@redis:6379/0"
     assert with_password("redis://user@redis:6379/0", "pw") == "redis://user:pw@redis:6379/0"
@@ -125,7 +125,7 @@ def test_replay_takes_the_redis_password_from_its_environment_not_the_spec():
 
 def test_the_env_worker_keeps_no_secret_of_the_runs_it_serves(monkeypatch):
     """The env service opens no store: the S3 keys and Redis password a spec holds are not kept there."""
-    from services.env import server
+    from rlfabric.services.env import server
 
     runtime = SimpleNamespace(options=SimpleNamespace(role="env", coordinator=""), worker_id="", owner_run="",
                               advertise_host="127.0.0.1", data_endpoint="", state="idle", on_shutdown=lambda hook: None,
@@ -134,7 +134,7 @@ def test_the_env_worker_keeps_no_secret_of_the_runs_it_serves(monkeypatch):
     async def main():
         service = server.EnvService(runtime, "127.0.0.1")
         try:
-            from services.core.proto.rlfabric.v1 import common_pb2
+            from rlfabric.services.core.proto.rlfabric.v1 import common_pb2
 
             await service.Configure(common_pb2.ConfigureRequest(run_id="r", config_json=_secret_config().to_json()),
                                     _Context())
@@ -150,9 +150,9 @@ def test_checkpoints_hold_the_spec_without_its_secrets(tmp_path):
     """A checkpoint is a file (or an object) others may copy: the spec inside it is redacted like config.yaml."""
     import torch
 
-    from services.core.objectstore import FilesystemObjectStore
-    from services.learner import checkpoint as ckpt
-    from services.learner.server import LearnerService
+    from rlfabric.services.core.objectstore import FilesystemObjectStore
+    from rlfabric.services.learner import checkpoint as ckpt
+    from rlfabric.services.learner.server import LearnerService
 
     store = FilesystemObjectStore(tmp_path)
     learner = SimpleNamespace(config=_secret_config(), env_spec={}, ranks=None, version=3, store=store,
@@ -169,7 +169,7 @@ def test_checkpoints_hold_the_spec_without_its_secrets(tmp_path):
 def test_the_coordinator_sends_an_env_worker_no_secret(monkeypatch):
     """What crosses the wire to a worker that opens no store holds none of the spec's secrets (the env service drops
     them too, but it should never have been sent them)."""
-    from services.coordinator import plan as plan_mod
+    from rlfabric.services.coordinator import plan as plan_mod
 
     sent = []
 
@@ -192,11 +192,11 @@ def test_what_the_coordinator_and_a_replay_worker_log_or_answer_holds_no_secret(
     never reach `config.yaml`, the run index, checkpoints or logs": every log record (as the JSON log files write
     it) and every file of a run the coordinator takes, and what a replay worker logs and answers as it opens the
     spec's Redis, or cannot reach it."""
-    from services.coordinator.server import CoordinatorService
-    from services.core.logs import JsonFormatter
-    from services.core.paths import DataRoots, Endpoints
-    from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
-    from services.replay.server import ReplayService
+    from rlfabric.services.coordinator.server import CoordinatorService
+    from rlfabric.services.core.logs import JsonFormatter
+    from rlfabric.services.core.paths import DataRoots, Endpoints
+    from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+    from rlfabric.services.replay.server import ReplayService
     from tests.conftest import Aborted, AbortingContext
 
     runtime = SimpleNamespace(address="127.0.0.1:1", advertise_host="127.0.0.1", data_endpoint="", state="idle",
@@ -242,10 +242,10 @@ def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, 
     """deployment.md: "a resumed run takes them from its workers' environment (`RLFABRIC_S3_ACCESS_KEY`,
     `RLFABRIC_S3_SECRET_KEY`, `RLFABRIC_REDIS_PASSWORD`)": the spec a resume reads back from config.yaml has none,
     and a worker opening its stores (here the replay service: S3 for large tensors, Redis) fills them in."""
-    from services.core import objectstore
-    from services.core.config import parse_config
-    from services.core.paths import DataRoots, Endpoints
-    from services.replay import server as replay_server
+    from rlfabric.services.core import objectstore
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.paths import DataRoots, Endpoints
+    from rlfabric.services.replay import server as replay_server
 
     spec = short_config(storage={"kind": "s3", "endpoint": "minio:9000", "access_key": SECRETS[0],
                                  "secret_key": SECRETS[1]},

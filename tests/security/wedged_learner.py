@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from services.learner import server
+from rlfabric.services.learner import server
 
 _train = server.LearnerService._train
 

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.env.chunking import ActionChunk  # noqa: E402
-from services.env.sims.arm_reach import ArmReach  # noqa: E402
+from rlfabric.services.env.chunking import ActionChunk  # noqa: E402
+from rlfabric.services.env.sims.arm_reach import ArmReach  # noqa: E402
 
 
 class Opaque(gym.Wrapper):

@@ -12,11 +12,11 @@ import importlib.util
 import numpy as np
 import pytest
 
-from services.core.config import EnvConfig
-from services.env.adapters import adapter
-from services.env.adapters import metaworld as mw_adapter
-from services.env.adapters.instruction import decode_instruction, encode_instruction
-from services.env.pool import EnvPool
+from rlfabric.services.core.config import EnvConfig
+from rlfabric.services.env.adapters import adapter
+from rlfabric.services.env.adapters import metaworld as mw_adapter
+from rlfabric.services.env.adapters.instruction import decode_instruction, encode_instruction
+from rlfabric.services.env.pool import EnvPool
 
 
 def _missing(*modules: str) -> str | None:

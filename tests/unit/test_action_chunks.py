@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import RunConfig
-from services.core.models import build_policy
-from services.env.pool import EnvPool
-from services.learner.algorithms.ppo import compute_gae, per_step_discounting
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.env.pool import EnvPool
+from rlfabric.services.learner.algorithms.ppo import compute_gae, per_step_discounting
 from tests.rendering_support import run_rendering_cases
 
 EXECUTED: list[tuple[int, float]] = []  # (episode, action) of every primitive step any Countdown env ran

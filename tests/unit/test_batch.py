@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.batch import Ragged, TensorBatch
+from rlfabric.services.core.batch import Ragged, TensorBatch
 
 
 def _trajectory(T: int, N: int, offset: int = 0) -> TensorBatch:

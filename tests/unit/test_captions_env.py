@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from services.core.config import EnvConfig
-from services.env.adapters import adapter
-from services.env.adapters.captions import word_f1
-from services.env.adapters.instruction import decode_instruction, encode_instruction
+from rlfabric.services.core.config import EnvConfig
+from rlfabric.services.env.adapters import adapter
+from rlfabric.services.env.adapters.captions import word_f1
+from rlfabric.services.env.adapters.instruction import decode_instruction, encode_instruction
 
 PIL = pytest.importorskip("PIL.Image")
 CAPTIONS = ["red top", "blue top", "red bottom", "blue bottom", "green top"]

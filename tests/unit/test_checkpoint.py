@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from services.core.objectstore import FilesystemObjectStore
-from services.learner import checkpoint as ckpt
+from rlfabric.services.core.objectstore import FilesystemObjectStore
+from rlfabric.services.learner import checkpoint as ckpt
 
 
 def _state(v):
@@ -50,8 +50,8 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_weights_container_round_trip_and_corruption(tmp_path):
-    from services.core.codec import FrameError
-    from services.core.weights import load_weights, save_weights
+    from rlfabric.services.core.codec import FrameError
+    from rlfabric.services.core.weights import load_weights, save_weights
 
     store = FilesystemObjectStore(tmp_path)
     assert load_weights(store, 1 << 20) is None

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.batch import TensorBatch
-from services.core.codec import DTYPES, FrameError, decode, encode
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import DTYPES, FrameError, decode, encode
 
 NUMPY_DTYPES = [d for d in DTYPES if d != "bfloat16"]
 
@@ -99,7 +99,7 @@ def test_unsupported_values_are_refused():
 
 
 def test_frames_blob_round_trip_and_corruption():
-    from services.core.codec import pack_frames, unpack_frames
+    from rlfabric.services.core.codec import pack_frames, unpack_frames
 
     frames = encode("x", TensorBatch({"a": np.arange(5.0), "b": np.zeros((2, 2), np.uint8)}, version=3))
     blob = pack_frames(frames)

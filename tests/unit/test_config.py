@@ -1,6 +1,6 @@
 import pytest
 
-from services.core.config import ConfigError, RunConfig, load_config, parse_config
+from rlfabric.services.core.config import ConfigError, RunConfig, load_config, parse_config
 
 
 def test_defaults_and_examples_are_valid():
@@ -15,7 +15,7 @@ def test_every_example_run_spec_validates_and_its_text_data_builds():
     (data files, options, reward); others write their data first (bench/reasoning_data.py)."""
     from pathlib import Path
 
-    from services.env.adapters import text
+    from rlfabric.services.env.adapters import text
 
     names = sorted(p.name for p in Path("examples").glob("*.yaml"))
     assert {"sums_sft.yaml", "sums_grpo.yaml", "arith_grpo.yaml"} <= set(names)
@@ -97,7 +97,7 @@ def test_json_round_trip_and_bad_json():
 
 def test_the_cheap_spec_reader_agrees_with_the_schema_on_overrides(tmp_path):
     """The launcher reads a spec's name and threads without the schema (no torch): same YAML, same overrides."""
-    from services.core.spec_yaml import read_spec_file
+    from rlfabric.services.core.spec_yaml import read_spec_file
 
     spec = tmp_path / "s.yaml"
     spec.write_text("name: a\nruntime:\n  torch_threads: 2\n")

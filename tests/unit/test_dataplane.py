@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import zmq
 
-from services.core.batch import TensorBatch
-from services.core.codec import FrameError
-from services.core.dataplane import DataClient, DataServer, PeerTimeout, RemoteError
-from services.core.weights import WeightPublisher, WeightSubscriber
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import FrameError
+from rlfabric.services.core.dataplane import DataClient, DataServer, PeerTimeout, RemoteError
+from rlfabric.services.core.weights import WeightPublisher, WeightSubscriber
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_a_dead_loop_fails_the_services_health_check():
 
     from grpc_health.v1 import health_pb2
 
-    from services.core.runtime import ServiceOptions, ServiceRuntime
+    from rlfabric.services.core.runtime import ServiceOptions, ServiceRuntime
 
     async def scenario():
         runtime = ServiceRuntime(ServiceOptions(role="env"))

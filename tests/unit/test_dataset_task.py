@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from services.core.batch import Ragged
-from services.core.textdata import chat_messages
-from services.env.tasks.dataset import Corpus, DatasetTask
-from services.env.tasks.tools import ToolError, run_turn
+from rlfabric.services.core.batch import Ragged
+from rlfabric.services.core.textdata import chat_messages
+from rlfabric.services.env.tasks.dataset import Corpus, DatasetTask
+from rlfabric.services.env.tasks.tools import ToolError, run_turn
 
 ROWS = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "level": i % 3}
         for i in range(200)]
@@ -97,7 +97,7 @@ def test_the_hash_split_and_an_eval_file_give_disjoint_prompts(data, tmp_path):
     ({"path": "DATA", "reward_timeout_s": 30}, r"env.options.reward_step_timeout_s=20.0: seconds in \[reward_timeout"),
 ])
 def test_bad_options_and_rows_name_the_option_the_row_and_the_fix(data, options, message):
-    from services.env.adapters import text
+    from rlfabric.services.env.adapters import text
 
     options = {k: (data if v == "DATA" else v) for k, v in options.items()}
     with pytest.raises(ValueError, match=message):
@@ -105,8 +105,8 @@ def test_bad_options_and_rows_name_the_option_the_row_and_the_fix(data, options,
 
 
 def test_a_spec_may_lower_the_operators_reward_limits_never_lift_them(data):
-    from services.env import reward_pool
-    from services.env.adapters import text
+    from rlfabric.services.env import reward_pool
+    from rlfabric.services.env.adapters import text
 
     reward_pool.set_operator_limits(reward_pool.OperatorLimits(memory_mb=1024, timeout_s=5.0))
     try:
@@ -135,7 +135,7 @@ def test_a_row_missing_its_answer_is_named_by_number(tmp_path):
 
 
 def test_the_text_adapter_scores_data_set_answers_with_the_gsm8k_reward(data):
-    from services.env.pool import EnvPool
+    from rlfabric.services.env.pool import EnvPool
 
     pool = EnvPool(_env(num_envs=4, path=data, prompt_field="question", reward="gsm8k", group_size=2), 4)
     try:
@@ -167,7 +167,7 @@ def test_bm25_search_finds_the_passage_and_refuses_a_query_that_matches_none(tmp
 
 
 def test_a_search_task_answers_search_turns_and_ends_on_an_answer(tmp_path):
-    from services.env.pool import EnvPool
+    from rlfabric.services.env.pool import EnvPool
 
     corpus = _jsonl(tmp_path / "corpus.jsonl", CORPUS)
     rows = _jsonl(tmp_path / "qa.jsonl", [{"prompt": "How many hearts does an octopus have?", "answer": "3"}] * 4)
@@ -194,8 +194,8 @@ def test_the_search_example_builds_and_every_answer_is_in_the_passage_its_questi
     the passage holding the answer for every row of the shipped data (the task is solvable by searching)."""
     from pathlib import Path
 
-    from services.core.config import load_config
-    from services.env.adapters import text
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.env.adapters import text
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
@@ -216,7 +216,7 @@ def test_the_search_example_builds_and_every_answer_is_in_the_passage_its_questi
 def test_the_example_user_reward_scores_gsm8k_answers(monkeypatch):
     from pathlib import Path
 
-    from services.env.tasks.rewards import REWARDS, call_reward
+    from rlfabric.services.env.tasks.rewards import REWARDS, call_reward
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
     monkeypatch.setattr(REWARDS, "_loaded", {})

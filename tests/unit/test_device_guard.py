@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.algorithms.grpo import group_advantages
-from services.learner.algorithms.sft import model_token_mask
+from rlfabric.services.learner.algorithms.grpo import group_advantages
+from rlfabric.services.learner.algorithms.sft import model_token_mask
 from tests.device_guard import ROOT, guard
 
 # the two functions as they were before the fix (sft.py:35 and grpo.py:112 of issue 40), compiled as if they lived

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.batch import TensorBatch
-from services.core.config import ConfigError, parse_config
-from services.core.devices import resolve_device
-from services.core.models import build_policy
-from services.rollout.backends.torch import TorchBackend
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.config import ConfigError, parse_config
+from rlfabric.services.core.devices import resolve_device
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.rollout.backends.torch import TorchBackend
 
 SPEC = {"observation_space": {"kind": "box", "shape": [4], "dtype": "float32"},
         "action_space": {"kind": "discrete", "shape": [], "dtype": "int64", "n": 2}}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.coordinator import dynamic
-from services.coordinator.records import IterationRecord
-from services.core.config import parse_config
+from rlfabric.services.coordinator import dynamic
+from rlfabric.services.coordinator.records import IterationRecord
+from rlfabric.services.core.config import parse_config
 
 
 class FakeControl:

@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import RunConfig
-from services.core.models import build_policy
-from services.env.pool import EnvPool
-from services.learner.algorithms.grpo_embodied import EmbodiedGRPO, episode_advantages, first_episode_mask
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.env.pool import EnvPool
+from rlfabric.services.learner.algorithms.grpo_embodied import (
+    EmbodiedGRPO,
+    episode_advantages,
+    first_episode_mask,
+)
 
 
 def run_config(**algorithm) -> RunConfig:

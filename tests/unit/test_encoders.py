@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.config import CNNConfig
-from services.core.models.encoders import CNN
+from rlfabric.services.core.config import CNNConfig
+from rlfabric.services.core.models.encoders import CNN
 
 
 def _cnn(h: int, w: int, **cfg) -> CNN:

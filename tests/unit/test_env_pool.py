@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from services.core.config import EnvConfig
-from services.env.adapters.gymnasium import UnknownEnvError, check_env_id
-from services.env.pool import EnvPool
+from rlfabric.services.core.config import EnvConfig
+from rlfabric.services.env.adapters.gymnasium import UnknownEnvError, check_env_id
+from rlfabric.services.env.pool import EnvPool
 
 
 def _env(env_id: str) -> EnvConfig:
@@ -59,8 +59,8 @@ def test_env_shards_are_bounded_by_the_run_env_batch_whatever_resets_name():
     """Regression: every reset naming a new pool built a new set of envs that was never freed (+100 MB for 2,000
     names). Shard names are bounded by env.num_envs (each rollout worker has one env at least), and the shards
     together never hold more envs than the run's batch: shards an earlier plan left give way, oldest first."""
-    from services.core.config import RunConfig
-    from services.env.pool import EnvPools
+    from rlfabric.services.core.config import RunConfig
+    from rlfabric.services.env.pool import EnvPools
 
     pools = EnvPools(RunConfig.model_validate({"env": {"num_envs": 4, "eval_envs": 2}}), build_train=False)
     refused = 0

@@ -127,7 +127,7 @@ def test_every_example_and_every_algorithm_has_an_entry_whose_spec_validates():
     import gpu_examples
 
     import rlfabric
-    from services.core.config import load_config
+    from rlfabric.services.core.config import load_config
 
     entries = gpu_examples.entries()
     assert {e.spec for e in entries} == {p.stem for p in (ROOT / "examples").glob("*.yaml")} - gpu_examples.SKIP

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import PolicyConfig, RunConfig
-from services.policies import grounding
+from rlfabric.services.core.config import PolicyConfig, RunConfig
+from rlfabric.services.policies import grounding
 
 pytest.importorskip("transformers.models.siglip")
 
@@ -59,7 +59,7 @@ def test_the_encoder_learns_where_the_square_is_and_pi0_starts_from_it(tmp_path)
     assert [r["update"] for r in log][-1] == 300 and len(log) == 11
 
     model.save_pretrained(str(tmp_path / "encoder"))
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
     from tests.vla_support import OBS_SPACE, chunk_space
 
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def test_train_refuses_a_vision_stage_for_a_policy_without_an_encoder_to_start(t
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"env: {{id: rlfabric/ArmReachLang-v0}}\npolicy: {policy}\nalgorithm: {{name: ppo}}\n"
                     f"warm_start: {{vision: {{scenes: 20}}}}\n")
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", str(spec), "--run-dir", str(tmp_path / "r"),
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "train", str(spec), "--run-dir", str(tmp_path / "r"),
                            "--quiet"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and message in " ".join(proc.stderr.split()), proc.stderr[-2000:]
     assert not (tmp_path / "r" / "warm_start" / "vision").exists()

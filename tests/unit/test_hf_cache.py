@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from services.core.models.hf_cache import cache_arg, cache_of
+from rlfabric.services.core.models.hf_cache import cache_arg, cache_of
 
 
 def test_a_decoded_token_extends_the_prefix_cache_without_a_deprecation_warning():

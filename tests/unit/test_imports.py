@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.lazy import LazyModule, lazy_import
+from rlfabric.services.core.lazy import LazyModule, lazy_import
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,8 +43,8 @@ def _torch_after(code: str) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["services.coordinator.server", "services.robot_gateway.server",
-                                    "services.replay.server", "services.env.server"])
+@pytest.mark.parametrize("module", ["rlfabric.services.coordinator.server", "rlfabric.services.robot_gateway.server",
+                                    "rlfabric.services.replay.server", "rlfabric.services.env.server"])
 def test_a_service_that_does_not_train_imports_no_torch(module):
     result = _torch_after(f"import {module}")
     assert not result["torch"], f"importing {module} imports torch, via {result['via']}"
@@ -55,8 +55,8 @@ def test_the_config_schema_and_every_algorithms_declarations_need_no_torch():
     iterations): all of that without torch."""
     result = _torch_after("""
         import rlfabric.registries
-        from services.core.algorithm import load_algorithms
-        from services.core.config import RunConfig
+        from rlfabric.services.core.algorithm import load_algorithms
+        from rlfabric.services.core.config import RunConfig
 
         assert {"ppo", "sac", "iql", "bc", "grpo", "sft"} <= set(load_algorithms())
         assert rlfabric.registries.algorithms() == load_algorithms()
@@ -74,8 +74,8 @@ def test_the_coordinator_validates_every_example_spec_without_torch():
     coordinator loaded torch for 4 of the examples. What a built-in policy serves is now read without importing it."""
     result = _torch_after("""
         import glob
-        import services.coordinator.server
-        from services.core.config import load_config
+        import rlfabric.services.coordinator.server
+        from rlfabric.services.core.config import load_config
 
         examples = sorted(glob.glob("examples/*.yaml"))
         assert len(examples) > 20
@@ -89,9 +89,9 @@ def test_the_coordinator_validates_every_example_spec_without_torch():
 @pytest.mark.parametrize("adapter,env_id", [("gymnasium", "CartPole-v1"), ("text", "arith")])
 def test_an_env_service_whose_adapter_needs_no_torch_steps_without_it(adapter, env_id):
     result = _torch_after(f"""
-        import services.env.server
-        from services.core.config import EnvConfig
-        from services.env.pool import EnvPool
+        import rlfabric.services.env.server
+        from rlfabric.services.core.config import EnvConfig
+        from rlfabric.services.env.pool import EnvPool
 
         EnvPool(EnvConfig(adapter={adapter!r}, id={env_id!r}), 2).reset(0)
     """)
@@ -101,7 +101,7 @@ def test_an_env_service_whose_adapter_needs_no_torch_steps_without_it(adapter, e
 def test_the_learner_gets_torch_when_an_update_runs():
     """The other side: an algorithm file's lazily bound torch is the real one once its update code uses it."""
     result = _torch_after("""
-        from services.learner.algorithms import ppo
+        from rlfabric.services.learner.algorithms import ppo
 
         assert "torch" not in sys.modules
         gamma = ppo.torch.ones(3)
@@ -137,7 +137,7 @@ def test_a_plugin_spec_that_imports_torch_eagerly_is_named_in_a_warning(tmp_path
         from importlib.metadata import EntryPoint
 
         sys.path.insert(0, {str(tmp_path)!r})
-        import services.core.algorithm as algorithm
+        import rlfabric.services.core.algorithm as algorithm
 
         builtin = algorithm.entry_points
         algorithm.entry_points = lambda group: [*builtin(group=group), EntryPoint("eager", "eager_specs", group)]

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from services.core.algorithm import load_algorithms
+from rlfabric.services.core.algorithm import load_algorithms
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 ALGORITHM_DIR = SERVICES / "learner" / "algorithms"
@@ -41,7 +41,8 @@ def test_the_shared_runtime_imports_no_service_and_no_policy():
         for node in ast.walk(ast.parse(path.read_text())):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{path.name}: {m}" for m in modules if m.split(".")[:2] in [["services", s] for s in services]]
+            offenders += [f"{path.name}: {m}" for m in modules
+                          if m.split(".")[:3] in [["rlfabric", "services", s] for s in services]]
     assert not offenders, offenders
 
 

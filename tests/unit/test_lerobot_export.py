@@ -10,10 +10,10 @@ import importlib.util
 import numpy as np
 import pytest
 
-from services.core.objectstore import FilesystemObjectStore
-from services.robot_gateway.export import features, frames, main
-from services.robot_gateway.loop import Tick
-from services.robot_gateway.recording import ObjectStoreSink, Recorder, read_episodes
+from rlfabric.services.core.objectstore import FilesystemObjectStore
+from rlfabric.services.robot_gateway.export import features, frames, main
+from rlfabric.services.robot_gateway.loop import Tick
+from rlfabric.services.robot_gateway.recording import ObjectStoreSink, Recorder, read_episodes
 
 JOINTS = ["yaw", "shoulder", "elbow"]
 HAS_LEROBOT = importlib.util.find_spec("lerobot") is not None

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.batch import Ragged, TensorBatch
-from services.learner.algorithms.grpo import clipped_surrogate, group_advantages, k3
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.learner.algorithms.grpo import clipped_surrogate, group_advantages, k3
 
 
 def test_group_advantages_centre_and_scale_within_each_group():
@@ -36,7 +36,7 @@ def test_k3_is_a_non_negative_kl_estimate_that_vanishes_at_equality():
 
 @pytest.fixture
 def lm_run():
-    from services.core.config import parse_config
+    from rlfabric.services.core.config import parse_config
 
     return parse_config("""
 name: t
@@ -49,7 +49,7 @@ algorithm: {name: grpo, learning_rate: 0.01, minibatch_size: 4}
 
 
 def test_a_grpo_update_raises_the_likelihood_of_the_rewarded_response(lm_run):
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def test_a_grpo_update_raises_the_likelihood_of_the_rewarded_response(lm_run):
 
 
 def test_gae_over_response_tokens_skips_masked_positions_and_matches_a_hand_computation():
-    from services.learner.algorithms.ppo_lm import gae
+    from rlfabric.services.learner.algorithms.ppo_lm import gae
 
     # one row: response tokens at positions 0, 1, 3 (position 2 is a tool output, masked out); reward at the end
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
@@ -97,8 +97,8 @@ def test_gae_over_response_tokens_skips_masked_positions_and_matches_a_hand_comp
 
 
 def test_a_ppo_update_with_a_value_head_raises_the_rewarded_response_and_fits_the_values():
-    from services.core.config import parse_config
-    from services.core.models import build_policy
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.models import build_policy
 
     run = parse_config("""
 name: t
@@ -140,8 +140,8 @@ algorithm: {name: ppo_lm, learning_rate: 0.003, minibatch_size: 4, epochs: 2, vf
 def _step_on_uneven_responses(algorithm: str, questions: tuple[str, str] = ("Q: 2+2= A:", "Q: 2+2= A:")):
     """One update by ``algorithm`` (the body of its YAML mapping) on 8 responses of uneven length, 4 to each
     question, whose engine log-probs are the policy's own: the parameters after it, and its stats."""
-    from services.core.config import parse_config
-    from services.core.models import build_policy
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.models import build_policy
 
     text = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
     answers = [" 4", " 1234567", " 5", " 12", " 98765", " 3", " 777777777", " 0"]
@@ -194,9 +194,9 @@ def test_length_grouped_micro_batches_take_the_same_step_as_one_pass(algorithm, 
 def test_shared_prompt_log_probs_equal_the_full_passes_for_uneven_prompts_and_responses():
     """shared_prompt_logprobs runs each distinct prompt once (left-padded together) and each response on its
     owner's KV cache: every response token's log-prob and the gradient equal the plain full-row pass."""
-    from services.core.config import parse_config
-    from services.core.models import build_policy
-    from services.learner.algorithms.grpo import shared_prefixes
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.learner.algorithms.grpo import shared_prefixes
 
     run = parse_config("""
 name: t
@@ -258,7 +258,7 @@ def test_share_prompt_takes_the_same_grpo_step(micro):
 
 
 def test_share_prompt_is_refused_where_the_forward_pass_has_a_value_head():
-    from services.core.config import ConfigError, parse_config
+    from rlfabric.services.core.config import ConfigError, parse_config
 
     with pytest.raises((ConfigError, ValueError), match="share_prompt"):
         parse_config("""

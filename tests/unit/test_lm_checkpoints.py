@@ -35,7 +35,7 @@ def _run(path, backend: str = "hf", lora: int = 0):
 
 
 def _policy(path, lora: int = 0):
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     return build_policy("causal_lm", SPEC, _run(path, lora=lora).policy)
 
@@ -44,7 +44,7 @@ def _policy(path, lora: int = 0):
 def test_a_checkpoint_loads_with_its_own_special_tokens_and_chat_template(checkpoints, arch):
     from transformers import AutoTokenizer, GenerationConfig
 
-    from services.core.textdata import chat_text
+    from rlfabric.services.core.textdata import chat_text
 
     path = checkpoints[arch]
     policy = _policy(path)
@@ -70,9 +70,9 @@ def test_a_checkpoint_loads_with_its_own_special_tokens_and_chat_template(checkp
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_generation_stops_at_the_checkpoints_eos(checkpoints, arch):
-    from services.core.models.lm import bias_end_token
-    from services.core.textdata import chat_text
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.core.models.lm import bias_end_token
+    from rlfabric.services.core.textdata import chat_text
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     backend = HFBackend(_run(checkpoints[arch]), SPEC, "cpu")
     eos = backend.codec.eos_ids[0]  # <|im_end|> / <|eot_id|>: not the char tokenizer's id 2
@@ -88,7 +88,7 @@ def test_generation_stops_at_the_checkpoints_eos(checkpoints, arch):
 
 
 def test_stop_strings_end_a_sample_where_its_text_ends_with_one():
-    from services.core.models.tokenizer import TextCodec, build_tokenizer
+    from rlfabric.services.core.models.tokenizer import TextCodec, build_tokenizer
 
     tok = build_tokenizer()
     codec = TextCodec(tok, SimpleNamespace(eos_token_id=2, stop_strings=["</answer>"], pad_token_id=None))
@@ -104,7 +104,7 @@ def test_save_pretrained_round_trips_to_the_same_greedy_tokens_in_plain_transfor
                                                                                      lora):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.core.textdata import chat_text
+    from rlfabric.services.core.textdata import chat_text
 
     policy = _policy(checkpoints[arch], lora=lora)
     perturb(policy.model, 1, scale=0.2)  # with LoRA: adapters and base both move, the export must merge them
@@ -124,8 +124,8 @@ def test_save_pretrained_round_trips_to_the_same_greedy_tokens_in_plain_transfor
 
 BPE_SCRIPT = """
 import hashlib, sys
-from services.core.config import parse_config
-from services.core.models.tokenizer import load_tokenizer
+from rlfabric.services.core.config import parse_config
+from rlfabric.services.core.models.tokenizer import load_tokenizer
 cfg = parse_config(open(sys.argv[1]).read())
 tok = load_tokenizer(cfg.policy.lm)
 print(len(tok), hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest())
@@ -133,7 +133,7 @@ print(len(tok), hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdiges
 
 
 def test_a_built_models_bpe_tokenizer_is_the_same_in_every_process(tmp_path):
-    from services.core.models.tokenizer import load_tokenizer
+    from rlfabric.services.core.models.tokenizer import load_tokenizer
 
     data = tmp_path / "data.jsonl"
     rows = [{"prompt": f"What is {a} times {b}?", "answer": str(a * b)} for a in range(30) for b in range(12)]
@@ -149,7 +149,7 @@ algorithm: {{name: grpo}}
                            text=True, check=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": str(seed)}
                            ).stdout.split() for seed in (1, 2)]
     assert outs[0] == outs[1] and 256 + 3 < int(outs[0][0]) <= 300  # bytes, specials, then learned merges
-    from services.core.config import parse_config
+    from rlfabric.services.core.config import parse_config
 
     tok = load_tokenizer(parse_config((tmp_path / "run.yaml").read_text()).policy.lm)
     pieces = tok.tokenize("What is 12 times 7?")  # words merged, numbers digit by digit (as Qwen2 splits them)
@@ -158,7 +158,7 @@ algorithm: {{name: grpo}}
 
 
 def test_a_dataset_task_run_trains_its_tokenizer_on_its_data_file():
-    from services.core.config import RunConfig
+    from rlfabric.services.core.config import RunConfig
 
     base = {"env": {"adapter": "text", "id": "dataset", "options": {"path": "data/qa.jsonl", "group_size": 2}},
             "algorithm": {"name": "grpo"}}
@@ -179,7 +179,7 @@ class _Env:
         self.n = n
 
     def request(self, op, batch):
-        from services.core.batch import Ragged, TensorBatch
+        from rlfabric.services.core.batch import Ragged, TensorBatch
 
         if op == "reset":
             return None, TensorBatch({"obs": Ragged.from_texts(["Q: 1+1= A:"] * self.n)})
@@ -189,8 +189,8 @@ class _Env:
 
 
 def test_episodes_start_from_the_backends_prompt_ids_and_count_reward_failures():
-    from services.rollout.backends.hf import HFBackend
-    from services.rollout.collectors.llm import LLMCollector
+    from rlfabric.services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.collectors.llm import LLMCollector
 
     run = lm_run("hf")
     backend = HFBackend(run, SPEC, "cpu")
@@ -206,7 +206,7 @@ def test_episodes_start_from_the_backends_prompt_ids_and_count_reward_failures()
 def test_a_generation_config_stop_string_ends_hf_generation(checkpoints, tmp_path):
     import shutil
 
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     path = tmp_path / "qwen2"
     shutil.copytree(checkpoints["qwen2"], path)
@@ -224,9 +224,9 @@ def test_a_generation_config_stop_string_ends_hf_generation(checkpoints, tmp_pat
 
 
 def test_the_tokenizer_corpus_is_confined_to_the_data_roots(tmp_path):
-    from services.core.config import parse_config
-    from services.core.paths import DataRoots, PathRefused, confine_model
-    from services.replay.datasets import DatasetError, load_dataset
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.paths import DataRoots, PathRefused, confine_model
+    from rlfabric.services.replay.datasets import DatasetError, load_dataset
 
     inside, outside = tmp_path / "data", tmp_path / "elsewhere"
     for d in (inside, outside):
@@ -255,10 +255,10 @@ replay: {{datasets: {{offline: {inside / "c.jsonl"}}}}}
 def test_a_checkpoints_own_context_bounds_episodes_and_a_prompt_that_cannot_start_is_an_error(checkpoints):
     """policy.lm.path: the context is the checkpoint's max_position_embeddings unless the spec sets max_positions
     (lower); a prompt that leaves no room for its first turn fails loudly instead of scoring 0 silently."""
-    from services.core.config import RunConfig
-    from services.core.models import build_policy
-    from services.rollout.backends.hf import HFBackend
-    from services.rollout.collectors.llm import LLMCollector
+    from rlfabric.services.core.config import RunConfig
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.collectors.llm import LLMCollector
 
     base = lm_run("hf").model_dump()
     base["policy"]["lm"] = {"path": str(checkpoints["qwen2"])}  # max_positions left unset

@@ -20,13 +20,13 @@ def _perturb(module: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def backend():
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     return HFBackend(_run(), SPEC, "cpu")
 
 
 def test_engine_log_probs_are_the_learners_under_the_same_weights(backend):
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     run = _run()
     learner = build_policy("causal_lm", SPEC, run.policy)
@@ -43,7 +43,7 @@ def test_engine_log_probs_are_the_learners_under_the_same_weights(backend):
 
 
 def test_greedy_generation_follows_the_argmax_and_a_new_version_changes_it(backend):
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     learner = build_policy("causal_lm", SPEC, _run().policy)
     prompt = [1, *backend.encode("Q: 12+30= A:")]
@@ -69,8 +69,8 @@ def test_greedy_generation_follows_the_argmax_and_a_new_version_changes_it(backe
 
 
 def test_lora_trains_only_adapters_and_merged_weights_act_the_same():
-    from services.core.models import build_policy
-    from services.core.models.lm import merged_state_dict
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.core.models.lm import merged_state_dict
 
     adapted = build_policy("causal_lm", SPEC, _run(lora=4).policy)
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
@@ -91,7 +91,7 @@ def test_lora_trains_only_adapters_and_merged_weights_act_the_same():
 
 
 def test_init_checkpoint_that_does_not_exist_names_the_field(tmp_path):
-    from services.learner.server import _read_checkpoint
+    from rlfabric.services.learner.server import _read_checkpoint
 
     with pytest.raises(ValueError, match="policy.init_checkpoint"):
         _read_checkpoint(str(tmp_path / "nope.pt"), "policy.init_checkpoint")

@@ -2,8 +2,8 @@ import socket
 
 import pytest
 
-from services.core.config import ConfigError, StorageConfig
-from services.core.objectstore import FilesystemObjectStore, ObjectStoreError, open_store
+from rlfabric.services.core.config import ConfigError, StorageConfig
+from rlfabric.services.core.objectstore import FilesystemObjectStore, ObjectStoreError, open_store
 
 
 def test_put_get_list_and_atomic_replace(tmp_path):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import ConfigError, RunConfig, parse_config
-from services.core.models.squashed_gaussian import SquashedGaussianActor
-from services.learner.algorithms.iql import expectile_loss
+from rlfabric.services.core.config import ConfigError, RunConfig, parse_config
+from rlfabric.services.core.models.squashed_gaussian import SquashedGaussianActor
+from rlfabric.services.learner.algorithms.iql import expectile_loss
 
 SPEC = {"observation_space": {"kind": "box", "shape": [3], "dtype": "float32"},
         "action_space": {"kind": "box", "shape": [1], "dtype": "float32", "low": -2.0, "high": 2.0}}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.config import RunConfig
-from services.core.models import build_policy
-from services.core.offload import ModelOffload, state_tensors
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.core.offload import ModelOffload, state_tensors
 
 SPEC = {"observation_space": {"kind": "box", "shape": [4]}, "action_space": {"kind": "discrete", "n": 2, "shape": []}}
 BOX = {"observation_space": {"kind": "box", "shape": [3]},
@@ -102,7 +102,7 @@ def test_state_tensors_finds_every_model_and_optimiser_of_sac():
 
 
 def test_offload_config_is_checked_against_the_plan():
-    from services.core.config import ConfigError, load_config
+    from rlfabric.services.core.config import ConfigError, load_config
 
     collocated = RunConfig.model_validate({"scheduling": {"offload": "auto"}})
     assert collocated.scheduling.offload_target("cpu") == "disk"

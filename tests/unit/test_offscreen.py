@@ -32,6 +32,6 @@ def _run(pick: str) -> subprocess.CompletedProcess:
 
 
 def test_a_torch_process_that_picks_osmesa_survives_a_later_triton_import():
-    proc = _run("from services.env.sims.offscreen import use_osmesa; use_osmesa()")
+    proc = _run("from rlfabric.services.env.sims.offscreen import use_osmesa; use_osmesa()")
     assert proc.returncode == 0 and "alive" in proc.stdout, proc.stderr[-2000:]
     assert _run("").returncode == -11  # the crash it prevents (SIGSEGV), so this test can tell

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.learner.optim import Adam
+from rlfabric.services.learner.optim import Adam
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -124,7 +124,7 @@ def test_state_of_another_architecture_is_a_clear_error():
 
 
 def test_building_and_stepping_does_not_import_dynamo():
-    code = ("import sys, torch\nfrom services.learner.optim import Adam\n"
+    code = ("import sys, torch\nfrom rlfabric.services.learner.optim import Adam\n"
             "p = torch.nn.Parameter(torch.ones(3)); o = Adam([p], lr=0.1); p.grad = torch.ones(3); o.step()\n"
             "o.load_state_dict(o.state_dict())\n"
             "assert p.detach().lt(1).all(), p\nprint('torch._dynamo' in sys.modules)")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import PolicyConfig, RunConfig
-from services.core.models import build_policy
-from services.policies.pi0 import PI0Policy
+from rlfabric.services.core.config import PolicyConfig, RunConfig
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.policies.pi0 import PI0Policy
 from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, imitate, observations
 
 pytest.importorskip("transformers.models.pi0")
@@ -168,7 +168,7 @@ def test_pi0_starts_its_vlm_from_a_saved_paligemma_and_can_keep_its_encoder_froz
     """vlm_path: every VLM tensor whose name and shape agree comes from the saved PaliGemma (its embedding, of
     another vocabulary, does not); freeze_vision: SFT steps move the expert and the language model, not the
     encoder."""
-    from services.policies.vlm_families import FAMILIES
+    from rlfabric.services.policies.vlm_families import FAMILIES
 
     sizes = PolicyConfig(name="pi0", pi0={"patch": 8}).pi0
     torch.manual_seed(5)

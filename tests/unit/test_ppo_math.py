@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from services.core.algorithm import ALGORITHMS, algorithm
-from services.core.config import RunConfig
-from services.core.models import ActorCritic
-from services.learner.algorithms.ppo import PPO, compute_gae, ppo_loss
+from rlfabric.services.core.algorithm import ALGORITHMS, algorithm
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.models import ActorCritic
+from rlfabric.services.learner.algorithms.ppo import PPO, compute_gae, ppo_loss
 
 
 def test_gae_matches_hand_computation():

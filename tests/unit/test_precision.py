@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.batch import Ragged, TensorBatch
-from services.core.runtime import learner_precision
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.core.runtime import learner_precision
 from tests.lm_support import SPEC, lm_run, perturb
 
 TEXT = {"kind": "text", "shape": [], "dtype": "uint8", "max_length": 64}
@@ -60,8 +60,8 @@ def _grpo_batch(policy, answers: list[str]) -> tuple[TensorBatch, torch.Tensor, 
 def test_a_bf16_mixed_grpo_update_moves_toward_the_rewarded_response_like_fp32(micro):
     """The same update under fp32 and bf16-mixed (one pass, and passes of 2): the rewarded response gains in
     both, the parameters move alike, and the weights and optimizer state stay fp32."""
-    from services.core.config import parse_config
-    from services.core.models import build_policy
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.models import build_policy
 
     run = parse_config(f"""
 name: t
@@ -94,7 +94,7 @@ algorithm: {{name: grpo, learning_rate: 0.01, minibatch_size: 2, epochs: 2, micr
 
 
 def test_eager_attention_gives_the_log_probs_of_sdpa():
-    from services.core.models import build_policy
+    from rlfabric.services.core.models import build_policy
 
     out = {}
     for attention in ("sdpa", "eager"):
@@ -114,8 +114,8 @@ def test_eager_attention_gives_the_log_probs_of_sdpa():
 def test_a_bfloat16_hf_engine_samples_what_an_fp32_learner_scores_closely():
     """rollout.dtype bfloat16: the engine's weights are bf16 (fp32 versions cast on load) and its log-probs of
     its own samples stay within bf16 rounding of the fp32 learner's; float32 stays exact."""
-    from services.core.models import build_policy
-    from services.rollout.backends.hf import HFBackend
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.rollout.backends.hf import HFBackend
 
     gaps = {}
     for dtype in ("float32", "bfloat16"):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import services.env.sims  # noqa: F401  (registers rlfabric/ArmReachLang-v0)
-from services.core.config import PolicyConfig
-from services.core.models import build_policy
-from services.learner.ranks import load_starting_weights
+import rlfabric.services.env.sims  # noqa: F401  (registers rlfabric/ArmReachLang-v0)
+from rlfabric.services.core.config import PolicyConfig
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.learner.ranks import load_starting_weights
 from tests.vla_support import OBS_SPACE, TEXTS, chunk_space, observations
 
 pytest.importorskip("transformers.models.pi0")
@@ -34,7 +34,7 @@ def with_privileged(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_arm_reach_observes_its_true_state_for_the_critic(monkeypatch):
-    from services.env.sims.arm_reach import ArmReach
+    from rlfabric.services.env.sims.arm_reach import ArmReach
 
     # the camera is beside the point here, and this process may hold no OpenGL context (mujoco imported before)
     monkeypatch.setattr(ArmReach, "render_frame", lambda self: np.zeros((32, 32, 3), np.uint8))

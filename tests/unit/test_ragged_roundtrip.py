@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.core.batch import Ragged, TensorBatch
-from services.core.codec import decode, encode
-from services.core.dataplane import DataClient, DataServer
-from services.replay.stores.memory import MemoryStore
-from services.replay.stores.redis import RedisStore
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.core.codec import decode, encode
+from rlfabric.services.core.dataplane import DataClient, DataServer
+from rlfabric.services.replay.stores.memory import MemoryStore
+from rlfabric.services.replay.stores.redis import RedisStore
 from tests.support_redis import redis_server  # noqa: F401
 
 _ids = itertools.count()

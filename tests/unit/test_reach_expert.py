@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.robot_gateway.drivers.sim import SimArm  # noqa: E402
-from services.robot_gateway.teleop import ReachExpert  # noqa: E402
+from rlfabric.services.robot_gateway.drivers.sim import SimArm  # noqa: E402
+from rlfabric.services.robot_gateway.teleop import ReachExpert  # noqa: E402
 
 GOAL, START = np.array([0.35, 0.15, 0.25]), np.array([0.0, -0.3, 0.6])
 

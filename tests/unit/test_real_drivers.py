@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from services.robot_gateway.drivers import DriverConnectionError, DriverOptionError, build_driver
-from services.robot_gateway.drivers.franka import JOINT_LIMITS, FrankaArm, flange_pose
-from services.robot_gateway.drivers.so_follower import (
+from rlfabric.services.robot_gateway.drivers import DriverConnectionError, DriverOptionError, build_driver
+from rlfabric.services.robot_gateway.drivers.franka import JOINT_LIMITS, FrankaArm, flange_pose
+from rlfabric.services.robot_gateway.drivers.so_follower import (
     ARM,
     URDF_MAX,
     URDF_MIN,
@@ -29,7 +29,7 @@ from services.robot_gateway.drivers.so_follower import (
     gripper_frame,
     to_lerobot,
 )
-from services.robot_gateway.safety import SafetyFilter
+from rlfabric.services.robot_gateway.safety import SafetyFilter
 
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("franky", "pylibfranka", "franky_sim", "pinocchio")}
 READY = np.array([0.0, -math.pi / 4, 0.0, -3 * math.pi / 4, 0.0, math.pi / 2, math.pi / 4])
@@ -169,7 +169,7 @@ def test_franka_franky_backend_tracks_targets_on_franky_sim(franka_sim):
 
 PYLIBFRANKA_RUN = """
 import sys, time, numpy as np
-from services.robot_gateway.drivers import build_driver
+from rlfabric.services.robot_gateway.drivers import build_driver
 arm = build_driver("franka", {"ip": sys.argv[1], "model": "fr3", "backend": "pylibfranka", "dynamics": "0.3"})
 q0, _ = arm.read()
 target = q0.copy()
@@ -267,7 +267,7 @@ def test_so_option_errors_name_the_option(options, named):
 def _lerobot_so_follower() -> str:
     """Why LeRobot's follower class cannot be imported here, or '' when it can."""
     try:
-        from services.robot_gateway.drivers.so_follower import _robot_classes
+        from rlfabric.services.robot_gateway.drivers.so_follower import _robot_classes
 
         _robot_classes("so101")
         return ""
@@ -297,8 +297,8 @@ def test_so101_without_an_arm_on_the_port_names_port(tmp_path):
 
 
 def test_device_keys_name_the_physical_device_however_it_is_written(tmp_path):
-    from services.robot_gateway.drivers.franka import FrankaArm
-    from services.robot_gateway.drivers.so_follower import SO100Arm, SO101Arm
+    from rlfabric.services.robot_gateway.drivers.franka import FrankaArm
+    from rlfabric.services.robot_gateway.drivers.so_follower import SO100Arm, SO101Arm
 
     assert FrankaArm.device_key({"ip": "172.16.0.2"}, "a") == FrankaArm.device_key({"ip": " 172.16.0.2 "}, "b")
     assert FrankaArm.device_key({"ip": "172.16.0.2"}, "a") != FrankaArm.device_key({"ip": "172.16.0.3"}, "a")

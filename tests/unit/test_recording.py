@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from services.core.batch import TensorBatch
-from services.core.dataplane import DataServer
-from services.core.objectstore import FilesystemObjectStore
-from services.replay.datasets import load_dataset
-from services.replay.stores.memory import MemoryStore
-from services.robot_gateway.loop import Tick
-from services.robot_gateway.recording import (
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import DataServer
+from rlfabric.services.core.objectstore import FilesystemObjectStore
+from rlfabric.services.replay.datasets import load_dataset
+from rlfabric.services.replay.stores.memory import MemoryStore
+from rlfabric.services.robot_gateway.loop import Tick
+from rlfabric.services.robot_gateway.recording import (
     Episode,
     ObjectStoreSink,
     Recorder,
@@ -159,8 +159,8 @@ def test_a_slow_sink_drops_ticks_loudly_and_never_stalls_the_control_loop():
     pytest.importorskip("mujoco")
     from prometheus_client import REGISTRY
 
-    from services.robot_gateway.drivers import build_driver
-    from services.robot_gateway.loop import ControlLoop
+    from rlfabric.services.robot_gateway.drivers import build_driver
+    from rlfabric.services.robot_gateway.loop import ControlLoop
 
     hz = 100.0
     loop = ControlLoop("slow-sink", build_driver("sim", {"start": "0,-0.3,0.6"}), hz, 0.05)

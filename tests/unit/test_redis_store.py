@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 import redis
 
-from services.core.batch import TensorBatch
-from services.core.codec import decode
-from services.core.config import RunConfig
-from services.core.objectstore import FilesystemObjectStore, ObjectStore
-from services.replay.stores import open_replay_store
-from services.replay.stores.memory import MemoryStore
-from services.replay.stores.redis import (
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.codec import decode
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.objectstore import FilesystemObjectStore, ObjectStore
+from rlfabric.services.replay.stores import open_replay_store
+from rlfabric.services.replay.stores.memory import MemoryStore
+from rlfabric.services.replay.stores.redis import (
     RedisStore,
     ReplayStoreError,
     ReplayStoreUnavailable,
     redact_url,
-    unpack_frames,  # re-exported from services.core.codec
+    unpack_frames,  # re-exported from rlfabric.services.core.codec
 )
 from tests.support_redis import RedisServer, redis_server  # noqa: F401
 

@@ -11,9 +11,9 @@ import textwrap
 import pydantic
 import pytest
 
-from services.core.registry import Registry, is_literal
-from services.env.adapters import ENV_ADAPTERS, EnvAdapter
-from services.rollout.collectors import COLLECTORS, collector_class, collector_name
+from rlfabric.services.core.registry import Registry, is_literal
+from rlfabric.services.env.adapters import ENV_ADAPTERS, EnvAdapter
+from rlfabric.services.rollout.collectors import COLLECTORS, collector_class, collector_name
 from tests.conftest import short_config
 
 
@@ -30,7 +30,7 @@ def _plugin(root, name: str, group: str, entries: dict[str, str], source: str) -
 PLUGIN_ADAPTER = """
     import gymnasium as gym
 
-    from services.env.adapters.gymnasium import make_vector_env as _gym_vector_env
+    from rlfabric.services.env.adapters.gymnasium import make_vector_env as _gym_vector_env
 
     collector = "{collector}"
 
@@ -75,7 +75,7 @@ def test_an_entry_point_of_an_installed_package_resolves_and_brings_its_collecto
             PLUGIN_ADAPTER.format(collector="my_gym"))
     _plugin(tmp_path, "rlf_test_collector", "rlfabric.collectors",
             {"my_gym": "rlf_test_collector:MyCollector"}, """
-        from services.rollout.collectors.gym import GymCollector
+        from rlfabric.services.rollout.collectors.gym import GymCollector
 
         class MyCollector(GymCollector):
             pass
@@ -93,13 +93,13 @@ def test_an_entry_point_of_an_installed_package_resolves_and_brings_its_collecto
 def test_literal_names_resolve_by_import_and_are_checked_against_the_protocol(unload):
     assert is_literal("pkg.module:Attr") and is_literal("pkg.module") and not is_literal("gym")
     assert not is_literal("pkg..module") and not is_literal("pkg.module:") and not is_literal("../x")
-    cls = COLLECTORS.load("services.rollout.collectors.gym:GymCollector")
+    cls = COLLECTORS.load("rlfabric.services.rollout.collectors.gym:GymCollector")
     assert cls.__name__ == "GymCollector"
-    assert ENV_ADAPTERS.load("services.env.adapters.minigrid").collector == "gym"
+    assert ENV_ADAPTERS.load("rlfabric.services.env.adapters.minigrid").collector == "gym"
     with pytest.raises(ValueError, match=r"lacks \['collect', 'evaluate', 'probe', 'reset'\], which every collector"):
-        COLLECTORS.load("services.rollout.collectors.gym:Evaluation")
+        COLLECTORS.load("rlfabric.services.rollout.collectors.gym:Evaluation")
     with pytest.raises(ValueError, match="does not resolve .*has no attribute 'Nope'"):
-        COLLECTORS.load("services.rollout.collectors.gym:Nope")
+        COLLECTORS.load("rlfabric.services.rollout.collectors.gym:Nope")
     with pytest.raises(ValueError, match="module 'rlf_test_absent.mod' cannot be imported"):
         ENV_ADAPTERS.load("rlf_test_absent.mod")
 
@@ -134,8 +134,8 @@ def test_an_adapter_that_declares_no_collector_is_refused_by_name(tmp_path, monk
 
 
 def test_register_changes_this_process_and_keeps_names_plain():
-    reg = Registry("widgets", "x.widget", {"a": "services.core.registry:Registry"}, home="services/x")
-    reg.register("b", "services.core.registry:is_literal")
+    reg = Registry("widgets", "x.widget", {"a": "rlfabric.services.core.registry:Registry"}, home="services/x")
+    reg.register("b", "rlfabric.services.core.registry:is_literal")
     assert reg.load("b") is is_literal and set(reg.available()) == {"a", "b"}
     with pytest.raises(ValueError, match="use lowercase letters"):
         reg.register("Not.Plain", "x:y")
@@ -150,13 +150,13 @@ def test_the_run_spec_refuses_names_that_are_no_name_or_import_path(name):
 
 
 def test_a_backend_from_an_entry_point_is_built_and_checked_against_the_protocol(tmp_path, monkeypatch):
-    from services.rollout.backends import BACKENDS, build_backend
-    from services.rollout.evaluate import _env_spec
+    from rlfabric.services.rollout.backends import BACKENDS, build_backend
+    from rlfabric.services.rollout.evaluate import _env_spec
 
     monkeypatch.setattr(BACKENDS, "_loaded", {})
     _plugin(tmp_path, "rlf_test_backend", "rlfabric.backends",
             {"my_torch": "rlf_test_backend:MyBackend", "half_made": "rlf_test_backend:HalfMade"}, """
-        from services.rollout.backends.torch import TorchBackend
+        from rlfabric.services.rollout.backends.torch import TorchBackend
 
         class MyBackend(TorchBackend):
             pass
@@ -186,15 +186,15 @@ def test_a_text_task_and_rewards_from_a_users_package_score_through_the_text_ada
     builds it) resolves each in its own process."""
     from types import SimpleNamespace
 
-    from services.core.batch import Ragged
-    from services.env.pool import EnvPool
-    from services.env.tasks import TASKS
-    from services.env.tasks.rewards import REWARDS
+    from rlfabric.services.core.batch import Ragged
+    from rlfabric.services.env.pool import EnvPool
+    from rlfabric.services.env.tasks import TASKS
+    from rlfabric.services.env.tasks.rewards import REWARDS
 
     for reg in (TASKS, REWARDS):
         monkeypatch.setattr(reg, "_loaded", {})
     _plugin(tmp_path, "rlf_test_text", "rlfabric.tasks", {"doubled": "rlf_test_text:Doubled"}, """
-        from services.env.tasks.arith import ArithTask, Problem
+        from rlfabric.services.env.tasks.arith import ArithTask, Problem
 
         class Doubled(ArithTask):  # every reference answer is 42
             def problem(self, rng):
@@ -223,13 +223,13 @@ def test_a_text_task_and_rewards_from_a_users_package_score_through_the_text_ada
 
 
 def test_a_policy_from_an_entry_point_serves_the_algorithm_it_declares(tmp_path, monkeypatch):
-    from services.core.config import ConfigError, parse_config
-    from services.core.models import POLICIES, build_policy
-    from services.rollout.evaluate import _env_spec
+    from rlfabric.services.core.config import ConfigError, parse_config
+    from rlfabric.services.core.models import POLICIES, build_policy
+    from rlfabric.services.rollout.evaluate import _env_spec
 
     monkeypatch.setattr(POLICIES, "_loaded", {})
     _plugin(tmp_path, "rlf_test_policy", "rlfabric.policies", {"wide": "rlf_test_policy:Wide"}, """
-        from services.core.models.actor_critic import ActorCritic
+        from rlfabric.services.core.models.actor_critic import ActorCritic
 
         class Wide(ActorCritic):
             serves = "actor_critic"
@@ -246,7 +246,7 @@ def test_a_policy_from_an_entry_point_serves_the_algorithm_it_declares(tmp_path,
 @pytest.fixture
 def service_without_the_flag():
     """This process as a service its operator started without --allow-import-paths."""
-    from services.core import registry
+    from rlfabric.services.core import registry
 
     registry.allow_import_paths(False)
     yield
@@ -254,14 +254,14 @@ def service_without_the_flag():
 
 
 def test_a_service_without_the_flag_refuses_import_paths_even_ones_it_loaded_before(service_without_the_flag):
-    from services.core.registry import IMPORT_PATHS_FLAG, ImportPathRefused, allow_import_paths
-    from services.env.tasks import TASKS
+    from rlfabric.services.core.registry import IMPORT_PATHS_FLAG, ImportPathRefused, allow_import_paths
+    from rlfabric.services.env.tasks import TASKS
 
     allow_import_paths(True)
-    assert COLLECTORS.load("services.rollout.collectors.gym:GymCollector")  # now cached in this process
+    assert COLLECTORS.load("rlfabric.services.rollout.collectors.gym:GymCollector")  # now cached in this process
     allow_import_paths(False)
-    for registry, name in ((COLLECTORS, "services.rollout.collectors.gym:GymCollector"), (TASKS, "os:system"),
-                           (ENV_ADAPTERS, "subprocess"), (ENV_ADAPTERS, "services.env.adapters.gymnasium")):
+    for registry, name in ((COLLECTORS, "rlfabric.services.rollout.collectors.gym:GymCollector"), (TASKS, "os:system"),
+                           (ENV_ADAPTERS, "subprocess"), (ENV_ADAPTERS, "rlfabric.services.env.adapters.gymnasium")):
         with pytest.raises(ValueError) as info:
             registry.load(name)
         if is_literal(name):
@@ -286,9 +286,9 @@ def test_a_service_without_the_flag_refuses_import_paths_even_ones_it_loaded_bef
 ])
 def test_a_spec_naming_code_is_refused_by_a_service_without_the_flag_and_read_by_the_users_process(
         field, spec, service_without_the_flag):
-    from services.core import registry
-    from services.core.config import parse_config
-    from services.core.spec_yaml import ConfigError
+    from rlfabric.services.core import registry
+    from rlfabric.services.core.config import parse_config
+    from rlfabric.services.core.spec_yaml import ConfigError
 
     text = json.dumps(spec)
     with pytest.raises(ConfigError) as info:
@@ -306,11 +306,11 @@ def test_a_spec_naming_code_is_refused_by_a_service_without_the_flag_and_read_by
     ("rewards", "os:system", "Python function"),
     ("rewards", "builtins:exec", "Python function"),
     ("rewards", "subprocess:Popen", "Python function"),
-    ("rewards", "services.env.tasks.arith:ArithTask", "Python function"),
+    ("rewards", "rlfabric.services.env.tasks.arith:ArithTask", "Python function"),
 ])
 def test_a_resolved_name_is_checked_as_its_kind_before_anything_calls_it(registry, name, why):
-    from services.env.tasks import TASKS
-    from services.env.tasks.rewards import REWARDS
+    from rlfabric.services.env.tasks import TASKS
+    from rlfabric.services.env.tasks.rewards import REWARDS
 
     kind = {"tasks": TASKS, "rewards": REWARDS}[registry]
     with pytest.raises(ValueError, match=why):
@@ -320,7 +320,7 @@ def test_a_resolved_name_is_checked_as_its_kind_before_anything_calls_it(registr
 def test_what_each_built_in_policy_serves_is_written_as_its_class_says():
     """services/core/policy_names.py tells the coordinator what a built-in serves without importing it (no torch
     there): the table must say what each class does."""
-    from services.core.policy_names import BUILTINS, policy_class, serves
+    from rlfabric.services.core.policy_names import BUILTINS, policy_class, serves
 
     for name, (_, written) in BUILTINS.items():
         assert getattr(policy_class(name), "serves", name) == written == serves(name), name

@@ -3,8 +3,8 @@ back to workers registered in no pool, and never takes a worker of another pool.
 
 from __future__ import annotations
 
-from services.coordinator.registry import WorkerRegistry
-from services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
+from rlfabric.services.coordinator.registry import WorkerRegistry
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, coordinator_pb2
 
 
 def _register(reg: WorkerRegistry, port: int, pool: str = "") -> str:
@@ -30,7 +30,7 @@ def test_pool_placement_prefers_its_pool_then_unpinned_never_another_pool():
 def test_registrations_are_bounded_and_the_dead_make_room(monkeypatch):
     import pytest
 
-    from services.coordinator import registry
+    from rlfabric.services.coordinator import registry
 
     monkeypatch.setattr(registry, "MAX_WORKERS", 3)
     reg = WorkerRegistry()

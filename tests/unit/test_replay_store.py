@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from services.core.batch import TensorBatch
-from services.replay.stores.memory import MemoryStore
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.replay.stores.memory import MemoryStore
 
 
 def _batch(version, T=4, N=2, fill=None):

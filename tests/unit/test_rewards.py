@@ -8,8 +8,15 @@ import textwrap
 
 import pytest
 
-from services.env.tasks.answers import after_hashes, gsm8k_answer, last_boxed, last_number, to_number
-from services.env.tasks.rewards import REWARDS, call_reward, exact_match, format_match, gsm8k, signed_match
+from rlfabric.services.env.tasks.answers import after_hashes, gsm8k_answer, last_boxed, last_number, to_number
+from rlfabric.services.env.tasks.rewards import (
+    REWARDS,
+    call_reward,
+    exact_match,
+    format_match,
+    gsm8k,
+    signed_match,
+)
 
 
 @pytest.mark.parametrize("text, expected", [

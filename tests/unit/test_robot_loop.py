@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("mujoco")
 
-from services.robot_gateway.drivers import build_driver  # noqa: E402
-from services.robot_gateway.loop import ControlLoop, Tick  # noqa: E402
-from services.robot_gateway.safety import LimitError  # noqa: E402
+from rlfabric.services.robot_gateway.drivers import build_driver  # noqa: E402
+from rlfabric.services.robot_gateway.loop import ControlLoop, Tick  # noqa: E402
+from rlfabric.services.robot_gateway.safety import LimitError  # noqa: E402
 
 pytestmark = pytest.mark.serial  # the deadline loop's timing: never beside another test
 
@@ -187,7 +187,7 @@ def test_an_arm_process_never_waits_for_a_gateway_that_does_not_read_and_counts_
     (its rlfabric_robot_states_dropped_total), never the loop's time."""
     import socket
 
-    from services.robot_gateway.arm_process import _Serve
+    from rlfabric.services.robot_gateway.arm_process import _Serve
 
     mine, gateway = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # the gateway end is never read
     mine.setblocking(False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.distributions import Normal, TanhTransform, TransformedDistribution
 
-from services.core.config import RunConfig
-from services.core.models.critics import soft_update as polyak
-from services.core.models.squashed_gaussian import SquashedGaussianActor, squashed_log_prob
-from services.learner.algorithms.sac import SAC, critic_target
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.models.critics import soft_update as polyak
+from rlfabric.services.core.models.squashed_gaussian import SquashedGaussianActor, squashed_log_prob
+from rlfabric.services.learner.algorithms.sac import SAC, critic_target
 
 SPEC = {"observation_space": {"kind": "box", "shape": [3], "dtype": "float32"},
         "action_space": {"kind": "box", "shape": [2], "dtype": "float32", "low": [-2.0, 0.0], "high": [2.0, 1.0]}}

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from services.cli import main
-from services.coordinator.records import IterationRecord
-from services.coordinator.scheduler import candidates, control_overhead, fit_profile, shape
-from services.coordinator.simulator import Pool, simulate
-from services.core.config import parse_config
+from rlfabric.services.cli import main
+from rlfabric.services.coordinator.records import IterationRecord
+from rlfabric.services.coordinator.scheduler import candidates, control_overhead, fit_profile, shape
+from rlfabric.services.coordinator.simulator import Pool, simulate
+from rlfabric.services.core.config import parse_config
 
 
 def test_candidates_keep_the_algorithm_and_vary_placement():

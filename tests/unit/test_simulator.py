@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from services.coordinator.simulator import PlanShape as Plan
-from services.coordinator.simulator import (
+from rlfabric.services.coordinator.simulator import PlanShape as Plan
+from rlfabric.services.coordinator.simulator import (
     Pool,
     Prediction,
     StageProfile,

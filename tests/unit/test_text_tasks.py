@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from services.core.batch import Ragged, TensorBatch
-from services.env.pool import EnvPool
-from services.env.tasks.arith import ArithTask, held_out, parse_int
-from services.env.tasks.tools import FACTS, ToolError, calc, run_turn, search
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.env.pool import EnvPool
+from rlfabric.services.env.tasks.arith import ArithTask, held_out, parse_int
+from rlfabric.services.env.tasks.tools import FACTS, ToolError, calc, run_turn, search
 
 
 def _env(task="arith", num_envs=4, **options):
@@ -128,14 +128,14 @@ def test_text_actions_are_checked_before_the_env_sees_them():
     ({"colour": "red"}, "not text-task options"),
 ])
 def test_bad_task_options_name_the_field(options, message):
-    from services.env.adapters import text
+    from rlfabric.services.env.adapters import text
 
     with pytest.raises(ValueError, match=message):
         text.check(_env(num_envs=4, **options))
 
 
 def test_the_tokenizer_round_trips_task_text():
-    from services.core.models.lm import EOS, build_tokenizer
+    from rlfabric.services.core.models.lm import EOS, build_tokenizer
 
     tok = build_tokenizer()
     text = "Q: legs of a spider*7+3= A: <calc>8*7+3</calc>"
@@ -145,7 +145,7 @@ def test_the_tokenizer_round_trips_task_text():
 
 
 def test_text_crosses_the_codec_as_bytes():
-    from services.core.codec import decode, encode
+    from rlfabric.services.core.codec import decode, encode
 
     texts = ["Q: 1+2= A:", "", "é ✓"]
     frames = encode("obs", TensorBatch({"obs": Ragged.from_texts(texts)}))

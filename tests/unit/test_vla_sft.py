@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("mujoco")
 
-from services.core.config import RunConfig  # noqa: E402
-from services.core.models import build_policy  # noqa: E402
-from services.rollout.evaluate import collect_dataset  # noqa: E402
+from rlfabric.services.core.config import RunConfig  # noqa: E402
+from rlfabric.services.core.models import build_policy  # noqa: E402
+from rlfabric.services.rollout.evaluate import collect_dataset  # noqa: E402
 
 SPEC = """
 name: demos
@@ -47,7 +47,7 @@ def test_a_cautious_expert_moves_at_its_fraction_of_the_arms_speed_and_times_out
     of the full-speed expert's, in the same direction, so fewer episodes finish inside the time limit."""
     import gymnasium as gym
 
-    import services.env.sims  # noqa: F401  (registers the ids)
+    import rlfabric.services.env.sims  # noqa: F401  (registers the ids)
 
     rates = {}
     for speed in (1.0, 0.33):

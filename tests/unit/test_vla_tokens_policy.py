@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import PolicyConfig
-from services.core.models import build_policy
+from rlfabric.services.core.config import PolicyConfig
+from rlfabric.services.core.models import build_policy
 from tests.vla_support import OBS_SPACE, TEXTS, VOCAB, chunk_space, imitate, observations
 
 pytest.importorskip("transformers.models.paligemma")
@@ -159,7 +159,7 @@ def test_lora_adapters_train_and_fold_into_the_saved_vlm(tmp_path, family):
 def test_a_model_of_another_family_is_refused_with_the_supported_ones():
     from types import SimpleNamespace
 
-    from services.policies.vlm_families import family_of
+    from rlfabric.services.policies.vlm_families import family_of
 
     assert family_of(SimpleNamespace(model_type="idefics3"), "x").name == "smolvlm"
     with pytest.raises(ValueError, match=r"x: a llava model; the VLM policies run on \['idefics3', "
@@ -173,7 +173,7 @@ def test_qwen_positions_and_patches_are_the_models_own():
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from services.policies.vlm_families import FAMILIES, qwen_patches
+    from rlfabric.services.policies.vlm_families import FAMILIES, qwen_patches
 
     qwen = FAMILIES["qwen2_5_vl"]
     pol = policy(family="qwen2_5_vl")

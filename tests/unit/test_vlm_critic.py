@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.config import PolicyConfig
-from services.core.models import build_policy
+from rlfabric.services.core.config import PolicyConfig
+from rlfabric.services.core.models import build_policy
 from tests.vla_support import OBS_SPACE, TEXTS, chunk_space, observations
 
 pytest.importorskip("transformers.models.paligemma")

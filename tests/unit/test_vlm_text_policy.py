@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.config import PolicyConfig
-from services.core.models import build_policy
-from services.env.adapters.instruction import encode_instruction
-from services.policies.vlm_text import live_tokens
+from rlfabric.services.core.config import PolicyConfig
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.env.adapters.instruction import encode_instruction
+from rlfabric.services.policies.vlm_text import live_tokens
 
 pytest.importorskip("transformers.models.paligemma")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.coordinator.run import Run
-from services.coordinator.server import CoordinatorService
-from services.core.config import RunConfig
-from services.core.proto.rlfabric.v1 import coordinator_pb2
+from rlfabric.services.coordinator.run import Run
+from rlfabric.services.coordinator.server import CoordinatorService
+from rlfabric.services.core.config import RunConfig
+from rlfabric.services.core.proto.rlfabric.v1 import coordinator_pb2
 
 
 def _watch(run: Run, during_history) -> list[coordinator_pb2.RunEvent]:

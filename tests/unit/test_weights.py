@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.core.batch import TensorBatch
-from services.core.dataplane import DataClient, RemoteError
-from services.core.weights import KEEP_VERSIONS, WeightPublisher, WeightSubscriber, WeightSyncOptions
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import DataClient, RemoteError
+from rlfabric.services.core.weights import KEEP_VERSIONS, WeightPublisher, WeightSubscriber, WeightSyncOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -282,7 +282,7 @@ def test_gloo_in_process_with_buckets_and_delta(pair):
 
 CHILD = """
 import json, sys
-from services.core.weights import WeightSubscriber, WeightSyncOptions
+from rlfabric.services.core.weights import WeightSubscriber, WeightSyncOptions
 from tests.unit.test_weights import digest
 sub = WeightSubscriber(sys.argv[1], 1 << 22, 10, sync=WeightSyncOptions(transport=sys.argv[2], bucket_bytes=1 << 18))
 out = []
@@ -336,8 +336,8 @@ def test_gloo_pair_closed_by_the_publisher_is_rejoined(pair):
 
 
 def test_corrupt_manifest_is_refused_before_any_write():
-    from services.core.codec import FrameError
-    from services.core.weights import _Manifest
+    from rlfabric.services.core.codec import FrameError
+    from rlfabric.services.core.weights import _Manifest
 
     doc = {"version": 1, "base": 0, "lineage": "x", "arena_bytes": 64, "tensors": [["w", "float32", [4], 0]],
            "payload_bytes": 128, "segments": [["idx", 0, "int64", 1, 0]], "buckets": [[0, 8]]}

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.core.models.actor_critic import ActorCritic
-from services.core.models.encoders import build_encoder, is_privileged
-from services.core.models.mlp import mlp
-from services.core.models.squashed_gaussian import SquashedGaussianActor
-from services.core.policy_names import POLICIES, check_policy, policy_class, register_policy
+from rlfabric.services.core.models.actor_critic import ActorCritic
+from rlfabric.services.core.models.encoders import build_encoder, is_privileged
+from rlfabric.services.core.models.mlp import mlp
+from rlfabric.services.core.models.squashed_gaussian import SquashedGaussianActor
+from rlfabric.services.core.policy_names import POLICIES, check_policy, policy_class, register_policy
 
 
 def build_policy(name: str, env_spec: dict[str, Any], policy_config: Any):

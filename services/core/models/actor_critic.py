@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
-from services.core.models.encoders import box_bound, build_encoder
-from services.core.models.mlp import mlp
+from rlfabric.services.core.models.encoders import box_bound, build_encoder
+from rlfabric.services.core.models.mlp import mlp
 
 
 class ActorCritic(nn.Module):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.core.models.encoders import build_encoder
-from services.core.models.mlp import mlp
+from rlfabric.services.core.models.encoders import build_encoder
+from rlfabric.services.core.models.mlp import mlp
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.core.models.mlp import ACTIVATIONS
+from rlfabric.services.core.models.mlp import ACTIVATIONS
 
 PRIVILEGED = "privileged"
 
@@ -87,7 +87,7 @@ class DictEncoder(nn.Module):
 
 
 def build_encoder(space: dict[str, Any], cfg: Any) -> nn.Module:
-    """The encoder for an observation space description (see services.env.adapters.gymnasium.describe_space)."""
+    """The encoder for an observation space description (see rlfabric.services.env.adapters.gymnasium.describe_space)."""
     kind = space.get("kind")
     if kind == "dict":
         return DictEncoder(space, cfg)

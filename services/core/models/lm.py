@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.core.models.hf_cache import cache_arg, cache_of
-from services.core.models.tokenizer import (
+from rlfabric.services.core.models.hf_cache import cache_arg, cache_of
+from rlfabric.services.core.models.tokenizer import (
     BOS,
     CHARS,
     EOS,

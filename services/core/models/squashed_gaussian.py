@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.core.models.encoders import box_bound, build_encoder
-from services.core.models.mlp import mlp
+from rlfabric.services.core.models.encoders import box_bound, build_encoder
+from rlfabric.services.core.models.mlp import mlp
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 

@@ -92,7 +92,7 @@ def load_tokenizer(lm: Any, roots: Any = None) -> Any:
                              f"(tokenizer.save_pretrained(path))")
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if kind == "bpe":
-        from services.core import textdata
+        from rlfabric.services.core import textdata
 
         if not lm.tokenizer_corpus:
             raise ValueError("policy.lm.tokenizer=bpe needs policy.lm.tokenizer_corpus (a JSONL or Parquet file "
@@ -150,7 +150,7 @@ class TextCodec:
     def prompt_ids(self, text: str) -> list[int]:
         """The context a prompt starts: a chat prompt (textdata.chat_text) through the chat template where the
         tokenizer has one; plain text (or a chat without a template, its contents joined) after the bos token."""
-        from services.core import textdata
+        from rlfabric.services.core import textdata
 
         messages = textdata.chat_messages(text)
         if messages is not None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from services.core.registry import Registry
+from rlfabric.services.core.registry import Registry
 
 
 @runtime_checkable
 class EnvAdapter(Protocol):
-    collector: str  # a name in services.rollout.collectors.COLLECTORS (or an entry point / literal there)
+    collector: str  # a name in rlfabric.services.rollout.collectors.COLLECTORS (or an entry point / literal there)
 
     def check(self, env_cfg: Any) -> None: ...
 
@@ -26,17 +26,17 @@ class EnvAdapter(Protocol):
 
 
 ENV_ADAPTERS = Registry("env_adapters", "env.adapter", {
-    "gymnasium": "services.env.adapters.gymnasium",  # any registered gymnasium id (state observations)
-    "mujoco_pixels": "services.env.adapters.mujoco_pixels",  # gymnasium MuJoCo tasks seen as rendered images (+ state)
-    "robotics": "services.env.adapters.robotics",  # gymnasium-robotics Fetch/FrankaKitchen: images, goals, is_success
-    "metaworld": "services.env.adapters.metaworld",  # MetaWorld MT1/MT10/MT50: images, state, instruction, is_success
-    "captions": "services.env.adapters.captions",  # image-to-text rows (JSONL/Parquet naming images) for VLMs
-    "franka_sim": "services.env.adapters.franka_sim",  # gym-hil's MuJoCo Franka: front/wrist cameras, is_success
-    "libero": "services.env.adapters.libero",  # LIBERO suites: two cameras, proprio, instruction, init states
-    "maniskill": "services.env.adapters.maniskill",  # ManiSkill3 (SAPIEN): cameras, state, is_success; needs Vulkan
-    "minigrid": "services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
-    "text": "services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
-    "robot": "services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
+    "gymnasium": "rlfabric.services.env.adapters.gymnasium",  # any registered gymnasium id (state observations)
+    "mujoco_pixels": "rlfabric.services.env.adapters.mujoco_pixels",  # gymnasium MuJoCo tasks seen as rendered images (+ state)
+    "robotics": "rlfabric.services.env.adapters.robotics",  # gymnasium-robotics Fetch/FrankaKitchen: images, goals, is_success
+    "metaworld": "rlfabric.services.env.adapters.metaworld",  # MetaWorld MT1/MT10/MT50: images, state, instruction, is_success
+    "captions": "rlfabric.services.env.adapters.captions",  # image-to-text rows (JSONL/Parquet naming images) for VLMs
+    "franka_sim": "rlfabric.services.env.adapters.franka_sim",  # gym-hil's MuJoCo Franka: front/wrist cameras, is_success
+    "libero": "rlfabric.services.env.adapters.libero",  # LIBERO suites: two cameras, proprio, instruction, init states
+    "maniskill": "rlfabric.services.env.adapters.maniskill",  # ManiSkill3 (SAPIEN): cameras, state, is_success; needs Vulkan
+    "minigrid": "rlfabric.services.env.adapters.minigrid",  # MiniGrid/BabyAI grid worlds as RGB pixels (+ mission text)
+    "text": "rlfabric.services.env.adapters.text",  # text tasks for language-model policies (arithmetic, tool use)
+    "robot": "rlfabric.services.env.adapters.robot",  # arms behind a robot gateway (real-world RL through the env service)
 }, home="services/env/adapters", protocol=EnvAdapter, noun="env adapter")
 
 

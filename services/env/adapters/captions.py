@@ -27,9 +27,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import vectorize
-from services.env.adapters.instruction import VOCAB_HIGH, decode_instruction, encode_instruction
-from services.env.adapters.mujoco_pixels import image_shape
+from rlfabric.services.env.adapters.gymnasium import vectorize
+from rlfabric.services.env.adapters.instruction import VOCAB_HIGH, decode_instruction, encode_instruction
+from rlfabric.services.env.adapters.mujoco_pixels import image_shape
 
 collector = "gym"  # rollout.collector auto: gym stepping (one step per episode)
 OPTIONS = ("image_size", "max_tokens", "prompt_tokens", "prompt_field", "completion_field")
@@ -111,9 +111,9 @@ def load_rows(env_cfg: Any) -> tuple[list[dict[str, Any]], list[list[np.ndarray]
     """The data set's rows (prompt, completion) and their images, checked row by row."""
     from PIL import Image
 
-    from services.core.paths import PathRefused
-    from services.core.textdata import DataFileError, read_rows
-    from services.env.tasks.dataset import data_roots
+    from rlfabric.services.core.paths import PathRefused
+    from rlfabric.services.core.textdata import DataFileError, read_rows
+    from rlfabric.services.env.tasks.dataset import data_roots
 
     opts = env_cfg.options
     height, width = image_shape(opts)

@@ -25,9 +25,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import vectorize
-from services.env.adapters.instruction import Instruction
-from services.env.adapters.mujoco_pixels import (
+from rlfabric.services.env.adapters.gymnasium import vectorize
+from rlfabric.services.env.adapters.instruction import Instruction
+from rlfabric.services.env.adapters.mujoco_pixels import (
     SuccessFrom,
     cheap_rendering,
     check_options,

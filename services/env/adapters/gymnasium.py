@@ -16,9 +16,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-import services.env.sims  # noqa: F401  (registers rlfabric's own simulated tasks as gymnasium ids)
-from services.core.registry import import_paths_allowed, refuse_import_path
-from services.env.chunking import ActionChunk
+import rlfabric.services.env.sims  # noqa: F401  (registers rlfabric's own simulated tasks as gymnasium ids)
+from rlfabric.services.core.registry import import_paths_allowed, refuse_import_path
+from rlfabric.services.env.chunking import ActionChunk
 
 collector = "gym"  # rollout.collector auto: gym stepping
 

@@ -33,16 +33,16 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import vectorize_fns
-from services.env.adapters.instruction import Instruction
-from services.env.adapters.mujoco_pixels import (
+from rlfabric.services.env.adapters.gymnasium import vectorize_fns
+from rlfabric.services.env.adapters.instruction import Instruction
+from rlfabric.services.env.adapters.mujoco_pixels import (
     SuccessFrom,
     cheap_rendering,
     check_options,
     headless,
     image_shape,
 )
-from services.env.chunking import ActionChunk
+from rlfabric.services.env.chunking import ActionChunk
 
 collector = "gym"  # rollout.collector auto: gym stepping
 EXTRA_OPTIONS = ("task_ids", "cameras", "instruction", "init_states", "settle_steps", "max_episode_steps")

@@ -26,8 +26,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import vectorize
-from services.env.adapters.mujoco_pixels import SuccessFrom, check_options, image_shape
+from rlfabric.services.env.adapters.gymnasium import vectorize
+from rlfabric.services.env.adapters.mujoco_pixels import SuccessFrom, check_options, image_shape
 
 collector = "gym"  # rollout.collector auto: gym stepping
 EXTRA_OPTIONS = ("cameras", "control_mode", "max_episode_steps")

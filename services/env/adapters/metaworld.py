@@ -25,10 +25,16 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import vectorize_fns
-from services.env.adapters.instruction import Instruction
-from services.env.adapters.mujoco_pixels import SuccessFrom, check_options, headless, image_shape, pixel_env
-from services.env.chunking import ActionChunk
+from rlfabric.services.env.adapters.gymnasium import vectorize_fns
+from rlfabric.services.env.adapters.instruction import Instruction
+from rlfabric.services.env.adapters.mujoco_pixels import (
+    SuccessFrom,
+    check_options,
+    headless,
+    image_shape,
+    pixel_env,
+)
+from rlfabric.services.env.chunking import ActionChunk
 
 collector = "gym"  # rollout.collector auto: gym stepping
 BENCHMARKS = ("MT10", "MT25", "MT50")

@@ -13,7 +13,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from services.env.adapters.gymnasium import check_env_id, vectorize
+from rlfabric.services.env.adapters.gymnasium import check_env_id, vectorize
 
 collector = "gym"  # rollout.collector auto: gym stepping
 OPTIONS = {"tile_size": int, "view": str}

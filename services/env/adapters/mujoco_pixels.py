@@ -21,8 +21,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import check_env_id, vectorize
-from services.env.sims.offscreen import use_osmesa
+from rlfabric.services.env.adapters.gymnasium import check_env_id, vectorize
+from rlfabric.services.env.sims.offscreen import use_osmesa
 
 collector = "gym"  # rollout.collector auto: gym stepping (images and state are ordinary observations)
 OPTIONS = ("image_size", "state")

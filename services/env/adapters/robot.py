@@ -55,9 +55,9 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
-from services.core.batch import TensorBatch
-from services.core.dataplane import DataClient
-from services.robot_gateway.cameras import FRAME_BYTES
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.core.dataplane import DataClient
+from rlfabric.services.robot_gateway.cameras import FRAME_BYTES
 
 collector = "gym"  # rollout.collector auto: gym stepping (the gateway keeps its own deadlines)
 OPTIONS = {"gateway": str, "driver": str, "hz": (int, float), "watchdog_s": (int, float), "episode_steps": int,
@@ -85,7 +85,7 @@ def _options(env_cfg: Any) -> dict[str, Any]:
                          "robot_gateway --port-file FILE writes it)")
     if env_cfg.id not in TASKS:
         raise ValueError(f"env.id={env_cfg.id!r}: robot tasks are {list(TASKS)}")
-    from services.core.paths import process_endpoints
+    from rlfabric.services.core.paths import process_endpoints
 
     process_endpoints().check(opts["gateway"].strip().lower(), "env.options.gateway")  # a spec dials no host it likes
     if not 1 <= opts["episode_steps"] <= 100_000 or not 0 < opts["action_scale"] <= 0.5:
@@ -138,10 +138,10 @@ class RobotVectorEnv(gym.vector.VectorEnv):
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
     def __init__(self, env_cfg: Any, num_envs: int):
-        from services.core import auth
-        from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
-        from services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
-        from services.core.runtime import GRPC_OPTIONS
+        from rlfabric.services.core import auth
+        from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
+        from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
+        from rlfabric.services.core.runtime import GRPC_OPTIONS
 
         self.pb, self.opts = pb, _options(env_cfg)
         self.channel = auth.sync_channel(self.opts["gateway"], GRPC_OPTIONS)

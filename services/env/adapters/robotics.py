@@ -20,8 +20,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.adapters.gymnasium import check_env_id, vectorize
-from services.env.adapters.mujoco_pixels import (
+from rlfabric.services.env.adapters.gymnasium import check_env_id, vectorize
+from rlfabric.services.env.adapters.mujoco_pixels import (
     SuccessFrom,
     check_options,
     headless,

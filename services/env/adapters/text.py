@@ -28,11 +28,11 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 
-from services.core.textdata import chat_messages, plain_chat
-from services.env import reward_pool
-from services.env.tasks import task_class
-from services.env.tasks.rewards import REWARDS
-from services.env.tasks.tools import run_turn
+from rlfabric.services.core.textdata import chat_messages, plain_chat
+from rlfabric.services.env import reward_pool
+from rlfabric.services.env.tasks import task_class
+from rlfabric.services.env.tasks.rewards import REWARDS
+from rlfabric.services.env.tasks.tools import run_turn
 
 collector = "llm"  # rollout.collector auto: LLM turns (generation, tools)
 CHARSET = string.printable

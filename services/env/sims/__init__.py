@@ -11,7 +11,7 @@ goal is still named only by the instruction).
 
 from gymnasium.envs.registration import register
 
-register("rlfabric/ArmReach-v0", entry_point="services.env.sims.arm_reach:ArmReach", max_episode_steps=40,
+register("rlfabric/ArmReach-v0", entry_point="rlfabric.services.env.sims.arm_reach:ArmReach", max_episode_steps=40,
          kwargs={"colors": ("red",), "instruction": False})
-register("rlfabric/ArmReachLang-v0", entry_point="services.env.sims.arm_reach:ArmReach", max_episode_steps=40,
+register("rlfabric/ArmReachLang-v0", entry_point="rlfabric.services.env.sims.arm_reach:ArmReach", max_episode_steps=40,
          kwargs={"colors": ("red", "blue"), "instruction": True})

@@ -31,8 +31,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from services.env.sims import instructions
-from services.env.sims.offscreen import use_osmesa
+from rlfabric.services.env.sims import instructions
+from rlfabric.services.env.sims.offscreen import use_osmesa
 
 RGBA = {"red": "0.9 0.1 0.1 1", "blue": "0.1 0.2 0.9 1", "green": "0.1 0.8 0.2 1", "yellow": "0.9 0.8 0.1 1"}
 LINKS = (0.2, 0.15)

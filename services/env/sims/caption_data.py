@@ -1,7 +1,7 @@
 """A generated image-caption data set for supervised VLM training: ArmReachLang frames (a red and a blue ball placed at random
 around the arm, top-down camera) captioned with where each ball is.
 
-    python -m services.env.sims.caption_data data/captions --frames 800 --heldout 200
+    python -m rlfabric.services.env.sims.caption_data data/captions --frames 800 --heldout 200
 
 writes ``frames/NNNNN.png``, ``train.jsonl`` and ``heldout.jsonl`` (different scenes), one row per frame:
 ``{"images": ["frames/00007.png"], "prompt": "where are the balls", "completion": "red top left, blue bottom right"}``.
@@ -30,7 +30,7 @@ def write(out: str | Path, frames: int, heldout: int, seed: int = 0, image_size:
     """Render ``frames + heldout`` scenes (seeds ``seed``, ``seed + 1``, ...) and write the two JSONL files."""
     from PIL import Image
 
-    from services.env.sims.arm_reach import ArmReach
+    from rlfabric.services.env.sims.arm_reach import ArmReach
 
     out = Path(out)
     (out / "frames").mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.core.registry import Registry
+from rlfabric.services.core.registry import Registry
 
 
 def check_task(value: Any) -> None:
@@ -25,9 +25,9 @@ def check_task(value: Any) -> None:
 
 
 TASKS = Registry("tasks", "env.id", {
-    "arith": "services.env.tasks.arith:ArithTask",  # "Q: 12+7= A:" -> "19"
-    "arith_tool": "services.env.tasks.tools:ToolArithTask",  # the same problems, with a calculator and a search tool
-    "dataset": "services.env.tasks.dataset:DatasetTask",  # rows of a user's JSONL/Parquet file (GSM8K, MATH, ...)
+    "arith": "rlfabric.services.env.tasks.arith:ArithTask",  # "Q: 12+7= A:" -> "19"
+    "arith_tool": "rlfabric.services.env.tasks.tools:ToolArithTask",  # the same problems, with a calculator and a search tool
+    "dataset": "rlfabric.services.env.tasks.dataset:DatasetTask",  # rows of a user's JSONL/Parquet file (GSM8K, MATH, ...)
 }, home="services/env/tasks", noun="text task", check=check_task)
 
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from services.core.paths import DataRoots
-from services.core.textdata import DataFileError, chat_text, is_messages, read_rows, render_prompt
-from services.env.tasks.arith import held_out
-from services.env.tasks.tools import ToolError
+from rlfabric.services.core.paths import DataRoots
+from rlfabric.services.core.textdata import DataFileError, chat_text, is_messages, read_rows, render_prompt
+from rlfabric.services.env.tasks.arith import held_out
+from rlfabric.services.env.tasks.tools import ToolError
 
 TOOLS = ("search",)
 SEARCH_PROMPT = ("Answer the question. To look something up, write <search>query</search> and read the <result> "

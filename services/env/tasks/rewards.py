@@ -32,9 +32,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from services.core.registry import Registry
-from services.env.tasks.answers import gsm8k_answer, last_boxed, to_number
-from services.env.tasks.arith import parse_int
+from rlfabric.services.core.registry import Registry
+from rlfabric.services.env.tasks.answers import gsm8k_answer, last_boxed, to_number
+from rlfabric.services.env.tasks.arith import parse_int
 
 Reward = Callable[..., float]  # (prompt, completion, answer, **fields) -> reward
 
@@ -102,11 +102,11 @@ def check_reward(fn: Any) -> None:
 
 
 REWARDS = Registry("rewards", "env.options.reward", {
-    "exact_match": "services.env.tasks.rewards:exact_match",
-    "format_match": "services.env.tasks.rewards:format_match",
-    "signed_match": "services.env.tasks.rewards:signed_match",
-    "gsm8k": "services.env.tasks.rewards:gsm8k",
-    "math": "services.env.tasks.rewards:math_verify_match",
+    "exact_match": "rlfabric.services.env.tasks.rewards:exact_match",
+    "format_match": "rlfabric.services.env.tasks.rewards:format_match",
+    "signed_match": "rlfabric.services.env.tasks.rewards:signed_match",
+    "gsm8k": "rlfabric.services.env.tasks.rewards:gsm8k",
+    "math": "rlfabric.services.env.tasks.rewards:math_verify_match",
 }, home="services/env/tasks/rewards.py", check=check_reward)  # entry points rlfabric.rewards, or package.module:function in the spec
 
 

@@ -3,7 +3,7 @@ policies' char tokenizer (built models without a corpus), as the .npz a supervis
 lengths, loss_mask). For a checkpoint's own tokenizer, give replay.datasets a JSONL/Parquet file of prompt and
 completion rows instead (services/replay/datasets.py tokenizes it at start-up).
 
-    python -m services.env.tasks.sft_data OUT.npz --task arith --level 2 --rows 4000 --seed 0
+    python -m rlfabric.services.env.tasks.sft_data OUT.npz --task arith --level 2 --rows 4000 --seed 0
 
 Only the train split is written: held-out problems never reach training.
 """
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from services.env.tasks import task_class
+from rlfabric.services.env.tasks import task_class
 
 
 def build(task_name: str, rows: int, seed: int, level: int = 2, held_out_fraction: float = 0.2) -> dict:
     """Correct episodes of the task's train split: every model turn ends with <eos> (as generation does) and is
     in the loss; prompts and tool replies are context only."""
-    from services.core.models.tokenizer import TextCodec, build_tokenizer
+    from rlfabric.services.core.models.tokenizer import TextCodec, build_tokenizer
 
     codec = TextCodec(build_tokenizer())
     task = task_class(task_name)(level=level, split="train", held_out_fraction=held_out_fraction)

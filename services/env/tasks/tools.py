@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.env.tasks.arith import ArithTask, Problem, held_out
+from rlfabric.services.env.tasks.arith import ArithTask, Problem, held_out
 
 FACTS: dict[str, int] = json.loads((Path(__file__).parent / "data" / "facts.json").read_text())
 MAX_EXPR = 64

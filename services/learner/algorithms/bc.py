@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
-from services.core.batch import tree_map
-from services.core.lazy import lazy_import
+from rlfabric.services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
+from rlfabric.services.core.batch import tree_map
+from rlfabric.services.core.lazy import lazy_import
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")

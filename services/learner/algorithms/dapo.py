@@ -18,10 +18,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from services.core.algorithm import register
-from services.core.batch import Ragged, cat_ragged
-from services.core.lazy import lazy_import
-from services.learner.algorithms.grpo import GRPO, GRPOConfig, take
+from rlfabric.services.core.algorithm import register
+from rlfabric.services.core.batch import Ragged, cat_ragged
+from rlfabric.services.core.lazy import lazy_import
+from rlfabric.services.learner.algorithms.grpo import GRPO, GRPOConfig, take
 
 torch = lazy_import("torch")
 

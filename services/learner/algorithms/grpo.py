@@ -21,9 +21,16 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Roles, Trajectory, register
-from services.core.batch import Ragged
-from services.core.lazy import lazy_import
+from rlfabric.services.core.algorithm import (
+    Algorithm,
+    AlgorithmConfig,
+    DataAccess,
+    Roles,
+    Trajectory,
+    register,
+)
+from rlfabric.services.core.batch import Ragged
+from rlfabric.services.core.lazy import lazy_import
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")

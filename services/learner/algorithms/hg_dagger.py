@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from services.core.algorithm import (
+from rlfabric.services.core.algorithm import (
     INTERVENTIONS,
     Algorithm,
     AlgorithmConfig,
@@ -24,8 +24,8 @@ from services.core.algorithm import (
     Trajectory,
     register,
 )
-from services.core.batch import tree_map
-from services.core.lazy import lazy_import
+from rlfabric.services.core.batch import tree_map
+from rlfabric.services.core.lazy import lazy_import
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")

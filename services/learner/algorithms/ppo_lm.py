@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from services.core.algorithm import register
-from services.core.lazy import lazy_import
-from services.learner.algorithms.grpo import GRPO, GRPOConfig, aggregate
-from services.learner.algorithms.reinforce_pp import last_token
+from rlfabric.services.core.algorithm import register
+from rlfabric.services.core.lazy import lazy_import
+from rlfabric.services.learner.algorithms.grpo import GRPO, GRPOConfig, aggregate
+from rlfabric.services.learner.algorithms.reinforce_pp import last_token
 
 torch = lazy_import("torch")
 

@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.core.algorithm import register
-from services.core.lazy import lazy_import
-from services.learner.algorithms.grpo import GRPO, GRPOConfig
+from rlfabric.services.core.algorithm import register
+from rlfabric.services.core.lazy import lazy_import
+from rlfabric.services.learner.algorithms.grpo import GRPO, GRPOConfig
 
 torch = lazy_import("torch")
 

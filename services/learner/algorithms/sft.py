@@ -4,7 +4,7 @@ warm start of RL post-training.
     L = -mean over the model's tokens t of log p(x_t | x_<t)    (prompt and tool-output tokens carry no loss)
 
 The data set is an .npz of ``tokens`` (int64 [N, L], right-padded with <pad>), ``lengths`` ([N], tokens per row)
-and ``loss_mask`` (uint8 [N, L], 1 on the model's tokens); ``python -m services.env.tasks.sft_data`` writes one
+and ``loss_mask`` (uint8 [N, L], 1 on the model's tokens); ``python -m rlfabric.services.env.tasks.sft_data`` writes one
 for a text task.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
-from services.core.lazy import lazy_import
+from rlfabric.services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
+from rlfabric.services.core.lazy import lazy_import
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")

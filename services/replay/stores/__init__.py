@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from services.core.batch import Ragged, TensorBatch, array_nbytes
+from rlfabric.services.core.batch import Ragged, TensorBatch, array_nbytes
 
 if TYPE_CHECKING:
-    from services.core.config import RunConfig
-    from services.core.objectstore import ObjectStore
+    from rlfabric.services.core.config import RunConfig
+    from rlfabric.services.core.objectstore import ObjectStore
 
 TIME = "time"
 MAX_SAMPLE_ROWS = 1 << 24  # rows one sample request may ask for: n, or n x length for windows
@@ -245,11 +245,11 @@ def open_replay_store(config: RunConfig, run_id: str, object_store: ObjectStore 
     replay = config.replay
     capacity = capacity or replay.capacity_transitions
     if replay.store == "memory":
-        from services.replay.stores.memory import MemoryStore
+        from rlfabric.services.replay.stores.memory import MemoryStore
 
         return MemoryStore(capacity, replay.capacity_bytes)
     if replay.store == "redis":
-        from services.replay.stores.redis import RedisStore
+        from rlfabric.services.replay.stores.redis import RedisStore
 
         return RedisStore.from_config(replay, run_id, object_store, source=source, capacity=capacity)
     raise ValueError(f"replay.store={replay.store!r} is not a known store. Fix: use 'memory' or 'redis'")

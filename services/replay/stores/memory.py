@@ -15,8 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.core.batch import TensorBatch
-from services.replay.stores import WindowMax, check_batch, draw_rows, gather_rows, row_bytes, sample_windows
+from rlfabric.services.core.batch import TensorBatch
+from rlfabric.services.replay.stores import (
+    WindowMax,
+    check_batch,
+    draw_rows,
+    gather_rows,
+    row_bytes,
+    sample_windows,
+)
 
 
 def default_capacity_bytes() -> int:

@@ -57,9 +57,16 @@ from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from services.core.batch import Ragged, TensorBatch
-from services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
-from services.replay.stores import WindowMax, check_batch, draw_rows, gather_rows, row_bytes, sample_windows
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.core.codec import FrameError, decode, encode, frame_parts, unpack_frames
+from rlfabric.services.replay.stores import (
+    WindowMax,
+    check_batch,
+    draw_rows,
+    gather_rows,
+    row_bytes,
+    sample_windows,
+)
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

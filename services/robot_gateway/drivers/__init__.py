@@ -12,14 +12,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.core.registry import Registry
-from services.robot_gateway.safety import Limits
+from rlfabric.services.core.registry import Registry
+from rlfabric.services.robot_gateway.safety import Limits
 
 DRIVERS = Registry("drivers", "driver", {
-    "sim": "services.robot_gateway.drivers.sim:SimArm",
-    "franka": "services.robot_gateway.drivers.franka:FrankaArm",  # optional: franky-control or pylibfranka
-    "so100": "services.robot_gateway.drivers.so_follower:SO100Arm",  # optional: lerobot[feetech]
-    "so101": "services.robot_gateway.drivers.so_follower:SO101Arm",
+    "sim": "rlfabric.services.robot_gateway.drivers.sim:SimArm",
+    "franka": "rlfabric.services.robot_gateway.drivers.franka:FrankaArm",  # optional: franky-control or pylibfranka
+    "so100": "rlfabric.services.robot_gateway.drivers.so_follower:SO100Arm",  # optional: lerobot[feetech]
+    "so101": "rlfabric.services.robot_gateway.drivers.so_follower:SO101Arm",
 }, home="services/robot_gateway/drivers", literals=False)
 
 
@@ -78,7 +78,7 @@ def driver_class(name: str) -> type[Driver]:
     cls = DRIVERS.load(name)
     if not (isinstance(cls, type) and issubclass(cls, Driver)):
         raise ValueError(f"driver {name!r}: {DRIVERS.target(name)!r} is not a Driver subclass "
-                         f"(services.robot_gateway.drivers.Driver)")
+                         f"(rlfabric.services.robot_gateway.drivers.Driver)")
     return cls
 
 

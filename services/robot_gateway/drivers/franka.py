@@ -27,8 +27,13 @@ import threading
 
 import numpy as np
 
-from services.robot_gateway.drivers import Driver, DriverConnectionError, DriverOptionError, DriverUnavailable
-from services.robot_gateway.safety import Limits
+from rlfabric.services.robot_gateway.drivers import (
+    Driver,
+    DriverConnectionError,
+    DriverOptionError,
+    DriverUnavailable,
+)
+from rlfabric.services.robot_gateway.safety import Limits
 
 FCI_PORT = 1337  # libfranka's command port (TCP) on the robot
 BACKENDS = ("franky", "pylibfranka")

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.robot_gateway.drivers import Driver, DriverOptionError
-from services.robot_gateway.safety import Limits
+from rlfabric.services.robot_gateway.drivers import Driver, DriverOptionError
+from rlfabric.services.robot_gateway.safety import Limits
 
 MJCF = """
 <mujoco model="rlfabric-arm">

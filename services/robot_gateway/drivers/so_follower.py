@@ -27,8 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from services.robot_gateway.drivers import Driver, DriverConnectionError, DriverOptionError, DriverUnavailable
-from services.robot_gateway.safety import Limits
+from rlfabric.services.robot_gateway.drivers import (
+    Driver,
+    DriverConnectionError,
+    DriverOptionError,
+    DriverUnavailable,
+)
+from rlfabric.services.robot_gateway.safety import Limits
 
 ARM = ["shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll"]
 JOINTS = [*ARM, "gripper"]

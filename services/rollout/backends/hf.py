@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.models import build_policy
-from services.rollout.backends.receivers import StateDictReceiver
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.rollout.backends.receivers import StateDictReceiver
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.rollout.backends.hf import Generation, LMBackend, engine_dtype
-from services.rollout.backends.receivers import StateDictReceiver
-from services.rollout.backends.vllm import write_model
+from rlfabric.services.rollout.backends.hf import Generation, LMBackend, engine_dtype
+from rlfabric.services.rollout.backends.receivers import StateDictReceiver
+from rlfabric.services.rollout.backends.vllm import write_model
 
 log = logging.getLogger(__name__)
 

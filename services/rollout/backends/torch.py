@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.batch import tree_map
-from services.core.models import build_policy
-from services.rollout.backends.receivers import StateDictReceiver
+from rlfabric.services.core.batch import tree_map
+from rlfabric.services.core.models import build_policy
+from rlfabric.services.rollout.backends.receivers import StateDictReceiver
 
 
 def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:

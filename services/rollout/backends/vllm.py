@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.core.models.lm import merged_state_dict
-from services.rollout.backends.hf import Generation, LMBackend, engine_dtype
-from services.rollout.backends.receivers import StateDictReceiver
+from rlfabric.services.core.models.lm import merged_state_dict
+from rlfabric.services.rollout.backends.hf import Generation, LMBackend, engine_dtype
+from rlfabric.services.rollout.backends.receivers import StateDictReceiver
 
 log = logging.getLogger(__name__)
 

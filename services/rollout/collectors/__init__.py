@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from services.core.registry import Registry
-from services.env.adapters import ENV_ADAPTERS
+from rlfabric.services.core.registry import Registry
+from rlfabric.services.env.adapters import ENV_ADAPTERS
 
 if TYPE_CHECKING:
-    from services.rollout.collectors.gym import Collected, Evaluation
+    from rlfabric.services.rollout.collectors.gym import Collected, Evaluation
 
 
 @runtime_checkable
@@ -33,8 +33,8 @@ class Collector(Protocol):
 
 
 COLLECTORS = Registry("collectors", "rollout.collector", {
-    "gym": "services.rollout.collectors.gym:GymCollector",
-    "llm": "services.rollout.collectors.llm:LLMCollector",
+    "gym": "rlfabric.services.rollout.collectors.gym:GymCollector",
+    "llm": "rlfabric.services.rollout.collectors.llm:LLMCollector",
 }, home="services/rollout/collectors", protocol=Collector)
 
 

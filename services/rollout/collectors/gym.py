@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from services.core.algorithm import INTERVENTIONS, Trajectory
-from services.core.batch import TensorBatch, tree_map
+from rlfabric.services.core.algorithm import INTERVENTIONS, Trajectory
+from rlfabric.services.core.batch import TensorBatch, tree_map
 
 log = logging.getLogger(__name__)
 OFFERS = ("obs", "actions", "logp", "values", "rewards", "dones", "terminated", "truncated", "next_obs",

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from services.core.batch import Ragged, TensorBatch
-from services.rollout.collectors.gym import Collected, Evaluation, Stopped, probe_echo
+from rlfabric.services.core.batch import Ragged, TensorBatch
+from rlfabric.services.rollout.collectors.gym import Collected, Evaluation, Stopped, probe_echo
 
 OFFERS = ("tokens", "loss_mask", "logp", "rewards", "group", "turns", "response_tokens", "truncated", "kept")
 SEED_STRIDE = 100_003  # iterations draw disjoint seed ranges (a prime: group seeds never line up)

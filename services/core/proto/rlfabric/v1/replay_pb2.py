@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/replay.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"D\n\x0c\x43learRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x14\n\x0cpending_only\x18\x02 \x01(\x08\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\x8e\x03\n\x0bReplayStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x03\x12\x13\n\x0btransitions\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0c\n\x04puts\x18\x05 \x01(\x03\x12\x15\n\ronpolicy_gets\x18\x06 \x01(\x03\x12\x0f\n\x07samples\x18\x07 \x01(\x03\x12\x17\n\x0f\x65victed_batches\x18\x08 \x01(\x03\x12\x15\n\rstale_dropped\x18\t \x01(\x03\x12\x19\n\x11rejected_messages\x18\n \x01(\x03\x12\x18\n\x10pending_onpolicy\x18\x0b \x01(\x03\x12\x16\n\x0enewest_version\x18\x0c \x01(\x03\x12K\n\x12source_transitions\x18\r \x03(\x0b\x32/.rlfabric.v1.ReplayStats.SourceTransitionsEntry\x1a\x38\n\x16SourceTransitionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xc9\x01\n\x06Replay\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12\x38\n\x08GetStats\x12\x12.rlfabric.v1.Empty\x1a\x18.rlfabric.v1.ReplayStats\x12<\n\x05\x43lear\x12\x19.rlfabric.v1.ClearRequest\x1a\x18.rlfabric.v1.ReplayStatsb\x06proto3')

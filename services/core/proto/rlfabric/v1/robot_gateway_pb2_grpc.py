@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.core.proto.rlfabric.v1 import robot_gateway_pb2 as rlfabric_dot_v1_dot_robot__gateway__pb2
+from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as rlfabric_dot_v1_dot_robot__gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

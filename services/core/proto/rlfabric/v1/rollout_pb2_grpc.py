@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
-from services.core.proto.rlfabric.v1 import rollout_pb2 as rlfabric_dot_v1_dot_rollout__pb2
+from rlfabric.services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
+from rlfabric.services.core.proto.rlfabric.v1 import rollout_pb2 as rlfabric_dot_v1_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
