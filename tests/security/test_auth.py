@@ -350,3 +350,39 @@ def test_a_client_without_tls_never_sends_the_bearer_off_this_host(tmp_path):
             listener.accept()  # no connection was even opened
     finally:
         listener.close()
+
+
+def test_insecure_plaintext_in_the_environment_lets_a_client_dial_another_host(monkeypatch):
+    """deployment.md: "(`PlaintextRefused`, naming `RLFABRIC_TLS_CA` and `RLFABRIC_INSECURE_PLAINTEXT=1`, the
+    operator's way to allow it on a network they trust)": the variable, read where clients read it (the token from
+    the environment, `rlfabric.Client` with and without `token=`), lets a channel to a non-loopback address be built
+    (nothing connects until a call); without it, or set to 0, the same client is refused."""
+    import rlfabric
+    from rlfabric.services.coordinator.client import CoordinatorClient
+
+    for name in [n for n in os.environ if n.startswith("RLFABRIC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    address = "10.1.2.3:5000"
+
+    def cli() -> None:  # the CLI and health probes
+        auth.sync_channel(address, GRPC_OPTIONS, auth.from_environment()).close()
+
+    def notebook() -> None:  # the token from the environment
+        rlfabric.Client(address).close()
+
+    def given_token() -> None:
+        CoordinatorClient(address, token=TOKEN).close()
+
+    for value in ("", "0"):
+        monkeypatch.setenv(auth.PLAINTEXT_ENV, value)
+        for client in (cli, notebook, given_token):
+            auth.configure("")  # a fresh process: nothing configured yet
+            with pytest.raises(auth.PlaintextRefused):
+                client()
+    assert auth.PLAINTEXT_ENV == "RLFABRIC_INSECURE_PLAINTEXT"
+    monkeypatch.setenv("RLFABRIC_INSECURE_PLAINTEXT", "1")
+    for client in (cli, notebook, given_token):
+        auth.configure("")
+        client()
+    assert auth.from_environment().plaintext_ok and not auth.current().tls.client_enabled

@@ -655,6 +655,42 @@ def test_a_deregistration_carries_its_registrations_key_and_no_other_caller_dere
     assert [(r.worker_id, r.worker_key) for r in sent] == [("env-7", "the-key-of-this-registration")]
 
 
+def test_the_coordinators_calls_for_a_run_carry_its_key_as_rlfabric_run_key_metadata(monkeypatch):
+    """deployment.md: "and each run a key that the coordinator's calls for it carry (metadata `rlfabric-run-key`)".
+    The name is the literal one on both sides: what the coordinator's calls carry, and what a worker the run holds
+    reads (a key under any other name is not the run's)."""
+    from rlfabric.services.coordinator import stages
+    from rlfabric.services.core import ownership
+
+    sent = []
+
+    class Stub:
+        async def Configure(self, request, timeout=None, metadata=()):
+            sent.append(tuple(metadata))
+            return "configured"
+
+    stage = stages.Stage(worker=SimpleNamespace(describe=lambda: "env-1"), channel=None, stub=Stub(),
+                         run_key="the-runs-key")
+    assert asyncio.run(stages.rpc(stage, "Configure", object())) == "configured"
+    assert sent == [(("rlfabric-run-key", "the-runs-key"),)]
+
+    asked = []
+
+    async def ask(runtime):  # the coordinator's answer: the run still holds the worker, with the same key
+        asked.append(runtime.worker_id)
+
+    monkeypatch.setattr(ownership, "_ask", ask)
+    runtime = SimpleNamespace(options=SimpleNamespace(role="env", coordinator="127.0.0.1:9"), worker_id="env-1",
+                              owner_run="r1", owner_key="the-runs-key")
+    asyncio.run(ownership.check_owner(runtime, "r1", AbortingContext((("rlfabric-run-key", "the-runs-key"),))))
+    assert asked == []  # taken at once
+    for metadata in ((("rlfabric-run-key", "another-key"),), (("run-key", "the-runs-key"),),
+                     (("rlfabric-run-id", "the-runs-key"),), ()):
+        with pytest.raises(Aborted) as refused:
+            asyncio.run(ownership.check_owner(runtime, "r1", AbortingContext(metadata)))
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED, metadata
+
+
 # -- metrics ------------------------------------------------------------------------------------------------------
 def test_the_metrics_server_drops_a_silent_connection_and_past_64_the_oldest(clean_env):
     """deployment.md: "a connection has 5 s to send its request and take the reply, and past 64 open connections
@@ -736,14 +772,27 @@ def test_certs_names_every_host_keeps_keys_0600_never_replaces_a_ca_silently_and
     assert _cli("certs", str(shipped), "--hosts", "h", "--ca-key-dir", str(offline)) == 2
 
 
-def test_up_tls_auto_makes_its_ca_once_and_reuses_it_on_later_starts(tmp_path, fake_stack):
+def test_up_tls_auto_makes_its_ca_once_and_reuses_it_on_later_starts(tmp_path, fake_stack, capsys):
     """deployment.md: "`rlfabric up --tls auto` ... a CA under `<runs-root>/.rlfabric/tls` (made once, reused on
-    later starts; delete it for a new one)"; README: "(`up --tls auto` a private CA too)"."""
+    later starts; delete it for a new one), mTLS gRPC and HTTPS metrics, and prints the variables its clients
+    set"; README: "(`up --tls auto` a private CA too)"."""
+    import re
+
     from rlfabric.services.core import certs
 
     runs = tmp_path / "runs"
     tls = runs / ".rlfabric" / "tls"
+    capsys.readouterr()
     _cli("up", "--runs-root", str(runs), "--tls", "auto")
+    said = capsys.readouterr()
+    printed = re.sub(r"\x1b\[[0-9;]*m", "", said.out + said.err)  # (rich styles nothing off a terminal; if it did)
+    for variable, file in (("RLFABRIC_TLS_CA", "ca.pem"), ("RLFABRIC_TLS_CERT", "client.pem"),
+                           ("RLFABRIC_TLS_KEY", "client.key")):
+        assert re.search(rf"(^|\s){variable}={re.escape(str((tls / file).resolve()))}(\s|$)", printed), \
+            (variable, printed)
+    client = certs.client_files(certs.existing(tls))  # the files a client needs, as `rlfabric certs` names them
+    assert {Path(client.ca), Path(client.cert), Path(client.key)} == {tls / "ca.pem", tls / "client.pem",
+                                                                     tls / "client.key"}
     made = {name: (tls / name).read_bytes() for name in certs.FILES}
     first = fake_stack[-1].kwargs["tls"]
     assert (Path(first.cert), Path(first.key), Path(first.ca)) == (tls / "server.pem", tls / "server.key",
@@ -759,7 +808,8 @@ def test_up_tls_auto_makes_its_ca_once_and_reuses_it_on_later_starts(tmp_path, f
 # -- rewards ------------------------------------------------------------------------------------------------------
 def test_the_operators_reward_limits_default_to_2048_mib_and_60_s(clean_env, process_settings):
     """deployment.md: "Memory (`--reward-memory-mb`, default 2048 MiB of address space per worker) and time
-    (`--reward-timeout-s`, default 60 s per call) are the operator's"."""
+    (`--reward-timeout-s`, at most 60 s per call by default; a run that sets none gets 10 s) are the operator's"
+    (a run's own 10 s: test_a_run_that_sets_no_reward_timeout_gets_10_s_per_call)."""
     from rlfabric.services.core.config import EnvConfig
     from rlfabric.services.env import reward_pool
     from rlfabric.services.env.adapters import text
@@ -771,7 +821,39 @@ def test_the_operators_reward_limits_default_to_2048_mib_and_60_s(clean_env, pro
         assert reward_pool.operator_limits() == reward_pool.OperatorLimits(2048, 60.0), role
     opts, _ = text._options(EnvConfig(adapter="text", id="arith", num_envs=2, eval_envs=2))
     assert opts["reward_memory_mb"] == 2048  # what a spec that says nothing gets: all of it
-    assert opts["reward_timeout_s"] <= 60.0
+    assert opts["reward_timeout_s"] == 10.0  # ... and of the time, its own default, under the operator's 60 s
+
+
+def test_a_run_that_sets_no_reward_timeout_gets_10_s_per_call(clean_env, process_settings):
+    """deployment.md: "time (`--reward-timeout-s`, at most 60 s per call by default; a run that sets none gets
+    10 s)": a text env whose spec has no env.options.reward_timeout_s hands the reward pool 10 s for each call,
+    under the operator's default 60 s; an operator's lower limit caps it; a spec's own value is taken."""
+    from rlfabric.services.core.config import EnvConfig
+    from rlfabric.services.env import reward_pool
+    from rlfabric.services.env.adapters import text
+
+    given = []
+
+    class Pool:  # the reward pool, as the env calls it (no worker process)
+        def resolve(self, target, name):
+            pass
+
+        def score(self, calls, timeout_s, failure_reward, step_timeout_s):
+            given.append(timeout_s)
+            return [SimpleNamespace(value=1.0, failure=None) for _ in calls]
+
+    clean_env.setattr(reward_pool, "acquire", lambda workers, memory_mb: Pool())
+    clean_env.setattr(reward_pool, "release", lambda pool: None)
+    for operator_s, options, expected in ((60.0, {}, 10.0), (4.0, {}, 4.0),
+                                          (60.0, {"reward_timeout_s": 15.0}, 15.0)):
+        reward_pool.set_operator_limits(reward_pool.OperatorLimits(2048, operator_s))
+        env = text.make_vector_env(EnvConfig(adapter="text", id="arith", num_envs=2, eval_envs=2, options=options), 2)
+        try:
+            env.reset(seed=0)
+            env.step(("1", "2"))
+        finally:
+            env.close()
+        assert given[-1] == expected, (operator_s, options, given)
 
 
 def test_the_pool_warns_once_when_its_workers_keep_the_services_network(caplog, monkeypatch):

@@ -77,6 +77,40 @@ def test_learner_reads_checkpoints_only_under_its_roots(layout):
         assert "policy.init_checkpoint" in str(info.value)
 
 
+def test_the_learner_reads_an_expert_checkpoint_only_under_its_roots(layout, monkeypatch):
+    """deployment.md: "Workers apply the same rule to every path a run spec names (..., `algorithm.expert_checkpoint`,
+    ...), under the operator's `--data-root`": the learner loading the expert an algorithm's roles ask for refuses
+    one outside its roots (absolute, '..', a symlink out, a FIFO) naming the field, the root and the flag, before
+    reading it, and reads one inside."""
+    from rlfabric.services.core.algorithm import Roles
+    from rlfabric.services.learner import server
+
+    class Read(Exception):
+        pass
+
+    def unpack(data, path):
+        raise Read(data)
+
+    monkeypatch.setattr(server.ckpt, "unpack", unpack)
+    learner = SimpleNamespace(roots=layout.roots, policy=None)  # a LearnerService's, as --data-root made it
+
+    def roles(path: str) -> None:
+        config = SimpleNamespace(spec=SimpleNamespace(name="expert-algo", needs=lambda cfg: Roles(expert=True)),
+                                 algorithm=SimpleNamespace(expert_checkpoint=path))
+        server.LearnerService._roles(learner, config, {})
+
+    for path in (str(layout.outside), "ckpts/../../secret", "link-out"):
+        with pytest.raises(PathRefused, match="outside this worker's data root") as info:
+            roles(path)
+        msg = str(info.value)
+        assert "algorithm.expert_checkpoint" in msg and str(layout.root) in msg and "--data-root" in msg, msg
+    with pytest.raises(PathRefused, match=r"algorithm.expert_checkpoint=.* is a FIFO, not a regular file"):
+        roles("fifo")  # (inside the roots: refused without opening it, which would block)
+    with pytest.raises(Read) as read:
+        roles("ckpts/a.pt")
+    assert read.value.args[0] == b"inside"
+
+
 def test_data_sets_are_read_only_under_the_roots_and_only_from_regular_files(layout):
     from rlfabric.services.replay.datasets import DatasetError, load_dataset
 

@@ -483,6 +483,173 @@ def test_a_gateway_restart_forgets_every_latch(fake_gateway):
     assert FakeArmProcess.made[-1].calls == [] and restarted.devices["sim:arm"].limits is None
 
 
+class _SlowArmProcess(FakeArmProcess):
+    """A fake arm process whose start (a driver's probe) and stop (brake, close) take a while off the event loop, so
+    that a Connect and a Disconnect of one id overlap; it notes whether it was stopped."""
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(0.02)
+        super().__init__(*args, **kwargs)
+        self.stopped = False
+
+    def stop(self) -> None:
+        time.sleep(0.05)
+        self.stopped = True
+
+
+@pytest.mark.parametrize("first", ["disconnect", "connect"])
+def test_a_connect_racing_a_disconnect_of_one_id_leaves_no_arm_process_that_disconnect_cannot_reach(
+        fake_gateway, monkeypatch, first):
+    """robot_safety.md: "Connect and Disconnect of one id run one at a time, so two concurrent Connects never leave a
+    loop that Disconnect cannot reach." A connected arm, then a Connect and a Disconnect of its id at once (either
+    call first; the arm process's stop takes a while): afterwards no arm process is left, or one that a later
+    Disconnect stops; none runs on unreachable (an orphan would keep ticking, its device record gone)."""
+    from rlfabric.services.robot_gateway import server
+
+    monkeypatch.setattr(server, "ArmProcess", _SlowArmProcess)
+    service = fake_gateway.make()
+    ctx, ref = fake_gateway.context, pb.RobotRef(robot_id="arm")
+
+    async def scenario() -> list:
+        await service.Connect(_connect_request("arm"), ctx())
+        calls = [service.Disconnect(ref, ctx()), service.Connect(_connect_request("arm"), ctx())]
+        raced = await asyncio.gather(*(calls if first == "disconnect" else calls[::-1]), return_exceptions=True)
+        if "arm" in service.loops:  # what the race left: a later Disconnect must reach it
+            raced += await asyncio.gather(service.Disconnect(ref, ctx()), return_exceptions=True)
+        return raced
+
+    raced = asyncio.run(scenario())
+    # only a Disconnect that found nothing connected may be refused (NOT_FOUND); nothing else fails
+    refused = [r for r in raced if isinstance(r, BaseException)]
+    assert all(isinstance(r, fake_gateway.Aborted) and r.code == grpc.StatusCode.NOT_FOUND for r in refused), refused
+    made = FakeArmProcess.made
+    assert made and all(p.stopped for p in made), [(p.robot_id, p.stopped) for p in made]  # no orphan
+    assert service.loops == {} and service.device_of == {} and service.id_locks == {}
+    assert all(d.holder is None for d in service.devices.values())
+
+
+def test_clear_estop_takes_the_hkdf_derived_operator_credential_in_the_metadata_key_rlfabric_operator(fake_gateway):
+    """robot_safety.md: "`ClearEStop` takes the operator's credential beside the deployment's bearer: metadata
+    `rlfabric-operator`, derived (HKDF-SHA256) from the secret in the gateway's `--operator-token-file`". The key is
+    literally "rlfabric-operator" (the constant the gateway reads), and what it accepts there is the secret's HKDF
+    (an independent HKDF, the cryptography package's): not the secret itself, not another label's derivation, and
+    not the credential under another key."""
+    import base64
+
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    from rlfabric.services.core import auth
+
+    def hkdf(label: str) -> str:
+        raw = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"rlfabric/hkdf/v1",
+                   info=label.encode()).derive(OPERATOR_SECRET.encode())
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    assert auth.OPERATOR_METADATA_KEY == "rlfabric-operator"
+    credential = hkdf("rlfabric/robot-operator")
+    service = fake_gateway.make()
+    fake_gateway.call(service.Connect, _connect_request("arm"))
+    for metadata in ((("rlfabric-operator", OPERATOR_SECRET),),  # the secret itself
+                     (("rlfabric-operator", hkdf("rlfabric/grpc-bearer")),),  # another label's derivation
+                     (("authorization", f"Bearer {credential}"),), (("x-rlfabric-operator", credential),), ()):
+        service.loops["arm"].estopped = True
+        with pytest.raises(fake_gateway.Aborted) as err:
+            fake_gateway.call(service.ClearEStop, pb.RobotRef(robot_id="arm"), metadata)
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, metadata
+        assert service.loops["arm"].estopped, metadata  # still latched
+    cleared = fake_gateway.call(service.ClearEStop, pb.RobotRef(robot_id="arm"), (("rlfabric-operator", credential),))
+    assert not cleared.estopped and not service.loops["arm"].estopped
+
+
+def test_no_run_service_takes_the_operator_secret_by_flag_environment_launcher_or_compose(monkeypatch, tmp_path,
+                                                                                         capsys):
+    """robot_safety.md: the operator's credential is "derived (HKDF-SHA256) from the secret in the gateway's
+    `--operator-token-file` (`RLFABRIC_OPERATOR_TOKEN_FILE`) ... Run services never hold it." Each role's parser,
+    built as `rlfabric serve ROLE` builds it (the shared flags, the role's own, RLFABRIC_* defaults): only
+    robot_gateway's takes --operator-token-file (and RLFABRIC_OPERATOR_TOKEN_FILE); the others refuse the flag and
+    ignore the variable. A LocalStack gives its services neither (their environment drops it, their flags name no
+    operator secret), and compose/docker-compose.yml gives none to coordinator, env, rollout, learner or replay."""
+    import argparse
+    import importlib
+    import shutil
+
+    import yaml
+
+    from rlfabric.services import launcher
+    from rlfabric.services.cli import SERVICES
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.runtime import ServiceOptions, apply_env_defaults
+
+    operator_file = str(tmp_path / "operator-token")
+    monkeypatch.setenv(auth.OPERATOR_TOKEN_FILE_ENV, operator_file)
+    monkeypatch.setenv("MUJOCO_GL", os.environ.get("MUJOCO_GL", ""))  # (robot_gateway's main may set it: restored)
+    assert set(SERVICES) == {"coordinator", "env", "rollout", "learner", "replay"}
+
+    def parser_of(role: str) -> argparse.ArgumentParser:
+        module = importlib.import_module(f"rlfabric.services.{role}.server")
+        got: dict = {}
+        monkeypatch.setattr(module, "run_service", lambda name, build, argv=None, extra_args=None: got.update(
+            name=name, extra=extra_args))
+        module.main([])
+        assert got["name"] == role
+        parser = argparse.ArgumentParser(prog=f"rlfabric serve {role}")  # as runtime.run_service builds it
+        ServiceOptions.add_arguments(parser)
+        if got["extra"]:
+            got["extra"](parser)
+        apply_env_defaults(parser, ignore=("--coordinator",) if role == "coordinator" else ())
+        return parser
+
+    gateway = parser_of("robot_gateway")
+    assert gateway.parse_args([]).operator_token_file == operator_file  # the flag, and its variable
+    for role in SERVICES:
+        parser = parser_of(role)
+        assert not [flag for flag in parser._option_string_actions if "operator" in flag], role
+        assert not [v for v in vars(parser.parse_args([])).values() if v == operator_file], role
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--operator-token-file", operator_file])
+        assert "unrecognized arguments: --operator-token-file" in capsys.readouterr().err, role
+
+    spawned: list[tuple[str, list[str], dict[str, str]]] = []
+
+    class Process:  # the forkserver's Process, recorded instead of started
+        def __init__(self, target, name, args):
+            module, argv, _, env, _ = args
+            spawned.append((module, argv, env))
+            self.pid = None
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(launcher, "_forkserver_context", lambda threads: SimpleNamespace(Process=Process))
+    monkeypatch.setattr(launcher, "prestart", lambda threads=1: None)
+    monkeypatch.setattr(auth, "configure", lambda *args, **kwargs: None)  # (this process's own client security)
+    stack = launcher.LocalStack(log_dir=tmp_path / "logs", runs_root=tmp_path / "runs", token=auth.generate_token())
+    stack.preload = True
+    stack.spawn_coordinator()
+    try:
+        stack.spawn_workers(launcher.WORKER_ROLES)
+    finally:
+        shutil.rmtree(stack.port_file.parent, ignore_errors=True)
+    assert sorted(m.split(".")[-2] for m, _, _ in spawned) == sorted(["coordinator", *launcher.WORKER_ROLES])
+    for module, argv, env in spawned:
+        assert env[auth.TOKEN_ENV] == stack.token  # the service's own environment, with the stack's secret
+        assert not [k for k in env if "OPERATOR" in k.upper()], module
+        assert not [a for a in argv if "operator" in a.lower()], module
+    assert launcher._service_env(1, stack.token).get(auth.OPERATOR_TOKEN_FILE_ENV) is None
+
+    compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())["services"]
+    for role in SERVICES:
+        service = compose[role]
+        environment = service.get("environment") or {}
+        if isinstance(environment, list):
+            environment = dict(item.partition("=")[::2] for item in environment)
+        assert not [k for k, v in environment.items() if "OPERATOR" in k.upper() or "operator" in str(v).lower()]
+        assert not [a for a in service.get("command") or [] if "operator" in str(a).lower()], role
+        assert not [x for key in ("env_file", "secrets", "volumes") for x in service.get(key) or []
+                    if "operator" in str(x).lower()], role
+
+
 @pytest.mark.parametrize("spin_s, used", [(0.0, 0.001), (-1.0, 0.0), (0.002, 0.002)])
 def test_connect_gives_the_arm_process_a_1_ms_spin_by_default_and_none_for_minus_1(fake_gateway, spin_s, used):
     """robot_safety.md: "spins the last `spin_s` (default 1 ms; `ConnectRequest.spin_s`, -1: never spin)": what
@@ -510,6 +677,136 @@ def test_the_arm_process_builds_its_loop_with_the_spin_it_was_given():
     finally:
         a.close()
         b.close()
+
+
+_SPRUNG: list[str] = []  # what unpickling a _Trap does: a pickle a reader loads lands here
+
+
+def _spring(mark: str) -> None:
+    _SPRUNG.append(mark)
+
+
+class _Trap:
+    """Pickled, a call of ``_spring``: whoever unpickles it runs code of the sender's choosing."""
+
+    def __reduce__(self):
+        return _spring, ("unpickled",)
+
+
+def _serving(rid: str) -> tuple:
+    """An arm process's server (``_Serve``) on a fake arm, built as the arm process builds it, over a socket pair;
+    and the gateway's end of the pair."""
+    import socket
+
+    from rlfabric.services.robot_gateway.arm_process import _Serve
+    from rlfabric.services.robot_gateway.drivers import DRIVERS
+
+    mine, gateway = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    serve = _Serve(mine, mine)
+    serve.build({"target": DRIVERS.target("claims_fake"), "driver": "claims_fake", "options": {}, "robot_id": rid,
+                 "hz": HZ, "watchdog_s": 0.1, "spin_s": 0.0, "camera_size": 0, "camera_hz": 30.0})
+    mine.setblocking(False)  # as its main() leaves it once built
+    return serve, gateway
+
+
+def _gateway_side(sock, rid: str):
+    """The gateway's side of an arm process (``ArmProcess``) reading ``sock``, without starting a process: the
+    attributes its reader (``_read``) uses, as its constructor makes them."""
+    from rlfabric.services.robot_gateway import arm_process
+    from rlfabric.services.robot_gateway.series import robot_series
+
+    arm = arm_process.ArmProcess.__new__(arm_process.ArmProcess)
+    arm.robot_id, arm.period, arm.sock = rid, 1 / HZ, sock
+    arm.holding_metric, arm.lateness_metric, arm.jitter_metric, arm.overruns_metric, arm.intervened_metric = (
+        robot_series(m, rid) for m in (loop_module.HOLDING, loop_module.LATENESS, loop_module.JITTER,
+                                       loop_module.OVERRUNS, loop_module.INTERVENED))
+    arm.dropped_metric = robot_series(arm_process.STATES_DROPPED, rid)
+    arm.lock, arm.listeners, arm.intervention_listeners = threading.Lock(), [], []
+    arm.realtime, arm.error, arm.missed, arm.dropped = "not started", None, "", 0
+    arm.estopped, arm.fault, arm.episode, arm.target = False, "", 0, np.zeros(3)
+    arm._answers, arm._stopped, arm._final = {}, threading.Event(), None
+    arm.proc = SimpleNamespace(wait=lambda: 0)  # (no process: its exit code)
+    return arm
+
+
+def test_the_arm_processs_socket_carries_json_and_a_pickle_is_refused_never_loaded():
+    """robot_safety.md: "between ticks it serves the gateway's requests on a local socket (JSON; nothing is
+    pickled)". A request that is a pickle (one whose loading would run code) is refused by the arm process's reader
+    (``_Serve.drain``: a ValueError, and the arm process's loop then dies and brakes) and by the gateway's reader
+    alike, and never loaded; a JSON request is served, and its answer and each tick's state go back as JSON."""
+    import pickle
+
+    from rlfabric.services.robot_gateway import series
+
+    payload = pickle.dumps(_Trap())
+    pickle.loads(payload)  # (the trap works: loading it runs _spring)
+    assert _SPRUNG == ["unpickled"]
+    _SPRUNG.clear()
+    serve, gateway = _serving("json-only")
+    try:
+        gateway.send(payload)
+        with pytest.raises(ValueError):
+            serve.drain()
+        assert _SPRUNG == [] and not serve.loop.estopped
+        gateway.send(json.dumps({"call": "estop", "id": 7, "reason": "test"}).encode())
+        gateway.send(json.dumps({"call": "no-such-call", "id": 8}).encode())
+        assert serve.drain() and serve.loop.estopped
+        assert json.loads(gateway.recv(65536)) == {"id": 7, "ok": True}
+        refused = json.loads(gateway.recv(65536))
+        assert refused["id"] == 8 and refused["error"][0] == "ValueError", refused
+        serve.loop._tick(1, time.monotonic(), 0.0, 0.0)
+        serve.publish(serve.loop.last)
+        state = json.loads(gateway.recv(65536))
+        assert state["tick"]["tick"] == 1 and state["tick"]["estopped"] and state["tick"]["hold_reason"] == "e-stop"
+        serve.sock.send(payload)  # and the other way: the gateway's reader refuses a pickle too
+        with pytest.raises(ValueError):
+            _gateway_side(gateway, "json-only")._read()
+        assert _SPRUNG == []
+    finally:
+        serve.sock.close()
+        gateway.close()
+        series.forget("json-only")
+
+
+def test_states_the_gateway_was_too_slow_to_read_are_counted_in_its_own_prometheus_counter():
+    """robot_safety.md: "Every tick's state goes back without blocking: a gateway too slow to read loses states
+    (counted: `rlfabric_robot_states_dropped_total`), never the loop's time." The arm process's server publishes
+    to a gateway that reads nothing until its socket is full (those states are lost, counted there); then the
+    gateway's reader (ArmProcess._read) takes the next state, which carries the count, and the gateway's own
+    counter rlfabric_robot_states_dropped_total{robot} grows by it."""
+    from prometheus_client import REGISTRY
+
+    from rlfabric.services.robot_gateway import series
+
+    rid = "slow-reader"
+    serve, gateway = _serving(rid)
+    try:
+        arm = _gateway_side(gateway, rid)
+
+        def dropped_total() -> float | None:
+            return REGISTRY.get_sample_value("rlfabric_robot_states_dropped_total", {"robot": rid})
+
+        assert dropped_total() == 0.0
+        for _ in range(5000):  # the gateway reads nothing: the socket fills, then states are lost
+            serve.publish(serve.loop.last)
+            if serve.dropped:
+                break
+        lost = serve.dropped
+        assert lost > 0 and dropped_total() == 0.0
+        reader = threading.Thread(target=arm._read, daemon=True)
+        reader.start()
+        for _ in range(10_000):  # the gateway reads again: the next state that gets through carries the count
+            if arm.dropped:
+                break
+            serve.publish(serve.loop.last)
+            time.sleep(0.001)
+        serve.sock.close()
+        reader.join(5)
+        assert arm.dropped >= lost and dropped_total() == arm.dropped, (lost, arm.dropped, dropped_total())
+    finally:
+        serve.sock.close()
+        gateway.close()
+        series.forget(rid)
 
 
 def test_estop_answers_after_25_periods_anyway_and_logs_the_age_of_the_last_tick(fake_gateway, monkeypatch, caplog):
@@ -607,6 +904,30 @@ def test_a_recording_past_the_memory_cap_is_refused_naming_the_cap_and_the_large
             check_memory(3, queue_ticks, largest + 1, HZ)
 
 
+def test_the_default_episode_is_an_hour_of_ticks_or_the_largest_that_fits():
+    """robot_safety.md: "The default episode (0) is an hour of ticks, or what fits." A recorder asked for
+    max_episode_ticks 0: 3 joints at 100 Hz fit an hour (360 000 ticks); 30 joints at 100 Hz do not fit an hour in
+    256 MiB beside the default queue, and get the largest episode that fits: one that StartRecording's check
+    accepts, one tick more it refuses, naming that largest episode."""
+    from rlfabric.services.robot_gateway import series
+    from rlfabric.services.robot_gateway.recording import Recorder, RecordingError, check_memory
+
+    try:
+        hour = Recorder("sizing-3", ["a", "b", "c"], 100.0, [])
+        assert hour.max_episode_ticks == 360_000
+        check_memory(3, 0, hour.max_episode_ticks, 100.0)  # (and it fits)
+        big = Recorder("sizing-30", [f"j{i}" for i in range(30)], 100.0, [])
+        largest = big.max_episode_ticks
+        assert 0 < largest < 360_000
+        check_memory(30, 0, largest, 100.0)  # it fits ...
+        with pytest.raises(RecordingError) as err:  # ... and one tick more does not, naming it
+            check_memory(30, 0, largest + 1, 100.0)
+        assert int(re.search(r"at most (\d+) episode ticks", str(err.value))[1]) == largest
+    finally:
+        series.forget("sizing-3")
+        series.forget("sizing-30")
+
+
 def test_the_replay_endpoints_come_from_the_flag_or_rlfabric_replay_endpoints(monkeypatch):
     """robot_safety.md: "`RecordingRequest.replay_endpoint` must be one the operator listed with `--replay-endpoints
     tcp://host:port,...` (or `RLFABRIC_REPLAY_ENDPOINTS`)". The gateway's flags parsed as `rlfabric serve` parses
@@ -698,6 +1019,72 @@ def test_a_small_latch_wait_s_gives_up_after_it_for_an_estop(monkeypatch):
     assert 0.5 <= clock.now - 5000.0 < 1.0
 
 
+class _ClearedAfter(_LatchedGateway):
+    """A latched arm that the operator clears after the first ``reads`` GetStates."""
+
+    def __init__(self, state: pb.RobotState, reads: int, cleared: pb.RobotState):
+        super().__init__(state)
+        self.reads, self.cleared = reads, cleared
+
+    def GetState(self, request, timeout=None):  # noqa: N802 — the gRPC stub's name
+        state = super().GetState(request, timeout)
+        return state if len(self.calls) <= self.reads else self.cleared
+
+
+class _HoldThenStart:
+    """A Control stream's states as the env reads them, each answering the env's newest command (``policy_seq``):
+    first ``held`` (a latched hold), then the arm still at its start pose (the reset's walk back)."""
+
+    def __init__(self, env, held: pb.RobotState):
+        self.env, self.held = env, held
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> pb.RobotState:
+        start = self.env.start.tolist()
+        state = self.held or pb.RobotState(position=start, target=start, velocity=[0.0] * 3,
+                                           end_effector=[1.0, 1.0, 1.0])
+        self.held = None
+        state.policy_seq = self.env.seq
+        return state
+
+
+@pytest.mark.parametrize("latch", ["fault", "e-stop"])
+def test_a_latched_fault_or_estop_ends_the_robot_envs_episode_truncated_with_the_reason(monkeypatch, latch):
+    """robot_safety.md: "**Training never clears a latch.** An e-stop or fault ends the robot env's episode
+    (truncated, with the reason)." The env's step on a gateway whose state for its command is a latched hold (a
+    fault: `fault` set, hold_reason "fault: ..."; or an e-stop): the episode ends truncated (not terminated) with
+    info["hold_reason"] that reason; its reset only looks (GetState) until the operator has cleared the arm."""
+    import queue
+
+    from rlfabric.services.env.adapters import robot
+
+    monkeypatch.setattr(robot, "time", FakeClock())
+    fault = "jump: joint 0 commanded 0.9 rad from where it is"
+    held = pb.RobotState(robot_id="env7-0-0", seq=40, position=[0.0, -0.3, 0.6], velocity=[0.0] * 3,
+                         target=[0.0, -0.3, 0.6], end_effector=[1.0, 1.0, 1.0], holding=True,
+                         **({"fault": fault, "hold_reason": f"fault: {fault}"} if latch == "fault" else
+                            {"estopped": True, "hold_reason": "e-stop"}))
+    env = _latched_env(monkeypatch, held, latch_wait_s=5.0)
+    cleared = pb.RobotState(robot_id="env7-0-0", position=[0.0, -0.3, 0.6], hold_reason="no command yet",
+                            holding=True)
+    env.stub = _ClearedAfter(held, 2, cleared)  # the operator clears the arm while the reset waits
+    env.num_envs, env.horizon, env.joints, env.realtime = 1, 1, 3, False
+    env.start, env.max_step, env.rng = np.array([0.0, -0.3, 0.6]), 0.3, np.random.default_rng(0)
+    env.commanded, env.targets = env.start[None].copy(), np.zeros((1, 3))
+    env.steps, env.last_tick, env.seq = np.zeros(1, np.int64), np.full(1, -1, np.int64), 0
+    env.outbox, env.streams = [queue.Queue()], [_HoldThenStart(env, held)]
+    env.tails, env.tail_ticks, env.tail_thread, env.tail_error = [np.zeros((0, 3))], [[]], None, None
+    env.tail_stop, env.returned_at, env.delay_s = threading.Event(), None, 0.0
+
+    _, _, terminated, truncated, info = env.step(np.ones((1, 3), np.float32))
+    assert truncated[0] and not terminated[0]
+    assert info["hold_reason"][0] == held.hold_reason and info["hold_reason"][0].startswith(
+        "fault" if latch == "fault" else "e-stop"), info["hold_reason"]
+    assert {c[0] for c in env.stub.calls} == {"GetState"} and len(env.stub.calls) == 3  # waited, never cleared
+
+
 # -- drivers at a clean Disconnect -----------------------------------------------------------------------------------
 class _FakeFranky:
     """The part of franky the driver uses; its robot records every motion."""
@@ -781,7 +1168,9 @@ def test_a_franka_at_a_clean_disconnect_stops_its_motion_and_its_next_connect_re
 def test_an_so_arm_keeps_torque_at_disconnect_unless_release_torque_is_true(monkeypatch, release, dropped):
     """robot_safety.md, the so100/so101 row: "torque stays on ... With `options.release_torque: "true"` the servos'
     torque is turned off at Disconnect". What the driver asks of LeRobot (``disable_torque_on_disconnect``), and
-    that closing it disconnects: a fake LeRobot follower, since LeRobot is not installed here."""
+    that closing it disconnects: a fake LeRobot follower, since LeRobot is not installed here. And "torque stays on:
+    the servos hold where the arm was when the loop stopped": the last goal sent at Disconnect is the position the
+    arm reported then (the arm sagged from its last target while held: the goal is where it is, not the target)."""
     from rlfabric.services.robot_gateway.drivers import so_follower
 
     class Config(SimpleNamespace):
@@ -792,12 +1181,13 @@ def test_an_so_arm_keeps_torque_at_disconnect_unless_release_torque_is_true(monk
             self.config, self.is_connected, self.is_calibrated = config, False, True
             self.calibration = {m: SimpleNamespace(range_min=1024, range_max=3072) for m in so_follower.ARM}
             self.calibration_fpath, self.actions, self.torque_released = "cal.json", [], None
+            self.reported = {**{f"{m}.pos": 1.0 for m in so_follower.ARM}, "gripper.pos": 50.0}
 
         def connect(self, calibrate):
             self.is_connected = True
 
         def get_observation(self):
-            return {**{f"{m}.pos": 1.0 for m in so_follower.ARM}, "gripper.pos": 50.0}
+            return dict(self.reported)
 
         def send_action(self, action):
             self.actions.append(action)
@@ -810,8 +1200,15 @@ def test_an_so_arm_keeps_torque_at_disconnect_unless_release_torque_is_true(monk
     for cls in (so_follower.SO100Arm, so_follower.SO101Arm):
         arm = cls(**options)
         loop = ControlLoop("so", arm, HZ, 0.1)
+        arm.robot.reported = {**{f"{m}.pos": -2.5 for m in so_follower.ARM}, "gripper.pos": 40.0}  # it sagged
+        sent = len(arm.robot.actions)
         loop.stop()  # the arm process's stop: brake, then close
         arm.close()
+        assert len(arm.robot.actions) > sent  # a goal went out at the stop ...
+        goal = arm.robot.actions[-1]  # ... and the last one is where the arm was (degrees, gripper %, as reported)
+        assert goal.keys() == arm.robot.reported.keys() and all(
+            goal[k] == pytest.approx(v, abs=1e-9) for k, v in arm.robot.reported.items()), goal
+        assert not np.allclose(loop.target, so_follower.from_lerobot(goal))  # (not the last target)
         assert arm.robot.config.disable_torque_on_disconnect is dropped
         assert not arm.robot.is_connected and arm.robot.torque_released is dropped
 

@@ -430,7 +430,8 @@ def test_an_estop_a_stuck_loop_cannot_apply_says_so_and_holds_on_the_next_tick(g
 def test_each_arm_ticks_in_a_process_of_its_own_whose_death_fails_health(gateway):
     """Issue 39, finding 6: the loop's tick waited for the GIL behind the gateway's event loop (bench/robot_loop.py:
     a p99 jitter of 1.5 ms under load). Each arm now ticks in a process of its own; if that process dies, the
-    gateway's health check names it (nothing keeps answering from a dead loop's last state)."""
+    gateway's health check names it (nothing keeps answering from a dead loop's last state). robot_safety.md: "The
+    gateway re-exports each tick's lateness, jitter, holding and overruns as its own Prometheus series"."""
     stub, service, runtime = gateway
     connect(stub, "arm")
     arm = service.loops["arm"]
@@ -443,8 +444,16 @@ def test_each_arm_ticks_in_a_process_of_its_own_whose_death_fails_health(gateway
     assert stub.GetState(pb.RobotRef(robot_id="arm"), timeout=5).seq > before  # ticking, there
     from prometheus_client import REGISTRY
 
-    ticks = REGISTRY.get_sample_value("rlfabric_robot_loop_lateness_seconds_count", {"robot": "arm"})
+    def sample(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"robot": "arm"})
+
+    ticks = sample("rlfabric_robot_loop_lateness_seconds_count")
     assert ticks is not None and ticks >= 10  # the arm process's ticks, re-exported by the gateway
+    # and each tick's jitter, holding (no command yet: 1) and overruns (a count, maybe 0), on the gateway too
+    jitter = sample("rlfabric_robot_loop_jitter_seconds_count")
+    assert jitter is not None and jitter >= 10, jitter
+    assert sample("rlfabric_robot_holding") == 1.0
+    assert sample("rlfabric_robot_loop_overruns_total") is not None
     stub.Disconnect(pb.RobotRef(robot_id="arm"), timeout=20)
     assert arm.proc.poll() is not None  # Disconnect ends the arm's process
     connect(stub, "arm")

@@ -276,3 +276,64 @@ def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, 
         replay_server.ReplayService._open_stores(worker, resumed, "r", str(tmp_path / "run"))
     assert (opened["s3"]["access_key"], opened["s3"]["secret_key"]) == ("env-access-key", "env-secret-key")
     assert opened["redis_url"] == "redis://default:env-password@redis:6379/0"
+
+
+def test_a_resumed_run_takes_its_secrets_from_overrides_again(tmp_path, monkeypatch):
+    """deployment.md: "a resumed run takes them from its workers' environment (...) or from `--set` again": a
+    resume whose overrides name the secrets (what `rlfabric.Client.resume(run_dir, overrides=[...])` sends) puts
+    them into the run the coordinator makes of the saved, secret-free config.yaml, and a worker opening its stores
+    (the replay service, whose Configure gets the run's config as is) opens them with those, no variable set."""
+    from rlfabric.services.coordinator.client import CoordinatorClient
+    from rlfabric.services.coordinator.server import CoordinatorService
+    from rlfabric.services.core import objectstore
+    from rlfabric.services.core.paths import DataRoots, Endpoints
+    from rlfabric.services.replay import server as replay_server
+    from tests.conftest import AbortingContext
+
+    for name in ("RLFABRIC_S3_ACCESS_KEY", "RLFABRIC_S3_SECRET_KEY", "RLFABRIC_REDIS_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    spec = short_config(storage={"kind": "s3", "endpoint": "minio:9000", "access_key": SECRETS[0],
+                                 "secret_key": SECRETS[1]},
+                        replay={"store": "redis", "redis_url": f"redis://default:{SECRETS[2]}@redis:6379/0"})
+    run_dir = tmp_path / "runs" / "resumed"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(spec.redacted()))  # what the first run left
+    overrides = ["storage.access_key=set-access-key", "storage.secret_key=set-secret-key",
+                 "replay.redis_url=redis://default:set-password@redis:6379/0"]
+    sent = []
+    client = CoordinatorClient.__new__(CoordinatorClient)  # (its stub only: what it sends)
+    client.timeout_s, client.stub = 1.0, SimpleNamespace(SubmitRun=lambda request, timeout: sent.append(request))
+    client.resume(run_dir, overrides)
+    [request] = sent
+    assert request.resume and list(request.overrides) == overrides
+
+    async def coordinator() -> str:
+        runtime = SimpleNamespace(address="127.0.0.1:1", on_shutdown=lambda hook: None)
+        service = CoordinatorService(runtime, str(tmp_path / "runs"), 3.0, take_up_runs=False)
+        try:
+            status = await service.SubmitRun(request, AbortingContext())
+            return service.runs[status.run_id].config.to_json()  # what the replay worker's Configure carries
+        finally:
+            await service.shutdown()
+
+    resumed = RunConfig.from_json(asyncio.run(coordinator()))
+    opened = {}
+
+    class Opened(Exception):
+        pass
+
+    def s3_store(self, **kwargs):  # (no MinIO here: what the store would be opened with)
+        opened["s3"] = kwargs
+
+    def redis_store(config, run_id, objects, **kwargs):
+        opened["redis_url"] = config.replay.redis_url
+        raise Opened
+
+    monkeypatch.setattr(objectstore.S3ObjectStore, "__init__", s3_store)
+    monkeypatch.setattr(replay_server, "open_replay_store", redis_store)
+    worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse("*"),
+                             max_memory_bytes=1 << 30)
+    with pytest.raises(Opened):
+        replay_server.ReplayService._open_stores(worker, resumed, "resumed", str(run_dir))
+    assert (opened["s3"]["access_key"], opened["s3"]["secret_key"]) == ("set-access-key", "set-secret-key")
+    assert opened["redis_url"] == "redis://default:set-password@redis:6379/0"
