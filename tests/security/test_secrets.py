@@ -238,31 +238,20 @@ def test_what_the_coordinator_and_a_replay_worker_log_or_answer_holds_no_secret(
         assert not any(s in text for s in SECRETS), where
 
 
-def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, monkeypatch):
-    """deployment.md: "a resumed run takes them from its workers' environment (`RLFABRIC_S3_ACCESS_KEY`,
-    `RLFABRIC_S3_SECRET_KEY`, `RLFABRIC_REDIS_PASSWORD`)": the spec a resume reads back from config.yaml has none,
-    and a worker opening its stores (here the replay service: S3 for large tensors, Redis) fills them in."""
+def _stores_opened(monkeypatch, tmp_path, config, run_id: str, run_dir) -> dict:
+    """What a replay worker configured with ``config`` opens its stores with (S3 for large tensors, Redis), the
+    stores themselves replaced: {"s3": the S3 store's arguments, "redis_url": the URL Redis is dialled at}."""
     from rlfabric.services.core import objectstore
-    from rlfabric.services.core.config import parse_config
     from rlfabric.services.core.paths import DataRoots, Endpoints
     from rlfabric.services.replay import server as replay_server
 
-    spec = short_config(storage={"kind": "s3", "endpoint": "minio:9000", "access_key": SECRETS[0],
-                                 "secret_key": SECRETS[1]},
-                        replay={"store": "redis", "redis_url": f"redis://default:{SECRETS[2]}@redis:6379/0"})
-    saved = dump_yaml(spec.redacted())  # what config.yaml holds
-    assert not any(s in saved for s in SECRETS)
-    resumed = parse_config(saved, "config.yaml")
-    monkeypatch.setenv("RLFABRIC_S3_ACCESS_KEY", "env-access-key")
-    monkeypatch.setenv("RLFABRIC_S3_SECRET_KEY", "env-secret-key")
-    monkeypatch.setenv("RLFABRIC_REDIS_PASSWORD", "env-password")
     opened = {}
-
-    def s3_store(self, **kwargs):  # (no MinIO here: what the store would be opened with)
-        opened["s3"] = kwargs
 
     class Opened(Exception):
         pass
+
+    def s3_store(self, **kwargs):  # (no MinIO here: what the store would be opened with)
+        opened["s3"] = kwargs
 
     def redis_store(config, run_id, objects, **kwargs):
         opened["redis_url"] = config.replay.redis_url
@@ -273,7 +262,26 @@ def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, 
     worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse("*"),
                              max_memory_bytes=1 << 30)
     with pytest.raises(Opened):
-        replay_server.ReplayService._open_stores(worker, resumed, "r", str(tmp_path / "run"))
+        replay_server.ReplayService._open_stores(worker, config, run_id, str(run_dir))
+    return opened
+
+
+def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, monkeypatch):
+    """deployment.md: "a resumed run takes them from its workers' environment (`RLFABRIC_S3_ACCESS_KEY`,
+    `RLFABRIC_S3_SECRET_KEY`, `RLFABRIC_REDIS_PASSWORD`)": the spec a resume reads back from config.yaml has none,
+    and a worker opening its stores (here the replay service: S3 for large tensors, Redis) fills them in."""
+    from rlfabric.services.core.config import parse_config
+
+    spec = short_config(storage={"kind": "s3", "endpoint": "minio:9000", "access_key": SECRETS[0],
+                                 "secret_key": SECRETS[1]},
+                        replay={"store": "redis", "redis_url": f"redis://default:{SECRETS[2]}@redis:6379/0"})
+    saved = dump_yaml(spec.redacted())  # what config.yaml holds
+    assert not any(s in saved for s in SECRETS)
+    resumed = parse_config(saved, "config.yaml")
+    monkeypatch.setenv("RLFABRIC_S3_ACCESS_KEY", "env-access-key")
+    monkeypatch.setenv("RLFABRIC_S3_SECRET_KEY", "env-secret-key")
+    monkeypatch.setenv("RLFABRIC_REDIS_PASSWORD", "env-password")
+    opened = _stores_opened(monkeypatch, tmp_path, resumed, "r", tmp_path / "run")
     assert (opened["s3"]["access_key"], opened["s3"]["secret_key"]) == ("env-access-key", "env-secret-key")
     assert opened["redis_url"] == "redis://default:env-password@redis:6379/0"
 
@@ -285,9 +293,6 @@ def test_a_resumed_run_takes_its_secrets_from_overrides_again(tmp_path, monkeypa
     (the replay service, whose Configure gets the run's config as is) opens them with those, no variable set."""
     from rlfabric.services.coordinator.client import CoordinatorClient
     from rlfabric.services.coordinator.server import CoordinatorService
-    from rlfabric.services.core import objectstore
-    from rlfabric.services.core.paths import DataRoots, Endpoints
-    from rlfabric.services.replay import server as replay_server
     from tests.conftest import AbortingContext
 
     for name in ("RLFABRIC_S3_ACCESS_KEY", "RLFABRIC_S3_SECRET_KEY", "RLFABRIC_REDIS_PASSWORD"):
@@ -317,23 +322,6 @@ def test_a_resumed_run_takes_its_secrets_from_overrides_again(tmp_path, monkeypa
             await service.shutdown()
 
     resumed = RunConfig.from_json(asyncio.run(coordinator()))
-    opened = {}
-
-    class Opened(Exception):
-        pass
-
-    def s3_store(self, **kwargs):  # (no MinIO here: what the store would be opened with)
-        opened["s3"] = kwargs
-
-    def redis_store(config, run_id, objects, **kwargs):
-        opened["redis_url"] = config.replay.redis_url
-        raise Opened
-
-    monkeypatch.setattr(objectstore.S3ObjectStore, "__init__", s3_store)
-    monkeypatch.setattr(replay_server, "open_replay_store", redis_store)
-    worker = SimpleNamespace(roots=DataRoots.parse(str(tmp_path)), endpoints=Endpoints.parse("*"),
-                             max_memory_bytes=1 << 30)
-    with pytest.raises(Opened):
-        replay_server.ReplayService._open_stores(worker, resumed, "resumed", str(run_dir))
+    opened = _stores_opened(monkeypatch, tmp_path, resumed, "resumed", run_dir)
     assert (opened["s3"]["access_key"], opened["s3"]["secret_key"]) == ("set-access-key", "set-secret-key")
     assert opened["redis_url"] == "redis://default:set-password@redis:6379/0"
