@@ -693,7 +693,7 @@ def test_the_coordinators_calls_for_a_run_carry_its_key_as_rlfabric_run_key_meta
 
 # -- metrics ------------------------------------------------------------------------------------------------------
 def test_the_metrics_server_drops_a_silent_connection_and_past_64_the_oldest(clean_env):
-    """deployment.md: "a connection has 5 s to send its request and take the reply, and past 64 open connections
+    """deployment.md: "a connection has 5 s to send its request, and past 64 open connections
     the oldest is dropped"."""
     security = auth.Security(TOKEN)
     server, _ = auth.start_metrics_server(0, "127.0.0.1", security)  # what every service starts

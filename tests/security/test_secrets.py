@@ -287,7 +287,7 @@ def test_a_resumed_run_takes_its_secrets_from_its_workers_environment(tmp_path, 
 
 
 def test_a_resumed_run_takes_its_secrets_from_overrides_again(tmp_path, monkeypatch):
-    """deployment.md: "a resumed run takes them from its workers' environment (...) or from `--set` again": a
+    """deployment.md: "a resumed run takes them from its workers' environment (...) or from the resume's overrides": a
     resume whose overrides name the secrets (what `rlfabric.Client.resume(run_dir, overrides=[...])` sends) puts
     them into the run the coordinator makes of the saved, secret-free config.yaml, and a worker opening its stores
     (the replay service, whose Configure gets the run's config as is) opens them with those, no variable set."""
