@@ -1452,9 +1452,9 @@ def test_an_estop_holds_from_the_moment_it_reaches_the_arm_process_whatever_comm
 def test_a_clean_disconnect_of_the_sim_brakes_where_the_arm_is_closes_the_driver_and_ends_its_process(gateway,
                                                                                                       tmp_path):
     """robot_safety.md, the sim row: "a clean Disconnect (or gateway stop): the loop stops and brakes (the servos'
-    goal becomes where the arm is); the simulated arm ends with its arm process". Precisely: the loop stops, the driver brakes (Driver.brake: its servos' goal becomes the position
-    measured at the stop, at rest within 2e-3 rad of the last target) and closes, and the sim ends with the arm's
-    process."""
+    goal becomes where the arm is); the simulated arm ends with its arm process". Precisely: the loop stops, the
+    driver brakes (Driver.brake: its servos' goal becomes the position measured at the stop, at rest within 2e-3
+    rad of the last target) and closes, and the sim ends with the arm's process."""
     stub, service, _ = gateway
     marks = tmp_path / "marks"
     connect(stub, "arm", driver="claims_mark_sim", marks=str(marks))
