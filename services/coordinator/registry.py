@@ -29,7 +29,6 @@ class Worker:
     # Progress (services/core/progress.py), as its heartbeats report it: when it last showed work, and the marks
     # that work is measured from.
     progressed_at: float = field(default_factory=time.monotonic)
-    cpu_s: float = 0.0
     messages: int = 0
     _mark_cpu_s: float = 0.0
     _mark_at: float = field(default_factory=time.monotonic)
@@ -44,7 +43,7 @@ class Worker:
         now = time.monotonic() if now is None else now
         if messages != self.messages or cpu_s - self._mark_cpu_s >= BUSY_CPU_SHARE * (now - self._mark_at):
             self.progressed_at, self._mark_cpu_s, self._mark_at = now, cpu_s, now
-        self.cpu_s, self.messages = cpu_s, messages
+        self.messages = messages
 
     def stalled_for(self, since: float, now: float | None = None) -> float:
         """Seconds without progress, counted from ``since`` at the earliest (a call's start)."""

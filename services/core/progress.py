@@ -3,9 +3,9 @@
 A call (a learner's Train, a rollout's Collect) may take minutes on a slow host and still be healthy; one that hangs
 may keep its heartbeats and health check fine. So each heartbeat carries two signs of work: the process's CPU time
 (compute) and a count of data-plane messages it received (work that waits on peers: an env stepping a real robot,
-shards arriving). A call whose worker shows neither for a whole liveness window is stalled (plan.py). The heartbeat
-also says whether a call is in flight, so a worker the coordinator gave up on stops instead of serving again while
-its old work still runs."""
+shards arriving). A call whose worker shows neither for a whole liveness window is stalled (plan.py). A worker the
+coordinator gave up on checks whether a call of its own is still in flight, and then stops instead of serving again
+while its old work still runs."""
 
 from __future__ import annotations
 

@@ -355,8 +355,7 @@ class ServiceRuntime:
                 try:
                     reply = await stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
                         worker_id=self.worker_id, state=self.state, worker_key=self.worker_key,
-                        cpu_s=progress.cpu_seconds(), messages=progress.messages(),
-                        in_flight=progress.in_flight()), timeout=5)
+                        cpu_s=progress.cpu_seconds(), messages=progress.messages()), timeout=5)
                     if reply.lost and progress.in_flight():
                         self._exit_lost()
                     self.owner_key = reply.run_key

@@ -55,20 +55,18 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., worker_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "state", "worker_key", "cpu_s", "messages", "in_flight")
+    __slots__ = ("worker_id", "state", "worker_key", "cpu_s", "messages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKER_KEY_FIELD_NUMBER: _ClassVar[int]
     CPU_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: str
     worker_key: str
     cpu_s: float
     messages: int
-    in_flight: int
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., worker_key: _Optional[str] = ..., cpu_s: _Optional[float] = ..., messages: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., worker_key: _Optional[str] = ..., cpu_s: _Optional[float] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "run_id", "run_key", "lost")
