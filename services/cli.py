@@ -28,7 +28,6 @@ if __name__ == "__main__" and sys.argv[1:2] in (["train"], ["resume"]) and not a
     prestart()
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -99,6 +98,9 @@ def _local_stack(spec: str | Path, overrides: list[str], run_dir, log_dir, what:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """A run: on the coordinator at --coordinator, or on a local stack of services started for it (``up``, then
+    ``submit``, then ``watch``: the same calls a notebook makes, so a spec gets the same run either way, its
+    warm_start stages included: the coordinator runs them)."""
     if args.coordinator:  # where the run lives is the coordinator's: under its runs root
         from rlfabric.services.core.config import ConfigError
 
@@ -106,168 +108,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             config = _load(args.config, args.set)
         except ConfigError as exc:
             return _fail(str(exc), 2)
-        if config.warm_start.enabled and not config.policy.init_checkpoint:
-            return _fail("warm_start's stages run on local services (rlfabric train without --coordinator). Fix: "
-                         "run them there first, then submit with --set policy.init_checkpoint=<the supervised "
-                         "run's checkpoints/final.pt>", 2)
         return _follow(args.coordinator, args, Path(args.run_dir) if args.run_dir else None, None, config.progress())
     from rlfabric.services.launcher import prestart
 
     prestart()  # the forkserver's imports (torch) start now, while the CLI reads the spec
-    failed = _warm_start(args)
-    if failed is not None:
-        return failed
     return _train_local(args)
-
-
-def _warm_start(args: argparse.Namespace) -> int | None:
-    """A spec's ``warm_start`` stages, before its own run (when ``policy.init_checkpoint`` is empty): the env's
-    scripted expert records demonstrations and/or a LeRobot data set is imported, a supervised run learns from
-    them, and the run itself then starts from that run's checkpoint (``--set policy.init_checkpoint=...``, kept in
-    its config.yaml, so a resume does not warm up again). Stages already done in the run directory are kept. None
-    to go on, or an exit code."""
-    from rlfabric.services.core.spec_yaml import ConfigError, read_spec_file
-
-    try:  # the cheap read first: a spec without stages costs the CLI no torch import
-        raw = read_spec_file(args.config, args.set)
-    except ConfigError:
-        return None  # the run's own start says what is wrong with it
-    policy = raw.get("policy") if isinstance(raw.get("policy"), dict) else {}
-    if not isinstance(raw.get("warm_start"), dict) or policy.get("init_checkpoint"):
-        return None
-    import yaml
-
-    from rlfabric.services.replay.datasets import load_dataset, save_dataset
-    from rlfabric.services.rollout.evaluate import merge_datasets
-
-    try:
-        config = _load(args.config, args.set)
-    except ConfigError as exc:
-        return _fail(str(exc), 2)
-    warm = config.warm_start
-    if not warm.enabled:
-        return None
-    run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / (
-        f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    args.run_dir = str(run_dir)  # the run itself goes there, its stages under warm_start/
-    stage = run_dir / "warm_start"
-    if warm.vision.scenes:
-        encoder = _vision_stage(config, stage, args.quiet)
-        if isinstance(encoder, int):
-            return encoder
-        args.set = [*args.set, f"policy.{config.policy_name}.vlm_path={encoder.resolve()}"]
-        config = _load(args.config, args.set)
-        if not warm.supervised:
-            return None
-    files = []
-    if warm.demos:
-        demos = stage / "demos.npz"
-        files.append(demos)
-        failed = _demos_stage(args.config, args.set, warm, demos)
-        if failed is not None:
-            return failed
-    if warm.dataset:
-        imported = stage / "lerobot.npz"
-        files.append(imported)
-        if not imported.exists():
-            try:
-                _import_lerobot(warm.dataset, config, warm.dataset_keys, warm.dataset_episodes, imported)
-            except ValueError as exc:
-                return _fail(f"warm_start.dataset: {exc}", 2)
-    demos = files[0]
-    if len(files) > 1:  # both sources: one data set, the imported episodes numbered after the expert's
-        demos = stage / "demonstrations.npz"
-        if not demos.exists():
-            save_dataset(demos, merge_datasets([load_dataset(f, max_rows=1 << 40) for f in files]))
-    spec = json.loads(config.to_json())
-    spec.pop("warm_start")
-    spec.pop("scheduling")  # the supervised stage is offline: the default plan
-    source = warm.supervised.get("source", "offline")
-    spec.update(name=f"{config.name}-supervised", algorithm=warm.supervised,
-                replay=spec["replay"] | {"datasets": {source: str(demos.resolve())}})
-    supervised_spec = stage / "supervised.yaml"
-    supervised_spec.write_text(yaml.safe_dump(spec, sort_keys=False))
-    final = stage / "supervised" / "checkpoints" / "final.pt"
-    if not final.exists():
-        console.print(f"warm start: supervised stage {warm.supervised.get('name')} -> {stage / 'supervised'}")
-        code = _train_local(argparse.Namespace(**{**vars(args), "config": str(supervised_spec), "set": [],
-                                                  "run_dir": str(stage / "supervised")}))
-        if code:
-            return code
-    args.set = [*args.set, f"policy.init_checkpoint={final.resolve()}"]
-    console.print(f"warm start done: the run starts from {final}")
-    return None
-
-
-def _demos_stage(spec: str, sets: list[str], warm, demos: Path) -> int | None:
-    """warm_start.demos: the env's scripted expert plays ``warm.demos`` episodes of the spec (with ``sets``) into
-    ``demos`` (obs and actions; a stage already done there is kept). None, or an exit code."""
-    if demos.exists():
-        return None
-    from rlfabric.services.core.batch import TensorBatch
-    from rlfabric.services.replay.datasets import DatasetError, save_dataset
-    from rlfabric.services.rollout.evaluate import collect_dataset
-
-    try:
-        with console.status(f"warm start: {warm.demos} episodes of the scripted expert..."):
-            batch, returns = collect_dataset(spec, warm.demos, warm.demos_seed, expert=True, overrides=sets)
-        # the supervised stage reads obs and actions: next_obs would double every sample replay sends it
-        save_dataset(demos, TensorBatch({k: v for k, v in batch.tensors.items() if not k.startswith("next_obs")},
-                                        version=0, dims=("sample",)))
-    except (ValueError, DatasetError) as exc:
-        return _fail(f"warm_start.demos: {exc}", 2)
-    console.print(f"warm start: {len(returns)} expert episodes (mean return {sum(returns) / len(returns):.2f}), "
-                  f"{batch.rows} transitions -> {demos}")
-    return None
-
-
-def _vision_stage(config, stage: Path, quiet: bool) -> Path | int:
-    """warm_start.vision: the policy's image encoder pretrained to read the env's scene_state() off its cameras
-    (services/policies/grounding.py), saved as a SigLIP vision model in ``<stage>/vision`` with its metrics.csv;
-    a stage already done there is kept."""
-    import csv
-
-    from rlfabric.services.env.adapters import adapter
-    from rlfabric.services.policies import grounding
-
-    vision, name = config.warm_start.vision, config.policy_name
-    section = getattr(config.policy, name, None)
-    if not hasattr(section, "vlm_path"):
-        return _fail(f"warm_start.vision pretrains the image encoder a VLM policy starts from (policy.<name>."
-                     f"vlm_path), and policy.name={name} has none. Fix: a VLM policy (pi0, vla_tokens, vlm), or no "
-                     f"warm_start.vision", 2)
-    if section.path:
-        return _fail(f"warm_start.vision pretrains the encoder of a policy built from its sizes, and policy.{name}."
-                     f"path loads a whole model. Fix: drop one of them", 2)
-    if getattr(section, "family", "paligemma") != "paligemma":
-        return _fail(f"warm_start.vision pretrains a SigLIP image encoder, and policy.{name}.family="
-                     f"{section.family!r} has its own. Fix: family: paligemma, or no warm_start.vision", 2)
-    out = stage / "vision"
-    if (out / "config.json").is_file():
-        return out
-    envs = adapter(config.env.adapter).make_vector_env(config.env, 1)
-    try:
-        with console.status(f"warm start: {vision.scenes} scenes of the env for the image encoder..."):
-            images, states = grounding.scenes(envs, vision.scenes, config.warm_start.demos_seed)
-    except ValueError as exc:
-        return _fail(f"warm_start.vision: {exc}", 2)
-    finally:
-        envs.close()
-    model = grounding.encoder(section, getattr(section, "image_size", 0) or images.shape[2], config.seed)
-    with Progress(TextColumn("warm start: image encoder {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, disable=quiet) as progress:
-        task = progress.add_task("", total=vision.updates)
-        log = grounding.pretrain(model, images, states, vision.updates, vision.batch_size, vision.learning_rate,
-                                 config.seed, progress=lambda step, rmse: progress.update(
-                                     task, completed=step, description=f"(held-out error {rmse:.3f})"))
-    model.save_pretrained(out)
-    with (out / "metrics.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(log[0]))
-        writer.writeheader()
-        writer.writerows(log)
-    console.print(f"warm start: image encoder's held-out error (root mean square, scene_state units) "
-                  f"{log[0]['heldout_rmse']:.3f} -> {log[-1]['heldout_rmse']:.3f}; the policy starts from {out}")
-    return out
 
 
 def _train_local(args: argparse.Namespace) -> int:

@@ -7,8 +7,8 @@ differ there build their own.
 
     python -m tests.vla_warm_stages {vision,demos} SPEC OUT [--set key=value ...]
 
-writes ``OUT/vision`` or ``OUT/demos.npz`` as ``rlfabric train`` would under ``<run>/warm_start``, where a run keeps
-the stages it finds done."""
+writes ``OUT/vision`` or ``OUT/demos.npz`` as a learner's Learner.WarmStart does under ``<run>/warm_start``
+(services/learner/warm_start.py, the same functions), where a run keeps the stages it finds done."""
 
 from __future__ import annotations
 
@@ -34,14 +34,13 @@ def inputs(stage: str, spec: str, sets: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from rlfabric.services import cli
+    from rlfabric.services.core.config import load_config
+    from rlfabric.services.learner import warm_start
 
     stage, spec, out, sets = argv[0], argv[1], Path(argv[2]), argv[4::2]
-    config = cli._load(spec, sets)
-    if stage == "vision":
-        built = cli._vision_stage(config, out, quiet=True)
-        return built if isinstance(built, int) else 0
-    return cli._demos_stage(spec, sets, config.warm_start, out / "demos.npz") or 0
+    done = (warm_start.vision if stage == "vision" else warm_start.demos)(load_config(spec, sets), out)
+    print(done.summary)
+    return 0
 
 
 if __name__ == "__main__":

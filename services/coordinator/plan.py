@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ import grpc
 from rlfabric.services.coordinator.recovery import unreachable
 from rlfabric.services.coordinator.registry import Worker
 from rlfabric.services.coordinator.run import Run, RunFailed
-from rlfabric.services.coordinator.stages import Stage, Unresponsive, rpc
+from rlfabric.services.coordinator.stages import Stage, rpc, watched
 from rlfabric.services.core.config import RunConfig, SchedulingConfig
 from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, rollout_pb2
 
@@ -220,31 +219,8 @@ class PlanExecutor:
         return self.cfg.data_plane.timeout_s + self.cfg.runtime.liveness_s
 
     async def _work(self, stage: Stage, method: str, request):
-        """Train or Collect for as long as its worker shows progress; one that stalls, or whose heartbeats stop, is
-        lost to the run (the attempt ends and the run recovers without it, or fails once runtime.max_recoveries is
-        spent), never waited on forever."""
-        window, worker = self.liveness_window(), stage.worker
-        started = time.monotonic()
-        call = asyncio.ensure_future(rpc(stage, method, request))
-        try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=min(1.0, window / 4))
-                if done:
-                    return call.result()
-                stalled = worker.stalled_for(started)
-                if worker.alive and stalled <= window:
-                    continue
-                wait, lively = self.cfg.data_plane.timeout_s, self.cfg.runtime.liveness_s
-                why = (f"stopped sending heartbeats during {method}" if not worker.alive else
-                       f"showed no progress in {method} for {stalled:.0f}s (no compute, no data-plane messages; its "
-                       f"window is data_plane.timeout_s={wait:g} for its waits on peers + runtime.liveness_s="
-                       f"{lively:g}): wedged. If its work really waits that long, raise runtime.liveness_s")
-                self.run.lost.append((worker, why))
-                self.run.log(f"{worker.describe()} {why}", level="warning")
-                raise Unresponsive(f"{worker.describe()}: {why}", worker, method, window)
-        finally:
-            if not call.done():
-                call.cancel()  # the worker is told its caller went away (its Train stops waiting for shards)
+        """Train or Collect for as long as its worker shows progress (stages.watched)."""
+        return await watched(stage, method, request, self.run, self.liveness_window())
 
     async def iterations(self, i: int, until: int) -> AsyncIterator[Step]:
         """Iterations [i, until) under the current plan, re-planned at boundaries where changes wait."""

@@ -58,12 +58,15 @@ class Run:
         self.lost: list = []  # [(Worker, why)] since the attempt started
         self.recoveries = 0
         self.on_recovery = None  # called after each recovery (the coordinator records the count in its run index)
+        self.stage = ""  # a warm_start stage before the run itself (coordinator/warm_start.py); "": the run
+        self.parent = ""  # the run whose warm_start stage this run is ("": a run of its own)
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(
             run_id=self.run_id, state=self.state, reason=self.reason, bad_input=self.bad_input,
             run_dir=str(self.run_dir), env_steps=self.env_steps, weight_version=self.weight_version,
-            iteration=self.iteration, latest=self.latest, mode=self.plan, recoveries=self.recoveries)
+            iteration=self.iteration, latest=self.latest, mode=self.plan, recoveries=self.recoveries,
+            stage=self.stage)
 
     @property
     def finished(self) -> bool:

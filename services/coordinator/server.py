@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from rlfabric.services.coordinator import warm_start
 from rlfabric.services.coordinator.loop import TrainingLoop
 from rlfabric.services.coordinator.recovery import Loss, unreachable
 from rlfabric.services.coordinator.registry import RegistryFull, Worker, WorkerRegistry
@@ -57,7 +58,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             {"run_id": r.run_id, "run_dir": str(r.run_dir),
              "config_json": "" if r.finished else r.config.redacted().to_json(),
              "state": coordinator_pb2.RunState.Name(r.state), "recoveries": r.recoveries,
-             **({"reason": r.reason} if r.finished and r.reason else {})} for r in self.runs.values()])
+             **({"reason": r.reason} if r.finished and r.reason else {})} for r in self.runs.values()
+            if not r.parent])  # (a warm_start stage's run is its parent's to take up)
 
     def _forget_old_runs(self) -> None:
         """Finished runs beyond --max-kept-runs leave memory, oldest first (their directories stay)."""
@@ -205,6 +207,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             config = await asyncio.to_thread(parse_config, config_yaml, "config_yaml", list(request.overrides))
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        refusal = warm_start.vision_refusal(config) if warm_start.needed(config) else None
+        if refusal:  # refused before a run exists, as a spec error is
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         if request.run_dir:
             run_dir = confined
             run_id = run_dir.name
@@ -282,7 +287,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _execute(self, run: Run, resume: bool | str = False, loss: Loss | None = None) -> None:
         """Run the workflow, recovering from lost workers (recovery.py) at most runtime.max_recoveries times. The
         terminal state is published only after artefacts are written and workers freed, so anyone who sees
-        SUCCEEDED can read curve.png and the checkpoint."""
+        SUCCEEDED can read curve.png and the checkpoint. A spec's warm_start stages run first (warm_start.py)."""
+        if warm_start.needed(run.config):
+            outcome = await self._warm_start(run)
+            if outcome is not None:
+                self.registry.release(run.run_id)
+                run.set_state(*outcome)
+                self._record()
+                return
+            resume = "if_any" if resume else resume  # a run killed during its warm start has no checkpoint yet
         while True:
             run.lost = []
             run.attempt = attempt = asyncio.create_task(self._attempt(run, resume, loss))
@@ -315,6 +328,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._forget_old_runs()
         self._record()
         log.info("run finished", extra={"run_id": run.run_id, "state": run.state, "reason": run.reason})
+
+    async def _warm_start(self, run: Run) -> tuple[int, str, bool] | None:
+        """The run's warm_start stages; None to go on with the run itself, or the run's outcome."""
+        try:
+            await warm_start.run(self, run)
+            return None
+        except StopRequested:
+            return (coordinator_pb2.STOPPED, f"stopped by request during the warm start ({run.stage}); `rlfabric "
+                    f"resume {run.run_dir}` continues it, keeping the stages done", False)
+        except RunFailed as exc:
+            return (coordinator_pb2.FAILED, exc.reason if exc.reason.startswith("warm") else
+                    f"warm start ({run.stage or 'before its stages'}): {exc.reason}", exc.bad_input)
+        except asyncio.CancelledError:
+            return (coordinator_pb2.STOPPED, f"stopped by force during the warm start ({run.stage}); `rlfabric "
+                    f"resume {run.run_dir}` continues it, keeping the stages done", False)
+        except Exception as exc:  # noqa: BLE001 — a bug must fail the run loudly, not hang it
+            log.exception("the warm start of run %s crashed", run.run_id)
+            return (coordinator_pb2.FAILED, f"coordinator error in the warm start: {exc.__class__.__name__}: {exc}",
+                    False)
 
     async def _attempt(self, run: Run, resume: bool | str, loss: Loss | None) -> tuple[int, str, bool]:
         """One placement of the run, to its outcome; raises WorkerLost when a worker of it dies (after the

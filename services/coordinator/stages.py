@@ -3,6 +3,7 @@ that names the worker, the call and the cause)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -83,3 +84,31 @@ async def healthy(stage: Stage, timeout_s: float = 1.0) -> bool:
     except grpc.aio.AioRpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def watched(stage: Stage, method: str, request, run, window_s: float):
+    """A long call (Train, Collect, WarmStart) for as long as its worker shows progress; one that stalls past
+    ``window_s``, or whose heartbeats stop, is lost to ``run`` (appended to ``run.lost``: the attempt ends and the
+    run recovers without it, or fails), never waited on forever. The work's length never decides: only silence."""
+    worker = stage.worker
+    started = time.monotonic()
+    call = asyncio.ensure_future(rpc(stage, method, request))
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=min(1.0, window_s / 4))
+            if done:
+                return call.result()
+            stalled = worker.stalled_for(started)
+            if worker.alive and stalled <= window_s:
+                continue
+            wait, lively = run.config.data_plane.timeout_s, run.config.runtime.liveness_s
+            why = (f"stopped sending heartbeats during {method}" if not worker.alive else
+                   f"showed no progress in {method} for {stalled:.0f}s (no compute, no data-plane messages; its "
+                   f"window is data_plane.timeout_s={wait:g} for its waits on peers + runtime.liveness_s="
+                   f"{lively:g}): wedged. If its work really waits that long, raise runtime.liveness_s")
+            run.lost.append((worker, why))
+            run.log(f"{worker.describe()} {why}", level="warning")
+            raise Unresponsive(f"{worker.describe()}: {why}", worker, method, window_s)
+    finally:
+        if not call.done():
+            call.cancel()  # the worker is told its caller went away (its Train stops waiting for shards)

@@ -32,8 +32,10 @@ from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, le
 from rlfabric.services.core.runtime import ServiceRuntime, learner_precision, run_service, set_torch_threads
 from rlfabric.services.core.weights import WeightPublisher, save_weights
 from rlfabric.services.learner import checkpoint as ckpt
+from rlfabric.services.learner import warm_start
 from rlfabric.services.learner.feeds import UpdateCancelled, feed_for
 from rlfabric.services.learner.ranks import RankGroup, initial_policy, rank_device
+from rlfabric.services.replay.datasets import DatasetError
 
 log = logging.getLogger(__name__)
 MAX_TRAIN_WAIT_S = 86_400.0  # the longest a Train call may wait for its data (a day)
@@ -137,7 +139,9 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                     raise
                 detail = {"resumed_from": "", "skipped": [], "extra": {}}
         warm = None
-        if config.policy.init_checkpoint and not resume:  # a warm start (a supervised run's weights)
+        # a warm start (a supervised run's weights), also for a run that resumes or recovers with no checkpoint
+        # of its own yet (it starts over, from the same start)
+        if config.policy.init_checkpoint and state is None:
             warm = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint", self.roots)["policy"]
         if config.runtime.learner_ranks > 1:
             self.device = rank_device(self.device, 0)
@@ -367,6 +371,32 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             weight_version=self.version, optimizer_steps=getattr(self.algo, "optimizer_steps", 0),
             env_steps=getattr(self.algo, "env_steps", 0),
             algorithm=self.config.algorithm.name if self.config else "")
+
+    async def WarmStart(self, request, context):
+        """One warm_start stage of the run that holds this learner (services/learner/warm_start.py), on the
+        learner's thread: its heartbeats show the stage's compute, so a long stage is never taken for a wedged one."""
+        await check_owner(self.runtime, request.run_id, context)
+        try:
+            config = RunConfig.from_json(request.config_json)
+            run_dir = self.roots.confine(request.run_dir or ".", "run_dir (the run directory)")
+            config = confine_model(config, self.roots)
+        except (ConfigError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"WarmStart: {exc}")
+        set_torch_threads(config.runtime.torch_threads)
+        self.runtime.state = f"busy:{request.run_id}"
+        try:
+            done = await self._run(warm_start.run_stage, request.stage, config, run_dir, self.roots)
+        except (ValueError, DatasetError) as exc:  # the spec's (an env without an expert, a data set's format)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"warm_start.{request.stage}: {exc}")
+        except OSError as exc:  # the host's: no permission, a full disk
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"warm_start.{request.stage}: the learner's host refused {exc.filename or 'a path'!s}:"
+                                f" {exc.strerror or exc}. Fix: a run directory this learner can write")
+        finally:
+            self.runtime.state = "idle"
+        log.info("warm start stage", extra={"run_id": request.run_id, "stage": request.stage, "path": str(done.path),
+                                            "kept": done.kept})
+        return learner_pb2.WarmStartReply(path=str(done.path), summary=done.summary, kept=done.kept)
 
     def close(self) -> None:
         if self.ranks is not None:

@@ -84,14 +84,20 @@ class ScriptedExpert:
         return actions, actions, None, None
 
 
-def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bool = False,
+def collect_dataset(source: str | Path | RunConfig, episodes: int, seed: int = 0, random: bool = False,
                     deterministic: bool = False, expert: bool = False,
                     overrides: list[str] | None = None) -> tuple[TensorBatch, list[float]]:
     """Transitions of ``episodes`` episodes: with the policy of checkpoint ``source`` (stochastic unless
     ``deterministic``), or, with ``random``, uniform actions, or, with ``expert``, the env's scripted expert, in
-    the env of run spec (or checkpoint) ``source``, with ``overrides`` (KEY=VALUE) applied to its config."""
-    source = Path(source)
-    if source.suffix in (".yaml", ".yml"):
+    the env of run spec (or checkpoint, or validated RunConfig) ``source``, with ``overrides`` (KEY=VALUE) applied
+    to a file's config."""
+    if isinstance(source, RunConfig):  # already validated (a learner's warm_start.demos)
+        if not (random or expert):
+            raise ValueError("a run config has no policy to act with: pass random or expert")
+        config = source
+        backend = None if expert else build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
+    elif Path(source).suffix in (".yaml", ".yml"):
+        source = Path(source)
         if not (random or expert):
             raise ValueError(f"{source} is a run spec: it has no policy to act with. Fix: pass a checkpoint, or "
                              f"--random for uniform actions, or --expert for the env's scripted expert")
@@ -100,7 +106,7 @@ def collect_dataset(source: str | Path, episodes: int, seed: int = 0, random: bo
         config = load_config(source, overrides)
         backend = None if expert else build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
     else:
-        config, backend = _from_checkpoint(source, overrides)
+        config, backend = _from_checkpoint(Path(source), overrides)
     env = LocalEnvChannel(config)
     try:
         if expert:

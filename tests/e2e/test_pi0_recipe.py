@@ -43,7 +43,7 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
     errors = [float(r["heldout_rmse"]) for r in vision]
     # where each ball is (5 x metres): a random encoder read linearly ~1.1 (their spread); pretrained, a few cm
     assert errors[-1] < 0.3 * errors[0] and errors[-1] < 0.3, errors
-    assert (stage / "demos.npz").is_file() and (stage / "supervised.yaml").is_file()
+    assert (stage / "demos.npz").is_file() and (stage / "supervised" / "config.yaml").is_file()
     with np.load(stage / "demos.npz") as demos:  # what the supervised stage reads, no next_obs
         assert {"obs/image", "obs/instruction", "actions"} <= set(demos.files) and "next_obs/image" not in demos.files
     sft = rows(stage / "supervised" / "metrics.csv")
@@ -75,7 +75,7 @@ def test_pi0_sft_then_rl_in_one_command(tmp_path):
     encoder = SiglipVisionModel.from_pretrained(str(stage / "vision"), local_files_only=True).state_dict()
     final = model.model.vlm.vision_tower.state_dict()  # freeze_vision: untouched by SFT and RL
     assert all(final[k].equal(v) for k, v in encoder.items())
-    assert "vlm_path" in (stage / "supervised.yaml").read_text()
+    assert "vlm_path" in (stage / "supervised" / "config.yaml").read_text()
 
 
 @pytest.mark.slow
@@ -99,7 +99,7 @@ def test_a_lerobot_data_set_and_expert_demos_warm_start_pi0(tmp_path):
         assert len(both["actions"]) == len(demos["actions"]) + 147
         assert both["episode"].max() == demos["episode"].max() + 8  # the imported episodes numbered after
         np.testing.assert_array_equal(both["obs/image"][-147:], imported["obs/image"])
-    assert "demonstrations.npz" in (stage / "supervised.yaml").read_text()
+    assert "demonstrations.npz" in (stage / "supervised" / "config.yaml").read_text()
     losses = [float(r["sft_loss"]) for r in rows(stage / "supervised" / "metrics.csv")]
     assert losses[-1] < 0.5 * losses[0], losses
     assert str((stage / "supervised" / "checkpoints" / "final.pt").resolve()) in (run_dir / "config.yaml").read_text()

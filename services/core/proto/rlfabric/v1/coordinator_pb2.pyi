@@ -137,7 +137,7 @@ class RunRef(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "reason", "bad_input", "run_dir", "env_steps", "weight_version", "iteration", "latest", "mode", "recoveries")
+    __slots__ = ("run_id", "state", "reason", "bad_input", "run_dir", "env_steps", "weight_version", "iteration", "latest", "mode", "recoveries", "stage")
     class LatestEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class RunStatus(_message.Message):
     LATEST_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     reason: str
@@ -167,7 +168,8 @@ class RunStatus(_message.Message):
     latest: _containers.ScalarMap[str, float]
     mode: str
     recoveries: int
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., reason: _Optional[str] = ..., bad_input: _Optional[bool] = ..., run_dir: _Optional[str] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., iteration: _Optional[int] = ..., latest: _Optional[_Mapping[str, float]] = ..., mode: _Optional[str] = ..., recoveries: _Optional[int] = ...) -> None: ...
+    stage: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., reason: _Optional[str] = ..., bad_input: _Optional[bool] = ..., run_dir: _Optional[str] = ..., env_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., iteration: _Optional[int] = ..., latest: _Optional[_Mapping[str, float]] = ..., mode: _Optional[str] = ..., recoveries: _Optional[int] = ..., stage: _Optional[str] = ...) -> None: ...
 
 class ListRunsReply(_message.Message):
     __slots__ = ("runs",)

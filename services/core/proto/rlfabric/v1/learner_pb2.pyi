@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WarmStartRequest(_message.Message):
+    __slots__ = ("run_id", "config_json", "stage", "run_dir")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_json: str
+    stage: str
+    run_dir: str
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., stage: _Optional[str] = ..., run_dir: _Optional[str] = ...) -> None: ...
+
+class WarmStartReply(_message.Message):
+    __slots__ = ("path", "summary", "kept")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    summary: str
+    kept: bool
+    def __init__(self, path: _Optional[str] = ..., summary: _Optional[str] = ..., kept: _Optional[bool] = ...) -> None: ...
+
 class TrainRequest(_message.Message):
     __slots__ = ("batch_index", "min_version", "timeout_s")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]

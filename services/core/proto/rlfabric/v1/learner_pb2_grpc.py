@@ -55,6 +55,11 @@ class LearnerStub:
                 request_serializer=rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_learner__pb2.LearnerState.FromString,
                 _registered_method=True)
+        self.WarmStart = channel.unary_unary(
+                '/rlfabric.v1.Learner/WarmStart',
+                request_serializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartReply.FromString,
+                _registered_method=True)
 
 
 class LearnerServicer:
@@ -86,6 +91,14 @@ class LearnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmStart(self, request, context):
+        """One of a run's warm_start stages before the run itself (vision, demos, dataset, merge): writes its files under
+        the run directory's warm_start/ and keeps a stage already done there. Held by the run, like Configure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_LearnerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=rlfabric_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=rlfabric_dot_v1_dot_learner__pb2.LearnerState.SerializeToString,
+            ),
+            'WarmStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmStart,
+                    request_deserializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Learner:
             '/rlfabric.v1.Learner/GetState',
             rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
             rlfabric_dot_v1_dot_learner__pb2.LearnerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Learner/WarmStart',
+            rlfabric_dot_v1_dot_learner__pb2.WarmStartRequest.SerializeToString,
+            rlfabric_dot_v1_dot_learner__pb2.WarmStartReply.FromString,
             options,
             channel_credentials,
             insecure,
