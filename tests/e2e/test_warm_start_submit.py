@@ -112,3 +112,44 @@ def test_a_run_stopped_in_its_warm_start_resumes_without_repeating_a_stage(stack
     # the run itself had no checkpoint when it resumed: it starts from the supervised one all the same
     rl = rows(tmp_path / "run" / "metrics.csv")
     assert float(next(r["eval_success_rate"] for r in rl if r["eval_success_rate"])) >= 0.3, rl
+
+
+def test_a_coordinator_killed_during_the_supervised_stage_is_taken_up_where_it_was(private_stack, tmp_path):
+    """SIGKILL of the coordinator while the supervised run trains: the restarted coordinator takes the run up from
+    its run index, keeps the demonstrations, continues the supervised run from its own checkpoint and starts the
+    run itself from its final one."""
+    import os
+    import signal
+    import time
+
+    stack, client = private_stack, private_stack.client
+    stack.supervise(max_restarts=2, backoff_s=0.5)
+    spec = tmp_path / "warm.yaml"
+    spec.write_text(SPEC)
+    status = client.submit(spec, ["checkpoint.every_iterations=2"], run_dir=tmp_path / "run")
+    stage = tmp_path / "run" / "warm_start"
+    deadline = time.monotonic() + 120
+    while not list((stage / "supervised" / "checkpoints").glob("ckpt-*.pt")):  # a periodic one of its own
+        assert time.monotonic() < deadline and client.status(status.run_id).state in (
+            coordinator_pb2.PENDING, coordinator_pb2.RUNNING), client.status(status.run_id)
+        time.sleep(0.05)
+    demos = (stage / "demos.npz").stat().st_mtime_ns
+    victim = stack.procs["coordinator"].pid
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            final = client.status(status.run_id)
+            if final.state not in (coordinator_pb2.PENDING, coordinator_pb2.RUNNING):
+                break
+        except Exception:  # noqa: BLE001 — the coordinator is restarting
+            pass
+        assert time.monotonic() < deadline, "the run was not taken up and finished"
+        time.sleep(0.2)
+    assert final.state == coordinator_pb2.SUCCEEDED, final.reason
+    assert stack.procs["coordinator"].pid != victim
+    assert (stage / "demos.npz").stat().st_mtime_ns == demos
+    sft = rows(stage / "supervised" / "metrics.csv")
+    assert [int(r["iteration"]) for r in sft] == list(range(1, 7)), [r["iteration"] for r in sft]
+    rl = rows(tmp_path / "run" / "metrics.csv")
+    assert float(next(r["eval_success_rate"] for r in rl if r["eval_success_rate"])) >= 0.3, rl
