@@ -132,6 +132,15 @@ def run_stage(stage: str, config: RunConfig, run_dir: Path, roots: DataRoots) ->
     """Stage ``stage`` of ``config``'s warm start, in ``run_dir/warm_start`` (a ValueError says what is wrong)."""
     if stage not in STAGES:
         raise ValueError(f"stage {stage!r} is not a warm_start stage a learner runs; one of {STAGES}")
+    warm = config.warm_start
+    asked = {"vision": warm.vision.scenes > 0, "demos": warm.demos > 0 and bool(warm.supervised),
+             "dataset": bool(warm.dataset and warm.supervised), "merge": bool(warm.demos and warm.dataset)}
+    if not asked[stage]:
+        raise ValueError(f"the run's spec asks for no warm_start.{stage} stage. Fix: set warm_start.{stage} (with "
+                         f"warm_start.supervised for demonstrations), or do not call it")
+    if stage == "vision" and not hasattr(getattr(config.policy, config.policy_name, None), "vlm_path"):
+        raise ValueError(f"warm_start.vision pretrains the image encoder a VLM policy starts from, and "
+                         f"policy.name={config.policy_name} has none")
     stage_dir = run_dir / "warm_start"
     stage_dir.mkdir(parents=True, exist_ok=True)
     if stage == "dataset":
