@@ -1,18 +1,24 @@
 """Where rlfabric finds its extensions, by name. Each extension point is one new file behind one of these:
 
-    algorithms()    services/learner/algorithms/<name>.py, or any package on the ``rlfabric.algorithms`` entry point
-    policies()      services/core/models, entry points ``rlfabric.policies``
-    collectors()    services/rollout/collectors, entry points ``rlfabric.collectors``
-    backends()      services/rollout/backends, entry points ``rlfabric.backends``
-    env_adapters()  services/env/adapters, entry points ``rlfabric.env_adapters``
-    tasks()         services/env/tasks (text tasks), entry points ``rlfabric.tasks``
-    rewards()       services/env/tasks/rewards.py, entry points ``rlfabric.rewards``
-    drivers()       services/robot_gateway/drivers, entry points ``rlfabric.drivers`` (the robot gateway's arms)
+    algorithms()       services/learner/algorithms/<name>.py, or a package's ``rlfabric.algorithms`` entry point
+    policies()         services/core/models (core's small models), entry points ``rlfabric.policies`` (rlfabric's
+                       model families, services/policies, are entry points of its own pyproject.toml)
+    policy_options()   each policy's options section ``policy.<name>``, a torch-free pydantic model: entry points
+                       ``rlfabric.policy_options`` (services/policies/options.py for rlfabric's own)
+    collectors()       services/rollout/collectors, entry points ``rlfabric.collectors``
+    backends()         services/rollout/backends, entry points ``rlfabric.backends``
+    backend_options()  each backend's options section ``rollout.<name>``: entry points ``rlfabric.backend_options``
+    env_adapters()     services/env/adapters, entry points ``rlfabric.env_adapters``
+    tasks()            services/env/tasks (text tasks), entry points ``rlfabric.tasks``
+    rewards()          services/env/tasks/rewards.py, entry points ``rlfabric.rewards``
+    drivers()          services/robot_gateway/drivers, entry points ``rlfabric.drivers`` (the gateway's arms)
 
-Policies, collectors, backends, env adapters, text tasks and rewards resolve through services/core/registry.py in
-whichever process reads the run spec: a built-in, an entry point of an installed package, or ``package.module:attr``
-written in the spec. The ``register_*`` calls change only the calling process (tests, a notebook's in-process
-evaluation); to reach the services, ship an entry point or name the code literally.
+Policies, collectors, backends, env adapters, text tasks and rewards resolve through services/core/registry.py
+in whichever process reads the run spec: a built-in, an entry point of an installed package, or
+``package.module:attr`` written in the spec. Options models (services/core/options.py) come from entry points
+only, read when the run-spec schema loads: each becomes a section of the schema, as strict as a built-in's. The
+``register_*`` calls change only the calling process (tests, a notebook's in-process evaluation); to reach the
+services, ship an entry point or name the code literally.
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ def policies() -> dict[str, Any]:
     return POLICIES.available()
 
 
+def policy_options() -> dict[str, str]:
+    """Policy names and their options models (``module:Model``, the section ``policy.<name>``): entry points."""
+    from rlfabric.services.core.options import POLICY_OPTIONS
+
+    return POLICY_OPTIONS.available()
+
+
 def collectors() -> dict[str, str]:
     """Collector names and where each lives (``module:Class``): built-ins and entry points."""
     from rlfabric.services.rollout.collectors import COLLECTORS
@@ -46,6 +59,13 @@ def backends() -> dict[str, str]:
     from rlfabric.services.rollout.backends import BACKENDS
 
     return BACKENDS.available()
+
+
+def backend_options() -> dict[str, str]:
+    """Backend names and their options models (``module:Model``, the section ``rollout.<name>``): entry points."""
+    from rlfabric.services.core.options import BACKEND_OPTIONS
+
+    return BACKEND_OPTIONS.available()
 
 
 def env_adapters() -> dict[str, str]:

@@ -6,13 +6,28 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from rlfabric.services.core.algorithm import ALGORITHMS, load_algorithms
+from rlfabric.services.core.options import (
+    BACKEND_OPTIONS,
+    POLICY_OPTIONS,
+    LoRAConfig,
+    Options,
+    option_sections,
+)
 from rlfabric.services.core.registry import (
     IMPORT_PATHS_FLAG,
     import_paths_allowed,
@@ -74,18 +89,11 @@ class CNNConfig(_Strict):
         return self
 
 
-class LoRAConfig(_Strict):
-    """LoRA adapters (peft) on a language model; rank 0 trains every parameter."""
-
-    rank: int = Field(0, ge=0, le=1024)
-    alpha: float = Field(16.0, gt=0, allow_inf_nan=False)
-    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                               description="module names that get adapters")
-
-
-class LMConfig(_Strict):
+class LMConfig(Options):
     """A causal language model (policies ``causal_lm``): a transformers architecture built from these sizes and
     randomly initialised, or a saved local directory (``path``). Never fetched from a hub."""
+
+    paths: ClassVar[dict[str, tuple[str, ...]]] = {"model": ("path",), "data": ("tokenizer_corpus",)}
 
     arch: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="the transformers architecture of a "
                                                                           "built model (ignored with a path)")
@@ -126,184 +134,42 @@ class LMConfig(_Strict):
         return self
 
 
-class VLAConfig(_Strict):
-    """A VLA-shaped policy (``policy.name: vla``): image patches, instruction tokens and proprioception as tokens
-    of one transformer trunk, and an action-chunk head."""
+class _PolicyShared(_Strict):
+    """The ``policy`` section's own fields: what every policy may read (core's models read all of them)."""
 
-    width: int = Field(64, ge=8, le=8192, description="token width of the trunk")
-    heads: int = Field(4, ge=1, le=128)
-    layers: int = Field(2, ge=1, le=64)
-    patch: int = Field(8, ge=2, le=64, description="image patch size (pixels): one token per patch")
-    encoder: Literal["cnn", "vit", "nature"] = Field(
-        "cnn", description="image tokens from a conv stem (three stride-2 convolutions: patch 8), a ViT's linear patch "
-                           "embedding, or nature: a Nature-CNN over the whole image (policy.cnn) whose features "
-                           "become image_tokens tokens (RT-1's few-token image summary)")
-    image_tokens: int = Field(4, ge=1, le=64, description="encoder nature: tokens the image features become")
-    keypoints: int = Field(0, ge=0, le=256, description="spatial-softmax keypoints of the image (the expected "
-                                                         "x, y of K feature maps) as one more token; 0: none")
-    head: Literal["tokens", "flow"] = Field("tokens", description="tokens: discrete action tokens decoded in "
-                                                                  "parallel; flow: a flow-matching action expert")
-    bins: int = Field(21, ge=2, le=1024, description="tokens head: bins per action dimension over [low, high]")
-    flow_steps: int = Field(4, ge=1, le=64, description="flow head: denoising steps per chunk")
-    flow_noise: float = Field(0.5, gt=0, le=5, allow_inf_nan=False,
-                              description="flow head: the Flow-SDE noise level sigma of each denoising step")
-    logprob_level: Literal["chunk", "action", "token"] = Field(
-        "chunk", description="what one log-prob covers in the update: the whole chunk, one action of it, or one "
-                             "action dimension (token)")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    @model_validator(mode="after")
-    def _heads(self) -> VLAConfig:
-        if self.width % self.heads:
-            raise ValueError(f"width={self.width} is not divisible by heads={self.heads}")
-        if self.encoder == "nature" and self.keypoints:
-            raise ValueError("keypoints read the image at full resolution beside per-patch tokens; with encoder: "
-                             "nature set keypoints: 0")
-        return self
-
-
-class TinyVLMSizes(_Strict):
-    """The sizes a tiny PaliGemma is built from (random init) when a VLM policy loads no checkpoint: a Gemma
-    language model with one KV head per layer and a SigLIP image encoder."""
-
-    width: int = Field(64, ge=8, le=8192, description="hidden size of the VLM's language model")
-    layers: int = Field(2, ge=1, le=64, description="layers of the language model (pi0: and of its expert, which "
-                                                    "reads the VLM's KV cache layer by layer)")
-    heads: int = Field(2, ge=1, le=128, description="attention heads of the language model (pi0: and its expert)")
-    head_dim: int = Field(32, ge=4, le=512, description="width of one attention head (one KV head, as pi0)")
-    vision_width: int = Field(64, ge=8, le=8192, description="hidden size of the SigLIP image encoder")
-    vision_layers: int = Field(2, ge=1, le=64, description="layers of the SigLIP image encoder")
-    patch: int = Field(16, ge=2, le=64, description="image patch size (pixels): one VLM token per patch")
-    value_hidden: int = Field(64, ge=1, le=8192, description="hidden width of the value head (either critic)")
-    freeze_vision: bool = Field(False, description="keep the image encoder's weights as they start (pretrained: "
-                                                   "policy.pi0.vlm_path, warm_start.vision or a checkpoint): "
-                                                   "imitation and RL train the rest, and a fresh action head's "
-                                                   "gradients cannot overwrite what the encoder localises")
-    critic: Literal["prefix", "own"] = Field(
-        "prefix", description="what the value head reads: the mean of the VLM prefix's hidden states, or an encoder "
-                              "of its own (policy.cnn per camera, the state, the instruction's ids; "
-                              "services/policies/obs_critic.py), which localises what pooling loses")
-    value_detach: bool = Field(False, description="the prefix critic reads the VLM's features without sending its "
-                                                   "gradient back into the VLM: a critic learning from scratch on a "
-                                                   "fine-tuned policy cannot disturb what the policy sees")
-
-
-class PI0PolicyConfig(TinyVLMSizes):
-    """transformers' pi0 (``policy.name: pi0``): a PaliGemma VLM reads the camera images and the instruction, and a
-    flow-matching action expert reads its KV cache and denoises an action chunk. Built from the sizes below with
-    random init, or loaded from ``path`` (a local ``save_pretrained`` directory; never downloaded)."""
-
-    path: str = Field("", max_length=4096, description="a local save_pretrained directory of a "
-                                                       "PI0ForConditionalGeneration; empty: build from the sizes below")
-    vlm_path: str = Field("", max_length=4096, description="a local save_pretrained directory that starts the VLM "
-                          "of a pi0 built from the sizes: a PaliGemma VLM (every tensor whose name and shape agree, "
-                          "as pi0 starts from PaliGemma) or a SigLIP vision model (the image encoder alone, e.g. "
-                          "warm_start.vision's); empty: random init")
-    expert_width: int = Field(64, ge=8, le=8192, description="hidden size of the action expert")
-    image_size: int = Field(0, ge=0, le=1024, description="the size images are resized to; 0: the env's own")
-    flow_steps: int = Field(4, ge=1, le=64, description="denoising steps per chunk (each one an expert call)")
-    flow_noise: float = Field(0.5, gt=0, le=5, allow_inf_nan=False,
-                              description="the Flow-SDE noise level sigma of each denoising step when sampling "
-                                          "(sde_steps: last: the std of the last step's noise, in [-1, 1] units)")
-    sde_steps: Literal["all", "last"] = Field(
-        "all", description="which denoising steps draw noise when sampling for RL: all (Flow-SDE over the whole "
-                           "chain), or last (the first K-1 follow the ODE from the recorded x_0; the update re-runs "
-                           "them). last: every scored noise dimension moves the executed chunk; on ArmReachLang the "
-                           "signal-to-noise of its policy gradient with per-chunk rewards was 4x (bench/pg_snr.py)")
-    logprob_level: Literal["chunk", "action", "token"] = Field(
-        "chunk", description="what one log-prob covers in the update: the whole chunk, one action of it, or one "
-                             "action dimension")
-    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the attention "
-                             "projections named in lora.targets; rank 0 trains every parameter")
-    lora_on: Literal["vlm", "expert", "both"] = Field("both", description="where the adapters go: the VLM's language "
-                                                     "model, the action expert, or both (the action and state "
-                                                     "projections always train in full)")
-
-    @model_validator(mode="after")
-    def _one_start(self) -> PI0PolicyConfig:
-        if self.path and self.vlm_path:
-            raise ValueError("policy.pi0.path loads a whole pi0 and policy.pi0.vlm_path starts the VLM of one built "
-                             "from the sizes. Fix: set one of them")
-        return self
-
-
-class VLMPolicyConfig(TinyVLMSizes):
-    """A policy on a transformers image-text-to-text VLM (PaliGemma, SmolVLM/Idefics3 or Qwen2.5-VL): built tiny
-    from the sizes (random init, of ``family``), or loaded from ``path`` (a local ``save_pretrained`` directory,
-    whose config says its family; never downloaded). As ``policy.vlm`` (``policy.name: vlm``) it writes text:
-    captions or answers about its images."""
-
-    family: Literal["paligemma", "smolvlm", "qwen2_5_vl"] = Field(
-        "paligemma", description="the family a tiny model is built as: paligemma (SigLIP patches, a Gemma whose "
-                                 "prefix attends both ways), smolvlm (pixel-shuffled SigLIP patches, a causal Llama) "
-                                 "or qwen2_5_vl (merged ViT patches, a causal Qwen2 with M-RoPE); a loaded path's own "
-                                 "config decides")
-    path: str = Field("", max_length=4096, description="a local save_pretrained directory of a PaliGemma or SmolVLM "
-                                                       "VLM; empty: build a tiny one from the sizes")
-    vlm_path: str = Field("", max_length=4096, description="a local save_pretrained directory that starts a tiny "
-                          "PaliGemma built from the sizes: a PaliGemma VLM (every tensor whose name and shape agree) "
-                          "or a SigLIP vision model (the image encoder alone, e.g. warm_start.vision's); empty: "
-                          "random init")
-    trust_remote_code: bool = Field(False, description="allow a checkpoint's own modeling code (local files only)")
-    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (peft) on the modules named in "
-                             "lora.targets, vision tower included; rank 0 trains every parameter")
-
-
-    @model_validator(mode="after")
-    def _one_start(self) -> VLMPolicyConfig:
-        if self.path and self.vlm_path:
-            raise ValueError("path loads a whole VLM and vlm_path starts one built from the sizes. Fix: set one "
-                             "of them")
-        if self.vlm_path and self.family != "paligemma":
-            raise ValueError(f"vlm_path starts a PaliGemma (a SigLIP image encoder), and family={self.family!r}. "
-                             f"Fix: family: paligemma")
-        return self
-
-
-class VLATokensConfig(VLMPolicyConfig):
-    """An OpenVLA-style policy (``policy.name: vla_tokens``): a VLM whose action dimensions are tokens, ``bins``
-    bins mapped onto the vocabulary's last ids."""
-
-    bins: int = Field(256, ge=2, le=4096, description="bins per action dimension over [low, high], mapped onto "
-                                                     "the vocabulary's last ids (OpenVLA: 256)")
-    parallel: bool = Field(False, description="decode the whole chunk in one forward pass from learned action "
-                                              "queries (OFT-style) instead of token by token")
-    logprob_level: Literal["chunk", "action", "token"] = Field(
-        "token", description="what one log-prob covers in the update: the whole chunk, one action, or one token")
-    temperature: float = Field(1.0, gt=0, le=10, allow_inf_nan=False, description=(
-        "RL's sampling temperature: the rollouts sample, and the learner scores, softmax(logits / temperature) over "
-        "the bins. Above 1 it explores bins a supervised start has made unlikely; deterministic acting (the argmax) "
-        "and imitation (the bins' cross-entropy) are unaffected"))
-    imitation_sigma: float = Field(0.0, ge=0, le=64, allow_inf_nan=False, description=(
-        "imitation's target over the bins: 0 puts all of it on the demonstrated action's nearest bin "
-        "(OpenVLA); above 0 it is a Gaussian, this many bins wide, centred on the demonstrated action, so "
-        "the imitating policy keeps the neighbouring bins probable in proportion to their distance and RL's "
-        "samples explore nearby actions (a little faster, a little to the side) instead of the one bin a "
-        "one-hot target leaves. The argmax stays the nearest bin"))
-
-
-class PolicyConfig(_Strict):
-    name: str = Field("", max_length=64, description="the policy to train (a registered name, e.g. vla); empty: "
-                                                     "the one the algorithm names")
+    name: str = Field("", max_length=64, description="the policy to train (a registered name; one with options of "
+                                                     "its own reads them from policy.<name>); empty: the one the "
+                                                     "algorithm names")
     hidden_sizes: list[int] = Field(default_factory=lambda: [64, 64])
     activation: Literal["tanh", "relu"] = "tanh"
     log_std_init: float = 0.0
     ortho_init: bool = True
     cnn: CNNConfig = Field(default_factory=CNNConfig, description="encoder of image observations")
     lm: LMConfig = Field(default_factory=LMConfig, description="the language model of LM policies")
-    vla: VLAConfig = Field(default_factory=VLAConfig, description="the VLA-shaped policy (policy.name: vla)")
-    pi0: PI0PolicyConfig = Field(default_factory=PI0PolicyConfig, description="transformers' pi0 (policy.name: pi0)")
-    vla_tokens: VLATokensConfig = Field(default_factory=VLATokensConfig, description="a VLM with action tokens "
-                                                                                     "(policy.name: vla_tokens)")
-    vlm: VLMPolicyConfig = Field(default_factory=VLMPolicyConfig, description="a VLM that writes text "
-                                                                              "(policy.name: vlm)")
     init_checkpoint: str = Field("", max_length=4096, description="start from the policy weights of this checkpoint "
                                                                   "file (e.g. a supervised warm start's); empty: fresh init")
 
     @model_validator(mode="after")
-    def _positive_sizes(self) -> PolicyConfig:
+    def _positive_sizes(self) -> _PolicyShared:
         if not self.hidden_sizes or any(h <= 0 for h in self.hidden_sizes):
             raise ValueError("hidden_sizes must be a non-empty list of positive integers, e.g. [64, 64]")
         return self
+
+    def extension_sections(self) -> dict[str, Options]:
+        """Every options section by name: each policy's (``policy.<name>``) and core's ``lm``, the ones that may
+        declare paths and code (services/core/options.py)."""
+        return {name: value for name in type(self).model_fields
+                if isinstance(value := getattr(self, name), Options)}
+
+
+# One section per registered policy options model (rlfabric.policy_options entry points: rlfabric's model families
+# and any installed package's), named after its policy: config.policy.<name>.<option>.
+PolicyConfig = create_model("PolicyConfig", __base__=_PolicyShared, __module__=__name__,
+                            **option_sections(POLICY_OPTIONS, "policy", _PolicyShared.model_fields))
+PolicyConfig.__doc__ = ("The policy section: the fields every policy may read, and one options section per "
+                        "registered policy (policy.<name>).")
 
 
 def _algorithm_field() -> tuple[Any, Any]:
@@ -479,7 +345,11 @@ class ReplayConfig(_Strict):
         return self
 
 
-class RolloutConfig(_Strict):
+class _RolloutShared(_Strict):
+    """The ``rollout`` section's own fields: what every collector and backend may read."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
     collector: str = Field("auto", max_length=300,
                            pattern=r"^[A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z_][A-Za-z0-9_.]*)?$",
                            description="how rollout workers act (services/rollout/collectors): auto takes the "
@@ -507,6 +377,19 @@ class RolloutConfig(_Strict):
                                                  description="share of device memory (host memory on CPU) an "
                                                              "inference engine reserves; default: 0.1 on CPU, the "
                                                              "engine's own on GPUs")
+
+    def extension_sections(self) -> dict[str, Options]:
+        """Every backend's options section (``rollout.<name>``) with its backend's name."""
+        return {name: value for name in type(self).model_fields
+                if isinstance(value := getattr(self, name), Options)}
+
+
+# One section per registered backend options model (rlfabric.backend_options entry points), named after its
+# backend: config.rollout.<backend>.<option>.
+RolloutConfig = create_model("RolloutConfig", __base__=_RolloutShared, __module__=__name__,
+                             **option_sections(BACKEND_OPTIONS, "rollout", _RolloutShared.model_fields))
+RolloutConfig.__doc__ = ("The rollout section: the fields every collector and backend may read, and one options "
+                         "section per registered backend (rollout.<name>).")
 
 
 class StorageConfig(_Strict):
@@ -567,8 +450,9 @@ class VisionStageConfig(_Strict):
 
 
 class WarmStartConfig(_Strict):
-    """Stages ``rlfabric train`` runs before this run when ``policy.init_checkpoint`` is empty (RLinf's
-    supervised-then-RL recipe as one command): optionally the policy's image encoder pretrained to localise first,
+    """Stages the coordinator runs as the first part of this run when ``policy.init_checkpoint`` is empty
+    (services/coordinator/warm_start.py; RLinf's supervised-then-RL recipe as one run, from the CLI or a notebook
+    alike): optionally the policy's image encoder pretrained to localise first,
     then demonstrations by the env's scripted expert and/or from a LeRobot data set, and a supervised run on them,
     whose checkpoint this run starts from. Each stage leaves its own directory under ``<run dir>/warm_start``; the
     supervised stage keeps the run's env, policy and train sections (its evaluations follow
@@ -682,6 +566,15 @@ class RunConfig(_Strict):
                 named.append((f"env.{section}.reward", reward))
         return [(f, v) for f, v in named if is_literal(v) or (f == "env.id" and ":" in v)]
 
+    def code_options(self) -> list[str]:
+        """The options sections' fields that are on and run a checkpoint's own code (``runs_code``: e.g. a VLM
+        policy's ``policy.<name>.trust_remote_code``)."""
+        return [f"{where}.{name}.{field}"
+                for where, sections in (("policy", self.policy.extension_sections()),
+                                        ("rollout", self.rollout.extension_sections()))
+                for name, section in sections.items() for field in type(section).runs_code
+                if getattr(section, field)]
+
     @model_validator(mode="after")
     def _code_by_import_path(self) -> RunConfig:
         """Before anything below resolves a name (a policy's check imports it): a service whose operator did not
@@ -689,11 +582,10 @@ class RunConfig(_Strict):
         if not import_paths_allowed():
             for field, name in self.import_paths():
                 raise refuse_import_path(field, name)
-            if self.policy.vlm.trust_remote_code:  # a checkpoint's own modeling code: the operator's choice too
-                raise ValueError(f"policy.vlm.trust_remote_code: true runs the checkpoint's own Python on this "
-                                 f"service, and this service runs only installed code. Fix: leave it false (a "
-                                 f"transformers-native checkpoint needs none), or have the operator start every "
-                                 f"service with {IMPORT_PATHS_FLAG}")
+            for field in self.code_options():  # a checkpoint's own modeling code: the operator's choice too
+                raise ValueError(f"{field}: true runs the checkpoint's own Python on this service, and this service "
+                                 f"runs only installed code. Fix: leave it false (a transformers-native checkpoint "
+                                 f"needs none), or have the operator start every service with {IMPORT_PATHS_FLAG}")
         return self
 
     @model_validator(mode="after")

@@ -222,22 +222,19 @@ def confine_storage(storage, run_dir: str, roots: DataRoots, endpoints: Endpoint
     return storage, confined_dir
 
 
-MODEL_PATHS = {"lm": ("path", "tokenizer_corpus"), "pi0": ("path", "vlm_path"), "vla_tokens": ("path", "vlm_path"),
-               "vlm": ("path", "vlm_path")}
-
-
 def confine_model(config, roots: DataRoots):
-    """``config`` with the files and saved model directories its policy sections name (``policy.lm.path`` and
-    ``tokenizer_corpus``, and every VLM section's ``path`` and ``vlm_path`` (pi0, vla_tokens, vlm):
-    read by the libraries themselves, a VLM's modeling code too when trust_remote_code is on) resolved under the
-    data roots, else PathRefused naming the field."""
-    sections = {}
-    for name, fields in MODEL_PATHS.items():
-        section = getattr(config.policy, name)
-        update = {f: str(roots.confine(getattr(section, f), f"policy.{name}.{f}")) for f in fields
-                  if getattr(section, f)}
-        if update:
-            sections[name] = section.model_copy(update=update)
-    if not sections:
-        return config
-    return config.model_copy(update={"policy": config.policy.model_copy(update=sections)})
+    """``config`` with every path its options sections declare (``paths`` of ``policy.lm``, of each policy's
+    ``policy.<name>`` and each backend's ``rollout.<name>``: saved model directories read by their libraries
+    themselves, a VLM's modeling code too when trust_remote_code is on, and data files such as a tokenizer's
+    corpus; services/core/options.py) resolved under the data roots, else PathRefused naming the field."""
+    update = {}
+    for where in ("policy", "rollout"):
+        parent = getattr(config, where)
+        sections = {}
+        for name, section in parent.extension_sections().items():
+            confined = {f: str(roots.confine(value, f"{where}.{name}.{f}")) for f, value in section.path_fields()}
+            if confined:
+                sections[name] = section.model_copy(update=confined)
+        if sections:
+            update[where] = parent.model_copy(update=sections)
+    return config.model_copy(update=update) if update else config

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rlfabric.services.core.codec import decode, encode, pack_frames, unpack_frames
+from rlfabric.services.core.policy import ForwardMethods, OwnCritic, ShardUnits
 from rlfabric.services.core.weight_transport import check_prefix, interface_of, listening_store, new_prefix
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,12 @@ def shard_policy(policy: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    units = policy.shard_units() if hasattr(policy, "shard_units") else []
-    for unit in units:
+    for unit in policy.shard_units() if isinstance(policy, ShardUnits) else []:
         fully_shard(unit, mesh=mesh)
     fully_shard(policy, mesh=mesh)
-    for method in getattr(policy, "forward_methods", ()):  # entry points besides forward() gather weights too
-        register_fsdp_forward_method(policy, method)
+    if isinstance(policy, ForwardMethods):  # entry points besides forward() gather weights too
+        for method in policy.forward_methods:
+            register_fsdp_forward_method(policy, method)
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -125,7 +126,7 @@ def load_starting_weights(policy: torch.nn.Module, weights: dict, warm: bool) ->
         policy.load_state_dict(weights)
         return
     except RuntimeError:
-        critic = tuple(f"{m}." for m in getattr(policy, "value_modules", ()))
+        critic = tuple(f"{m}." for m in policy.value_modules) if isinstance(policy, OwnCritic) else ()
         if not warm or not critic:
             raise
     ours = policy.state_dict()

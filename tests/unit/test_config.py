@@ -123,6 +123,22 @@ def test_a_policy_chosen_by_name_must_serve_the_algorithm():
         parse_config("policy: {name: vla, vla: {width: 60, heads: 8}}")
 
 
+def test_a_policy_familys_section_comes_from_its_options_model_and_names_a_misspelled_option():
+    """policy.pi0, policy.vla_tokens, ...: sections the schema builds from the options models rlfabric registers as
+    entry points (services/policies/options.py), as strict as core's own sections."""
+    from rlfabric.services.core.config import PolicyConfig
+    from rlfabric.services.policies.options import PI0PolicyConfig, VLATokensConfig
+
+    assert PolicyConfig.model_fields["pi0"].annotation is PI0PolicyConfig
+    assert PolicyConfig.model_fields["vla_tokens"].annotation is VLATokensConfig
+    assert parse_config("policy: {name: pi0, pi0: {flow_steps: 6}}").policy.pi0.flow_steps == 6
+    with pytest.raises(ConfigError) as err:
+        parse_config("policy: {name: pi0, pi0: {flow_step: 6}}")
+    assert "policy.pi0.flow_step: unknown field. Fix: remove it; did you mean 'policy.pi0.flow_steps'?" in str(err.value)
+    with pytest.raises(ConfigError, match="policy.pi0: .*policy.pi0.path loads a whole pi0"):
+        parse_config("policy: {pi0: {path: a, vlm_path: b}}")
+
+
 @pytest.mark.parametrize(("override", "field"), [
     ("seed=-1", "seed"),  # numpy refuses a negative seed: the workers failed after the coordinator accepted it
     ("name=" + "n" * 101, "name"),  # the run id, its directory and its object-store keys start with the name

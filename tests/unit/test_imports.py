@@ -86,6 +86,22 @@ def test_the_coordinator_validates_every_example_spec_without_torch():
     assert not result["torch"], f"validating the examples imports torch, via {result['via']}"
 
 
+def test_every_registered_options_model_and_the_policy_protocols_need_no_torch():
+    """Each policy's (backend's) options section is a model the coordinator loads with the schema: its module, and
+    what a policy must provide (services/core/policy.py), import no torch."""
+    result = _torch_after("""
+        import rlfabric.registries
+        import rlfabric.services.core.policy
+        from rlfabric.services.core.options import BACKEND_OPTIONS, POLICY_OPTIONS
+
+        assert {"vla", "pi0", "vla_tokens", "vlm"} <= set(rlfabric.registries.policy_options())
+        for registry in (POLICY_OPTIONS, BACKEND_OPTIONS):
+            for name in registry.available():
+                registry.load(name)()
+    """)
+    assert not result["torch"], f"an options model imports torch, via {result['via']}"
+
+
 @pytest.mark.parametrize("adapter,env_id", [("gymnasium", "CartPole-v1"), ("text", "arith")])
 def test_an_env_service_whose_adapter_needs_no_torch_steps_without_it(adapter, env_id):
     result = _torch_after(f"""

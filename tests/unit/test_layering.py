@@ -1,5 +1,6 @@
 """The layering rules the code base keeps, checked on its source: algorithms are named only in their own files,
-the shared runtime imports no service, one MLP builder, and no process-wide switch of torch.distributions checks."""
+the shared runtime imports no service and names no policy family, one MLP builder, and no process-wide switch of
+torch.distributions checks."""
 
 from __future__ import annotations
 
@@ -44,6 +45,22 @@ def test_the_shared_runtime_imports_no_service_and_no_policy():
             offenders += [f"{path.name}: {m}" for m in modules
                           if m.split(".")[:3] in [["rlfabric", "services", s] for s in services]]
     assert not offenders, offenders
+
+
+def test_the_shared_runtime_names_no_policy_family_not_even_as_a_string():
+    """rlfabric's model families (services/policies) reach core as any plug-in's do, by entry point: no module path
+    of theirs in services/core (a built-in table, a lazy import), and none of their names (an options section, a
+    path table keyed by policy, an error that lists them)."""
+    from importlib.metadata import entry_points
+
+    families = {ep.name for ep in entry_points(group="rlfabric.policies")
+                if ep.value.startswith("rlfabric.services.policies.")}
+    assert {"vla", "pi0", "vla_tokens", "vlm"} <= families
+    named = re.compile(r"rlfabric\.services\.policies\b|\b(" + "|".join(sorted(families)) + r")\b")
+    offenders = [f"{path.relative_to(SERVICES.parent)}:{n}: {line.strip()}"
+                 for path in _sources(SERVICES / "core")
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if named.search(line)]
+    assert not offenders, "services/core names a policy of services/policies:\n" + "\n".join(offenders)
 
 
 def test_one_mlp_builder_and_no_global_distribution_switch():

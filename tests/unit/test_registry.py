@@ -283,6 +283,8 @@ def test_a_service_without_the_flag_refuses_import_paths_even_ones_it_loaded_bef
     ("rollout.backend", {"rollout": {"backend": "builtins:exec"}}),
     ("rollout.collector", {"rollout": {"collector": "builtins:exec"}}),
     ("policy.vlm.trust_remote_code", {"policy": {"name": "vlm", "vlm": {"trust_remote_code": True}}}),
+    ("policy.vla_tokens.trust_remote_code", {"policy": {"name": "vla_tokens",  # (read from its options model's
+                                                        "vla_tokens": {"trust_remote_code": True}}}),  # runs_code)
 ])
 def test_a_spec_naming_code_is_refused_by_a_service_without_the_flag_and_read_by_the_users_process(
         field, spec, service_without_the_flag):
@@ -318,9 +320,249 @@ def test_a_resolved_name_is_checked_as_its_kind_before_anything_calls_it(registr
 
 
 def test_what_each_built_in_policy_serves_is_written_as_its_class_says():
-    """services/core/policy_names.py tells the coordinator what a built-in serves without importing it (no torch
-    there): the table must say what each class does."""
-    from rlfabric.services.core.policy_names import BUILTINS, policy_class, serves
+    """The coordinator learns what a policy serves without importing it (no torch there): core's own table for its
+    models, the options model's ``serves`` for rlfabric's model families (entry points, as a plug-in's): both
+    must say what each class does, and each class must provide that interface's Protocol."""
+    from rlfabric.services.core.options import POLICY_OPTIONS
+    from rlfabric.services.core.policy import INTERFACES
+    from rlfabric.services.core.policy_names import BUILTINS, POLICIES, policy_class, serves
+    from rlfabric.services.core.registry import missing_members
 
+    families = {n for n, target in POLICIES.entry_points().items() if target.startswith("rlfabric.services.policies.")}
+    assert families == {"vla", "pi0", "vla_tokens", "vlm"} <= set(POLICY_OPTIONS.available())
     for name, (_, written) in BUILTINS.items():
         assert getattr(policy_class(name), "serves", name) == written == serves(name), name
+    for name in families:
+        cls = policy_class(name)
+        assert POLICY_OPTIONS.load(name).serves == cls.serves == serves(name), name
+    for name in [*BUILTINS, *families]:
+        cls = policy_class(name)
+        assert not missing_members(cls, INTERFACES[getattr(cls, "serves", name)]), name
+
+
+def test_every_builtin_policy_declares_its_optional_capabilities_as_protocols():
+    """What the learner and the rollout ask of a policy beyond its interface (value_modules, random_actions,
+    imitation_loss, shard_units, forward_methods) is a runtime-checkable Protocol each, not a probe by name."""
+    from rlfabric.services.core import policy as P
+    from rlfabric.services.core.models import build_policy
+    from rlfabric.services.rollout.evaluate import _env_spec
+
+    config = short_config()
+    actor_critic = build_policy("actor_critic", _env_spec(config), config.policy)
+    assert isinstance(actor_critic, P.ActorCriticPolicy) and isinstance(actor_critic, P.OwnCritic)
+    assert isinstance(actor_critic, P.FlatActions) and not isinstance(actor_critic, P.DrawsRandomActions)
+    assert not isinstance(actor_critic, P.Imitates) and not isinstance(actor_critic, P.ShardUnits)
+    assert not P.reads_privileged(type(actor_critic))
+    pendulum = short_config(env__id="Pendulum-v1")
+    actor = build_policy("squashed_gaussian", _env_spec(pendulum), pendulum.policy)
+    assert isinstance(actor, P.SquashedGaussianPolicy) and not isinstance(actor, P.ActorCriticPolicy)
+    assert not isinstance(actor, P.OwnCritic)
+    from rlfabric.services.core.models.lm import CausalLMPolicy
+    from rlfabric.services.policies.chunk_policy import ChunkPolicy
+    from rlfabric.services.policies.pi0 import PI0Policy
+    from rlfabric.services.policies.vla import VLAPolicy
+
+    for cls, capabilities in ((CausalLMPolicy, ("shard_units", "forward_methods", "save_pretrained")),
+                              (ChunkPolicy, ("random_actions", "value_modules")),
+                              (VLAPolicy, ("imitation_loss", "random_actions", "value_modules")),
+                              (PI0Policy, ("imitation_loss", "save_pretrained", "critic_only_privileged"))):
+        for name in capabilities:
+            assert hasattr(cls, name), (cls, name)
+    assert P.reads_privileged(PI0Policy) and not P.reads_privileged(VLAPolicy)
+
+
+def test_a_policy_that_lacks_its_interface_is_refused_by_name_when_built(tmp_path, monkeypatch):
+    from rlfabric.services.core.models import POLICIES, build_policy
+    from rlfabric.services.rollout.evaluate import _env_spec
+
+    monkeypatch.setattr(POLICIES, "_loaded", {})
+    _plugin(tmp_path, "rlf_test_half_policy", "rlfabric.policies", {"half": "rlf_test_half_policy:Half"}, """
+        import torch
+
+        class Half(torch.nn.Module):  # says it serves actor_critic, but cannot be evaluated by an update
+            serves = "actor_critic"
+            has_value = False
+
+            def __init__(self, obs_space, action_space, cfg):
+                super().__init__()
+
+            def act(self, obs, deterministic=False, generator=None):
+                pass
+
+            def env_actions(self, actions):
+                pass
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = short_config()
+    with pytest.raises(ValueError, match=r"policy.name 'half': Half serves 'actor_critic' and lacks \['evaluate', "
+                                         r"'value'\].*rlfabric.services.core.policy.ActorCriticPolicy"):
+        build_policy("half", _env_spec(config), config.policy)
+    del sys.modules["rlf_test_half_policy"]
+
+
+PLUGIN_POLICY = """
+    from typing import ClassVar
+
+    from pydantic import Field
+
+    from rlfabric.services.core.options import BackendOptions, PolicyOptions
+
+
+    class MyPolicyOptions(PolicyOptions):
+        \"\"\"An actor-critic MLP of one width.\"\"\"
+
+        serves: ClassVar[str | None] = "actor_critic"
+        paths: ClassVar[dict[str, tuple[str, ...]]] = {"model": ("weights",)}
+        runs_code: ClassVar[tuple[str, ...]] = ("own_code",)
+        width: int = Field(16, ge=1, le=4096)
+        layers: int = Field(2, ge=1, le=8)
+        weights: str = ""
+        own_code: bool = False
+
+
+    class MyBackendOptions(BackendOptions):
+        depth: int = Field(1, ge=1)
+
+
+    class Loose(PolicyOptions):
+        model_config = {"extra": "allow"}
+"""
+
+PLUGIN_POLICY_CLASS = """
+    from rlfabric.services.core.models.actor_critic import ActorCritic
+    from rlfabric.services.rollout.backends.torch import TorchBackend
+
+
+    class MyPolicy(ActorCritic):
+        serves = "actor_critic"
+
+        def __init__(self, obs_space, action_space, cfg):
+            own = cfg.my_policy
+            super().__init__(obs_space, action_space, cfg.model_copy(update={"hidden_sizes": [own.width] * own.layers}))
+
+
+    class MyBackend(TorchBackend):
+        def __init__(self, config, env_spec, device):
+            super().__init__(config, env_spec, device)
+            self.depth = config.rollout.my_backend.depth
+"""
+
+
+def _plugin_with_options(root, options: dict[str, str] | None = None) -> None:
+    """A package with a policy and a backend, each with its options model (a torch-free module of its own)."""
+    _plugin(root, "rlf_test_options", "rlfabric.policy_options",
+            options or {"my_policy": "rlf_test_options:MyPolicyOptions"}, PLUGIN_POLICY)
+    info = root / "rlf_test_options-0.1.dist-info" / "entry_points.txt"
+    info.write_text(info.read_text() + "[rlfabric.backend_options]\nmy_backend = rlf_test_options:MyBackendOptions\n"
+                    "[rlfabric.policies]\nmy_policy = rlf_test_options_torch:MyPolicy\n"
+                    "[rlfabric.backends]\nmy_backend = rlf_test_options_torch:MyBackend\n")
+    (root / "rlf_test_options_torch.py").write_text(textwrap.dedent(PLUGIN_POLICY_CLASS))
+
+
+def _fresh(code: str, path) -> dict:
+    """``code`` in a fresh interpreter (the schema reads options models once, when it loads) with ``path`` on
+    sys.path as site-packages would be; its last line of output, as JSON."""
+    import subprocess
+
+    script = f"import json, sys\nsys.path.insert(0, {str(path)!r})\n" + textwrap.dedent(code)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_plugin_policy_has_its_own_options_section_as_strict_as_a_builtins(tmp_path):
+    """policy: {name: my_policy, my_policy: {width: 32}}: the section comes from the plug-in's options model, a
+    misspelled option is an error naming it, and all of it without torch (the coordinator's validation)."""
+    _plugin_with_options(tmp_path)
+    out = _fresh("""
+        import rlfabric.registries
+        from rlfabric.services.core import registry
+        from rlfabric.services.core.config import ConfigError, parse_config
+        from rlfabric.services.core.paths import DataRoots, PathRefused, confine_model
+
+        config = parse_config("policy: {name: my_policy, my_policy: {width: 32}}")
+        assert config.policy.my_policy.width == 32 and config.policy.my_policy.layers == 2
+        assert parse_config("name: x").policy.my_policy.width == 16  # built from its defaults
+        assert config.policy.pi0.flow_steps == 4  # rlfabric's own families are sections the same way
+        errors = {}
+        for name, spec in {"typo": "policy: {name: my_policy, my_policy: {widht: 32}}",
+                           "range": "policy: {name: my_policy, my_policy: {width: 0}}",
+                           "serves": "{policy: {name: my_policy}, algorithm: {name: sac}, env: {id: Pendulum-v1}}",
+                           "section": "policy: {name: my_policy, my_polcy: {width: 32}}"}.items():
+            try:
+                parse_config(spec, "spec.yaml")
+            except ConfigError as exc:
+                errors[name] = str(exc)
+        roots = DataRoots.parse({str(path)!r})
+        inside = confine_model(parse_config("policy: {my_policy: {weights: w.pt}}"), roots)
+        try:
+            confine_model(parse_config("policy: {my_policy: {weights: /etc/passwd}}"), roots)
+        except PathRefused as exc:
+            errors["path"] = str(exc)
+        registry.allow_import_paths(False)  # a service whose operator did not allow a checkpoint's own code
+        try:
+            parse_config("policy: {my_policy: {own_code: true}}")
+        except ConfigError as exc:
+            errors["code"] = str(exc)
+        print(json.dumps({"errors": errors, "torch": "torch" in sys.modules,
+                          "weights": inside.policy.my_policy.weights,
+                          "options": rlfabric.registries.policy_options(),
+                          "backend_options": rlfabric.registries.backend_options()}))
+    """.replace("{str(path)!r}", repr(str(tmp_path))), tmp_path)
+    errors = out["errors"]
+    assert not out["torch"], "validating a plug-in's options section imported torch"
+    assert "policy.my_policy.widht: unknown field" in errors["typo"]
+    assert "did you mean 'policy.my_policy.width'?" in errors["typo"]
+    assert "policy.my_policy.width:" in errors["range"] and "greater than or equal to 1" in errors["range"]
+    assert "policy.name='my_policy' serves as 'actor_critic'" in errors["serves"]  # told without importing it
+    assert "policy.my_polcy: unknown field" in errors["section"] and "'policy.my_policy'" in errors["section"]
+    assert out["weights"] == str(tmp_path / "w.pt")
+    assert "policy.my_policy.weights='/etc/passwd'" in errors["path"]
+    assert "policy.my_policy.own_code: true runs the checkpoint's own Python" in errors["code"]
+    assert out["options"]["my_policy"] == "rlf_test_options:MyPolicyOptions"
+    assert out["options"]["pi0"] == "rlfabric.services.policies.options:PI0PolicyConfig"
+    assert out["backend_options"] == {"my_backend": "rlf_test_options:MyBackendOptions"}
+
+
+def test_a_plugin_policy_and_backend_read_their_sections_where_they_are_built(tmp_path):
+    _plugin_with_options(tmp_path)
+    out = _fresh("""
+        from rlfabric.services.core.config import ConfigError, parse_config
+        from rlfabric.services.core.models import build_policy
+        from rlfabric.services.rollout.backends import build_backend
+        from rlfabric.services.rollout.evaluate import _env_spec
+
+        spec = ("{policy: {name: my_policy, my_policy: {width: 32, layers: 1}}, "
+                "rollout: {backend: my_backend, my_backend: {depth: 3}}}")
+        config = parse_config(spec)
+        policy = build_policy(config.policy_name, _env_spec(config), config.policy)
+        backend = build_backend(config.rollout.backend, config, _env_spec(config), "cpu")
+        try:
+            parse_config("rollout: {backend: my_backend, my_backend: {dept: 3}}", "spec.yaml")
+        except ConfigError as exc:
+            typo = str(exc)
+        print(json.dumps({"widths": [p.shape[0] for n, p in policy.named_parameters() if n.endswith("weight")],
+                          "depth": backend.depth, "has_value": backend.has_value, "typo": typo}))
+    """, tmp_path)
+    assert out["widths"] == [32, 32, 2, 1]  # pi_body, vf_body, pi_head, vf_head: the width its section says
+    assert out["depth"] == 3 and out["has_value"]
+    assert "rollout.my_backend.dept: unknown field" in out["typo"] and "'rollout.my_backend.depth'" in out["typo"]
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"loose": "rlf_test_options:Loose"}, "refuses unknown fields"),
+    ({"lm": "rlf_test_options:MyPolicyOptions"}, "would be policy.lm, which is a field of policy already"),
+    ({"my_policy": "rlf_test_options:Nope"}, "does not resolve"),
+    ({"my_policy": "rlf_test_options:PolicyOptions.serves"}, "is not a policy options model"),
+])
+def test_an_options_model_that_would_weaken_the_schema_is_refused_when_it_loads(tmp_path, entry, why):
+    _plugin_with_options(tmp_path, entry)
+    out = _fresh("""
+        try:
+            import rlfabric.services.core.config
+            print(json.dumps({"error": ""}))
+        except RuntimeError as exc:
+            print(json.dumps({"error": str(exc)}))
+    """, tmp_path)
+    assert out["error"].startswith(f"rlfabric.policy_options entry point {next(iter(entry))!r}")
+    assert why in out["error"]

@@ -25,6 +25,7 @@ from pydantic import Field
 from rlfabric.services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
 from rlfabric.services.core.batch import tree_map
 from rlfabric.services.core.lazy import lazy_import
+from rlfabric.services.core.policy import OwnCritic
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")
@@ -148,7 +149,7 @@ class PPO(Algorithm):
         """One group at learning_rate, or the critic's own weights in a second at value_learning_rate."""
         if self.cfg.value_learning_rate is None:
             return [{"params": self.params, "scale": 1.0}]
-        prefixes = tuple(f"{m}." for m in getattr(policy, "value_modules", ()))
+        prefixes = tuple(f"{m}." for m in policy.value_modules) if isinstance(policy, OwnCritic) else ()
         named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         critic = [p for n, p in named if prefixes and n.startswith(prefixes)]
         if not critic:

@@ -19,6 +19,7 @@ from pydantic import Field
 from rlfabric.services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
 from rlfabric.services.core.batch import tree_map
 from rlfabric.services.core.lazy import lazy_import
+from rlfabric.services.core.policy import Imitates
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")
@@ -38,7 +39,7 @@ class VLASFT(OfflineAlgorithm):
 
     def __init__(self, policy: nn.Module, run, generator: torch.Generator | None = None, **kw):
         super().__init__(policy, run, generator, **kw)
-        if not callable(getattr(policy, "imitation_loss", None)):
+        if not isinstance(policy, Imitates):
             raise ValueError(f"algorithm.name=vla_sft trains a policy on demonstrations through its "
                              f"imitation_loss(obs, actions), and policy {type(policy).__name__} has none. Fix: "
                              f"policy.name: pi0, vla or vla_tokens")

@@ -2,7 +2,9 @@
 (``act``), gives state values where its policy has them (``value``), and loads weight versions through its weight
 receiver (backends/receivers.py). ``torch`` serves the policies of rlfabric.services.core.models; LLM engines (hf, vllm,
 sglang) join here. Backends come from BACKENDS (services/core/registry.py): the built-ins below, entry points of
-group ``rlfabric.backends``, or ``package.module:Class`` in the run spec, resolved in the rollout worker's process."""
+group ``rlfabric.backends``, or ``package.module:Class`` in the run spec, resolved in the rollout worker's process.
+A backend with options of its own registers their model (a torch-free ``BackendOptions``, entry-point group
+``rlfabric.backend_options``: services/core/options.py) and reads them from ``config.rollout.<its name>``."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import torch
 
 from rlfabric.services.core.batch import tree_map
 from rlfabric.services.core.models import build_policy
+from rlfabric.services.core.policy import Acting, DrawsRandomActions, FlatActions
 from rlfabric.services.rollout.backends.receivers import StateDictReceiver
 
 
@@ -22,8 +23,12 @@ class TorchBackend:
     def __init__(self, config: Any, env_spec: dict, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.policy = build_policy(config.policy_name, env_spec, config.policy).to(self.device)
+        if not isinstance(self.policy, Acting):
+            raise ValueError(f"rollout.backend torch acts through a policy's act() and env_actions(), and policy.name "
+                             f"{config.policy_name!r} has no act(). Fix: a backend that serves it (hf or vllm for a "
+                             f"language model)")
         self.policy.eval()
-        self.has_value = bool(getattr(self.policy, "has_value", False))
+        self.has_value = bool(self.policy.has_value)
         self.receiver = StateDictReceiver(self.policy)
         self.version = -1
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 1)
@@ -43,8 +48,11 @@ class TorchBackend:
     def random_actions(self, n: int):
         """Uniform actions in the policy's action space (off-policy warm-up), as (recorded, executed) actions; a
         policy whose own action form is not a flat vector (a chunk policy) draws them itself."""
-        if hasattr(self.policy, "random_actions"):
+        if isinstance(self.policy, DrawsRandomActions):
             return self.policy.random_actions(n, self.generator)
+        if not isinstance(self.policy, FlatActions):
+            raise ValueError(f"{type(self.policy).__name__} acts in no flat action space (discrete, act_dim) and "
+                             f"draws no random_actions of its own. Fix: give the policy random_actions(n, generator)")
         if self.policy.discrete:
             raw = torch.randint(0, self.policy.act_dim, (n,), generator=self.generator, device=self.device)
         else:
