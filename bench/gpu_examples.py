@@ -54,6 +54,8 @@ SKIP = {"cartpole_ppo_compose"}  # cartpole_ppo's spec for the compose stack (Re
 VARIANTS = {
     "dapo": ("arith_grpo", ["algorithm.name=dapo", "policy.init_checkpoint=''"]),
     "reinforce_pp": ("arith_grpo", ["algorithm.name=reinforce_pp", "policy.init_checkpoint=''"]),
+    "gspo": ("arith_grpo", ["algorithm.name=gspo", "policy.init_checkpoint=''"]),
+    "cispo": ("arith_grpo", ["algorithm.name=cispo", "policy.init_checkpoint=''"]),
     "ppo_lm": ("arith_grpo", ["algorithm.name=ppo_lm", "policy.init_checkpoint=''"]),
     "bc": ("pendulum_iql", ["algorithm={name: bc}"]),
 }

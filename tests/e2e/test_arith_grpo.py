@@ -1,7 +1,7 @@
 """Agentic RL end to end through every service: a supervised warm start of a tiny language model on generated
-arithmetic (SFT, no rollout collecting), then GRPO, DAPO and REINFORCE++ from that checkpoint with the hf backend,
-all through ``rlfabric train``. Held-out exact-match accuracy (greedy, the same held-out problems for every run)
-must rise: by at least 10 points for GRPO. The runs are deterministic for a seed (same numbers run after run)."""
+arithmetic (SFT, no rollout collecting), then GRPO, DAPO, REINFORCE++, GSPO and CISPO from that checkpoint with the
+hf backend, all through ``rlfabric train``. Held-out exact-match accuracy (greedy, the same held-out problems for
+every run) must rise: by at least 10 points for GRPO. The runs are deterministic for a seed (same numbers run after run)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _accuracy(checkpoint) -> float:
 @pytest.fixture(scope="module")
 def warm_start(request):
     """The SFT checkpoint and its held-out accuracy, built once for both tiers (tests/artefacts.py): the fast tier's
-    GRPO and the slow tier's DAPO and REINFORCE++ start from the same one."""
+    GRPO and the slow tier's DAPO, REINFORCE++, GSPO and CISPO start from the same one."""
     from rlfabric.services.env.tasks.sft_data import build
 
     def sft(out):
@@ -54,6 +54,10 @@ def warm_start(request):
     pytest.param("grpo", [], 0.10, marks=pytest.mark.smoke),
     pytest.param("dapo", ["algorithm.learning_rate=0.0001", "algorithm.train_groups=8"], 0.08, marks=pytest.mark.slow),
     pytest.param("reinforce_pp", ["algorithm.learning_rate=0.0001"], 0.08, marks=pytest.mark.slow),
+    # two minibatches per batch: the second is off-policy, so GSPO's sequence clip (about half its tokens clipped at
+    # the paper's eps) and CISPO's clipped IS weight act
+    pytest.param("gspo", ["algorithm.minibatch_size=32"], 0.08, marks=pytest.mark.slow),
+    pytest.param("cispo", ["algorithm.minibatch_size=32"], 0.08, marks=pytest.mark.slow),
 ])
 def test_rl_from_an_sft_checkpoint_raises_held_out_accuracy(warm_start, tmp_path, algorithm, sets, gain):
     checkpoint, before = warm_start

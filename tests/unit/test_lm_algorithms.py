@@ -1,5 +1,6 @@
 """The math of the language-model algorithms, on hand-made batches: group advantages, the clipped surrogate,
-the KL estimator, and one GRPO update moving probability toward the better response of a group."""
+the KL estimator, and one GRPO update moving probability toward the better response of a group (GSPO's and
+CISPO's losses and the rollout correction: test_lm_losses.py)."""
 
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ algorithm: {{learning_rate: 0.01, minibatch_size: 8, {algorithm}}}
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats
 
 
-@pytest.mark.parametrize("algorithm, agg", [("grpo", "sequence"), ("grpo", "token"), ("ppo_lm", "token")])
+@pytest.mark.parametrize("algorithm, agg", [("grpo", "sequence"), ("grpo", "token"), ("ppo_lm", "token"),
+                                            ("gspo", "sequence"), ("cispo", "token")])
 def test_length_grouped_micro_batches_take_the_same_step_as_one_pass(algorithm, agg):
     """algorithm.micro_batch_size splits a minibatch into passes of similar length (each padded only to its own
     longest row) whose gradients add up to exactly the one-pass step, for uneven responses."""
@@ -244,11 +246,11 @@ algorithm: {name: grpo, share_prompt: true}
                           policy.token_logprobs(odd, attn) * mask, atol=1e-5)
 
 
-@pytest.mark.parametrize("micro", [0, 4])
-def test_share_prompt_takes_the_same_grpo_step(micro):
+@pytest.mark.parametrize("algorithm, micro", [("grpo", 0), ("grpo", 4), ("gspo", 4), ("cispo", 0)])
+def test_share_prompt_takes_the_same_grpo_step(algorithm, micro):
     """algorithm.share_prompt: the same loss, gradient norm and parameters as the plain update."""
     (plain, s1), (shared, s2) = [
-        _step_on_uneven_responses(f"name: grpo, micro_batch_size: {micro}, share_prompt: {share}",
+        _step_on_uneven_responses(f"name: {algorithm}, micro_batch_size: {micro}, share_prompt: {share}",
                                   ("Q: 2+2= A:", "Q: 10+15= A:")) for share in ("false", "true")]
     assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
     assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-4)

@@ -13,13 +13,21 @@ log-probs (``behaviour: engine``), or the learner's own recomputation before the
 decoupled PPO: the engine's log-probs then only weight each token by min(pi_prox / pi_engine, tis_cap), the
 truncated importance-sampling correction for stale or mismatched samples). Every update reports the mismatch
 between the engine's and the learner's log-probs of the same tokens under the same weights.
+
+Rollout correction (``rollout_correction``, rollout_correction.py; off by default) multiplies each token's L_t by
+w_t, a function with no gradient of the engine-vs-learner ratio k_t = pi_learner_old(o_t) / pi_engine(o_t):
+truncated (tis: min(k, C)) or masked (mis: 1 inside [low, high], else 0), per token or per response; the KL term
+is not weighed. It needs ``behaviour: proximal``, so that the surrogate's ratio is the learner's own and the
+engine's part is in w_t alone. ``tis_cap`` is its older spelling of ``{mode: tis, level: token, cap: tis_cap}``.
+The surrogate is a hook (``surrogate``): GSPO clips a sequence ratio, CISPO the stop-gradient weight of a
+REINFORCE term.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfabric.services.core.algorithm import (
     Algorithm,
@@ -31,6 +39,7 @@ from rlfabric.services.core.algorithm import (
 )
 from rlfabric.services.core.batch import Ragged
 from rlfabric.services.core.lazy import lazy_import
+from rlfabric.services.learner.algorithms.rollout_correction import RolloutCorrection, rollout_weights
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")
@@ -63,9 +72,32 @@ class GRPOConfig(AlgorithmConfig):
                               "recomputation before the update (decoupled PPO, with tis_cap)")
     tis_cap: float | None = Field(None, gt=0, allow_inf_nan=False,
                                   description="truncated importance weight cap (behaviour: proximal); None: no "
-                                              "weight")
+                                              "weight. The same as rollout_correction: {mode: tis, cap: tis_cap}")
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection,
+        description="importance weights on rho = pi_learner_old / pi_engine of each sampled token (needs behaviour: "
+                    "proximal): {mode: none|tis|mis, level: token|sequence|geometric, cap, low, high}; logs "
+                    "rollout_is_ratio_mean/_std and the truncated or masked fraction per update")
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="clip of the gradient's global norm")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW's decoupled weight decay")
+
+    @model_validator(mode="after")
+    def _correction_needs_the_learners_old_logprobs(self) -> GRPOConfig:
+        if self.rollout_correction.on and self.behaviour != "proximal":
+            raise ValueError("rollout_correction weighs each token by pi_learner_old / pi_engine, so the surrogate's "
+                             "pi_old must be the learner's own (else the engine's part counts twice). Fix: set "
+                             "behaviour: proximal")
+        if self.rollout_correction.on and self.tis_cap is not None:
+            raise ValueError("tis_cap and rollout_correction are two spellings of one weight: keep "
+                             "rollout_correction and drop tis_cap")
+        return self
+
+    @property
+    def correction(self) -> RolloutCorrection:
+        """The rollout correction in force: ``rollout_correction``, or ``tis_cap``'s token-level TIS."""
+        if self.tis_cap is not None and self.behaviour == "proximal":
+            return RolloutCorrection(mode="tis", level="token", cap=self.tis_cap)
+        return self.rollout_correction
 
 
 def take(batch: dict, rows: torch.Tensor) -> dict:
@@ -233,6 +265,13 @@ class GRPO(Algorithm):
         """A loss term added to the surrogate (a value loss), aggregated like it, and its stats (none here)."""
         return 0.0, {}
 
+    def surrogate(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token policy-gradient loss [b, T] of a pass, and which tokens its clip acted on: PPO's clipped
+        surrogate here (gspo.py clips a sequence ratio, cispo.py weighs a REINFORCE term). ``mask``: the pass's
+        response tokens."""
+        return clipped_surrogate(logp, old, adv, self.cfg.clip_low, self.cfg.clip_high)
+
     def select(self, batch: dict) -> dict | None:
         """The responses this iteration trains on, or None to train on nothing yet (all of them here; DAPO drops
         groups with no signal and waits for enough)."""
@@ -291,9 +330,10 @@ class GRPO(Algorithm):
             stats.update(mismatch(prox, engine, mask))
         old = engine if cfg.behaviour == "engine" else prox
         adv = self.advantages(batch, seq, mask, old, ref)
-        weight = torch.ones_like(engine)
-        if cfg.behaviour == "proximal" and cfg.tis_cap is not None:
-            weight = (prox - engine).exp().clamp(max=cfg.tis_cap)
+        weight = torch.ones_like(engine)  # the rollout correction's w_t (none: 1)
+        if prox is not None and cfg.correction.on:
+            weight, correction_stats = rollout_weights(prox, engine, mask, cfg.correction)
+            stats.update(correction_stats)
         sums: dict[str, float] = {}
         count = 0
         for _ in range(cfg.epochs):
@@ -314,14 +354,13 @@ class GRPO(Algorithm):
                         for k, v in mm.items():  # token-weighted over the passes
                             sums["_" + k] = sums.get("_" + k, 0.0) + v * float(mask[part].sum())
                         sums["_mismatch_tokens"] = sums.get("_mismatch_tokens", 0.0) + float(mask[part].sum())
-                    per_token, clipped = clipped_surrogate(logp, old[part, :cut], adv[part, :cut], cfg.clip_low,
-                                                           cfg.clip_high)
-                    per_token = per_token * weight[part, :cut]
                     m = mask[part, :cut]
+                    per_token, clipped = self.surrogate(logp, old[part, :cut], adv[part, :cut], m)
+                    per_token = per_token * weight[part, :cut]
                     if ref is not None and self.kl_in_loss:
                         kl = k3(ref[part, :cut], logp)
                         per_token = per_token + cfg.kl_coef * kl
-                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl * m).sum() / m.sum().clamp(min=1)) / len(
+                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + float((kl.detach() * m).sum() / m.sum().clamp(min=1)) / len(
                             parts)
                     # denominators of the whole minibatch: the passes' losses add up to the minibatch loss
                     extra, extra_stats = self.auxiliary_loss(aux, part, m, mask[whole])
