@@ -45,9 +45,12 @@ SETS: dict[str, list[str]] = {
     "reasoning_sft": SHORT_SFT,
     "sums_grpo": ["policy.lm.path=runs/sums-sft/checkpoints/hf"],
     "reasoning_grpo": ["policy.lm.path=runs/reasoning-sft/checkpoints/hf"],
+    "pendulum_crossq": ["train.total_env_steps=1000"],  # to its end, short: its final.pt is the dagger variant's expert
 }
-RUN_DIRS = {"sums_sft": "sums-sft", "reasoning_sft": "reasoning-sft"}  # what SETS above reads back
-FINISH = {"sums_sft", "reasoning_sft"}  # run to the end (their exports feed the entries after them)
+RUN_DIRS = {"sums_sft": "sums-sft", "reasoning_sft": "reasoning-sft",  # what SETS above reads back
+            "pendulum_crossq": "pendulum-crossq"}  # (and the dagger variant's expert)
+FINISH = {"sums_sft", "reasoning_sft", "pendulum_crossq"}  # run to the end (their exports and checkpoints feed
+# the entries after them)
 NEEDS_GATEWAY = {"robot_reach_ppo", "robot_reach_hg_dagger"}
 SKIP = {"cartpole_ppo_compose"}  # cartpole_ppo's spec for the compose stack (Redis, MinIO): same code on the device
 # Algorithms no example trains as its own run: each on an example whose data fits it.
@@ -58,6 +61,8 @@ VARIANTS = {
     "cispo": ("arith_grpo", ["algorithm.name=cispo", "policy.init_checkpoint=''"]),
     "ppo_lm": ("arith_grpo", ["algorithm.name=ppo_lm", "policy.init_checkpoint=''"]),
     "bc": ("pendulum_iql", ["algorithm={name: bc}"]),
+    # an expert: a checkpoint of CrossQ's example (it must have run to its end into runs/pendulum-crossq first)
+    "dagger": ("pendulum_crossq", ["algorithm={name: dagger, expert_checkpoint: runs/pendulum-crossq/checkpoints/final.pt}"]),
 }
 # Warm-started examples through `rlfabric train`: their stages at the smallest sizes, then one iteration of RL.
 WARM_SETS = ["warm_start.vision.scenes=64", "warm_start.vision.updates=2", "warm_start.demos=2",

@@ -36,7 +36,7 @@ from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, learner_pb2, re
 def episode_counts(shards: list) -> dict[str, float]:
     """What the envs reported beside returns, summed over the iteration's shards, with the rates that follow:
     ``train_success_rate`` over episodes that said whether they succeeded, and (envs under teleop) the share of
-    episodes a human intervened in and of episodes that succeeded with no intervention (HG-DAgger's measure)."""
+    episodes a human intervened in and of episodes that succeeded with no intervention (human-gated imitation's measure)."""
     counts: dict[str, float] = {}
     for c in shards:
         for key, value in c.stats.items():

@@ -96,7 +96,7 @@ class Tick:
 
 @dataclass
 class EpisodeCounts:
-    """What interventions amounted to (HG-DAgger's measures): per outcome, and how many had any intervention."""
+    """What interventions amounted to (human-gated imitation's measures): per outcome, and how many had any intervention."""
 
     episodes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     with_intervention: int = 0

@@ -12,7 +12,7 @@ A kept episode (SUCCESS, FAILURE, TERMINATE) goes to the object store as two obj
 back with ``allow_pickle=False``; a file ``replay.datasets`` accepts as it is) and then ``episode_<n>.json`` (what the
 episode was: robot, joints, rate, task, verdict, counts). The JSON is written last, so a listing of ``.json`` keys
 finds only complete episodes. With a replay endpoint the episode also goes to a named replay source as one
-("time",) batch, and optionally its intervened ticks alone to a second source (HG-DAgger's human corrections).
+("time",) batch, and optionally its intervened ticks alone to a second source (human-gated imitation's corrections).
 A RERECORD episode is discarded. An episode to keep that no sink took counts as failed, not kept (the status's
 ``episodes_failed``, ``last_error`` and the ``fate="failed"`` metric), and a recorder thread that dies fails the
 gateway's health check.

@@ -5,7 +5,7 @@ robot env reports those steps as intervened, and the rollout files them under re
     rlfabric teleop --gateway HOST:PORT --robot ID                 keyboard: one robot
     rlfabric teleop --gateway HOST:PORT --expert-goal X,Y,Z ...    the scripted reach expert on every robot
 
-``ReachExpert`` is the scripted "expert takes over when the policy drifts" of HG-DAgger experiments: it watches
+``ReachExpert`` is the scripted "expert takes over when the policy drifts" of human-gated imitation experiments: it watches
 each episode from the moment the arm settles at its start pose, takes over once the end effector has made no
 progress toward the goal for ``patience`` policy commands, drives it to the goal by damped least squares on the
 arm's kinematics at the policy's pace (one bounded step per policy command), and hands back when it gets there.

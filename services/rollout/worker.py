@@ -236,7 +236,7 @@ class RolloutWorker:
         batch = shard.batch
         n = batch.rows
         batch.meta = {"batch_index": batch_index, "env_steps": n, "shard": self.shard, "env_offset": self.env_offset}
-        if self.interventions:  # what a human did, as its own replay source (HG-DAgger, HIL-SERL sampling)
+        if self.interventions:  # what a human did, as its own replay source (human-gated imitation, HIL-SERL sampling)
             human = intervened_transitions(batch)
             if human is not None:
                 self.replay.request("put", human)

@@ -68,16 +68,20 @@ class HGDAgger(Algorithm):
         U = batch["actions"].shape[0]
         for u in range(U):
             b = tree_map(lambda x, u=u: x[u], batch)
-            # a human's action at the box's edge (their move exceeded one step's range) is taught just inside it:
-            # at exactly +-1 a squashed Gaussian's log-likelihood wants an infinite mean
-            actions = b["actions"].float().clamp(-self.cfg.label_clip, self.cfg.label_clip)
-            loss = -self.policy.log_prob(b["obs"], actions).mean()
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer_steps += 1
-            total += float(loss)
+            total += self.clone(b["obs"], b["actions"])
         return {"bc_loss": total / max(U, 1)}
+
+    def clone(self, obs: Any, actions: torch.Tensor) -> float:
+        """One gradient step of L = -E[log pi(a | s)] on labelled rows; the loss."""
+        # a label at the box's edge (a human's move exceeded one step's range) is taught just inside it: at
+        # exactly +-1 a squashed Gaussian's log-likelihood wants an infinite mean
+        actions = actions.float().clamp(-self.cfg.label_clip, self.cfg.label_clip)
+        loss = -self.policy.log_prob(obs, actions).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        return loss.item()
 
 
 __all__ = ["HGDAgger", "HGDAggerConfig"]

@@ -66,18 +66,25 @@ class SAC(Algorithm):
         cfg: SACConfig = self.cfg
         self.actor = actor
         device = next(actor.parameters()).device
-        obs_space = self.env_spec.get("observation_space", {"kind": "box", "shape": [actor.obs_dim]})
-        self.q1 = critics.QNetwork(obs_space, actor.act_dim, run.policy).to(device)
-        self.q2 = critics.QNetwork(obs_space, actor.act_dim, run.policy).to(device)
-        self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
-        self.q_optimizer = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=cfg.learning_rate)
-        self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate)
+        self.build_critics(device)
+        self.actor_optimizer = self.adam(actor.parameters())
         self.auto_alpha = cfg.ent_coef == "auto"
         self.target_entropy = cfg.target_entropy if cfg.target_entropy is not None else -float(actor.act_dim)
         self.log_alpha = torch.zeros(1, requires_grad=self.auto_alpha, device=device)
         if not self.auto_alpha:
             self.log_alpha.data.fill_(float(cfg.ent_coef)).log_()
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate) if self.auto_alpha else None
+        self.alpha_optimizer = self.adam([self.log_alpha]) if self.auto_alpha else None
+
+    def adam(self, params) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=self.cfg.learning_rate)
+
+    def build_critics(self, device: torch.device) -> None:
+        """Twin critics, their targets, and the critics' optimiser."""
+        obs_space = self.env_spec.get("observation_space", {"kind": "box", "shape": [self.actor.obs_dim]})
+        self.q1 = critics.QNetwork(obs_space, self.actor.act_dim, self.run.policy).to(device)
+        self.q2 = critics.QNetwork(obs_space, self.actor.act_dim, self.run.policy).to(device)
+        self.q1_target, self.q2_target = copy.deepcopy(self.q1), copy.deepcopy(self.q2)
+        self.q_optimizer = self.adam([*self.q1.parameters(), *self.q2.parameters()])
 
     def updates_for(self, env_steps: int) -> int:
         """Gradient steps owed for ``env_steps`` more env steps (none before learning_starts)."""
@@ -114,26 +121,31 @@ class SAC(Algorithm):
         actor_loss.backward()
         self.actor_optimizer.step()
 
-        if self.auto_alpha:
-            alpha_loss = (-self.log_alpha * (logp.detach() + self.target_entropy)).mean()
-            self.alpha_optimizer.zero_grad(set_to_none=True)
-            alpha_loss.backward()
-            self.alpha_optimizer.step()
+        self.alpha_step(logp)
         critics.soft_update(self.q1_target, self.q1, self.cfg.tau)
         critics.soft_update(self.q2_target, self.q2, self.cfg.tau)
         self.optimizer_steps += 1
         return {"q_loss": q_loss.item(), "actor_loss": actor_loss.item(), "alpha": alpha,
                 "q_mean": q1.mean().item(), "entropy": -logp.mean().item()}
 
+    def alpha_step(self, logp: torch.Tensor) -> None:
+        """The temperature's gradient step (auto-tuned alpha only) on the actor's log-probs."""
+        if self.auto_alpha:
+            alpha_loss = (-self.log_alpha * (logp.detach() + self.target_entropy)).mean()
+            self.alpha_optimizer.zero_grad(set_to_none=True)
+            alpha_loss.backward()
+            self.alpha_optimizer.step()
+
+    SAVED = ("q1", "q2", "q1_target", "q2_target", "q_optimizer", "actor_optimizer")  # state_dict()'s modules
+
     def state_dict(self) -> dict:
-        return {"q1": self.q1.state_dict(), "q2": self.q2.state_dict(), "q1_target": self.q1_target.state_dict(),
-                "q2_target": self.q2_target.state_dict(), "q_optimizer": self.q_optimizer.state_dict(),
-                "actor_optimizer": self.actor_optimizer.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
+        return {**{name: getattr(self, name).state_dict() for name in self.SAVED},
+                "log_alpha": self.log_alpha.detach().clone(),
                 "alpha_optimizer": self.alpha_optimizer.state_dict() if self.alpha_optimizer else {},
                 "env_steps": self.env_steps, "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in ("q1", "q2", "q1_target", "q2_target", "q_optimizer", "actor_optimizer"):
+        for name in self.SAVED:
             getattr(self, name).load_state_dict(state[name])
         self.log_alpha.data.copy_(state["log_alpha"])
         if self.alpha_optimizer is not None:
