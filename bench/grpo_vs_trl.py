@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -681,6 +682,8 @@ def main() -> None:
         if name and name not in R_CONFIGS:
             ap.error(f"--reasoning-configs: unknown {name!r}; choose from {', '.join(R_CONFIGS)}")
 
+    if importlib.util.find_spec("trl") is None:  # said before the warm start (up to an hour here), not after it
+        ap.error("trl is not installed: the baseline side is TRL's GRPOTrainer. Fix: pip install -e '.[bench]'")
     repeats = repeat_count(args)
     tmp = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
     metrics, ratios, samples, compares = {}, {}, {}, {}
