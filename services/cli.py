@@ -358,10 +358,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                       "yes" if w.alive else "NO", w.run_id)
     Console().print(table)
     runs_table = Table(title="runs")
-    for col in ("run", "state", "mode", "env steps", "version", "reason"):
+    for col in ("run", "state", "stage", "mode", "env steps", "version", "reason"):
         runs_table.add_column(col)
-    for r in runs:
-        runs_table.add_row(r.run_id, STATE_NAMES.get(r.state, "?"), r.mode, str(r.env_steps),
+    for r in runs:  # stage: a warm_start stage before the run itself ("run" once the run itself trains)
+        runs_table.add_row(r.run_id, STATE_NAMES.get(r.state, "?"), r.stage or "run", r.mode, str(r.env_steps),
                            str(r.weight_version), r.reason)
     Console().print(runs_table)
     return 0

@@ -97,6 +97,16 @@ def test_a_run_stopped_in_its_warm_start_resumes_without_repeating_a_stage(stack
     stopped = client.stop(status.run_id)
     assert stopped.state == coordinator_pb2.STOPPED and "during the warm start" in stopped.reason, stopped.reason
     assert stopped.stage == "warm_start.supervised"
+    import os
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "status", "--coordinator", stack.address],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "400", "RLFABRIC_TOKEN": stack.token})
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    line = next(x for x in shown.stdout.splitlines() if x.startswith(f"│ {status.run_id} "))  # (not .supervised)
+    assert "STOPPED" in line and "warm_start.supervised" in line, shown.stdout
     stage = tmp_path / "run" / "warm_start"
     demos = (stage / "demos.npz").stat().st_mtime_ns
     done = len(rows(stage / "supervised" / "metrics.csv"))
