@@ -60,6 +60,7 @@ class Run:
         self.on_recovery = None  # called after each recovery (the coordinator records the count in its run index)
         self.stage = ""  # a warm_start stage before the run itself (coordinator/warm_start.py); "": the run
         self.parent = ""  # the run whose warm_start stage this run is ("": a run of its own)
+        self.resume_dir = run_dir  # what `rlfabric resume` continues it from (a stage's: its parent's directory)
 
     def status(self) -> coordinator_pb2.RunStatus:
         return coordinator_pb2.RunStatus(

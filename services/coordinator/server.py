@@ -388,7 +388,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 try:
                     reply = await loop.save_checkpoint()
                     outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; checkpoint {reply.uri} "
-                               f"(continue with `rlfabric resume {run.run_dir}`)", False)
+                               f"(continue with `rlfabric resume {run.resume_dir}`)", False)
                 except RunFailed as exc:
                     outcome = (coordinator_pb2.STOPPED, outcome[1] + f"; no checkpoint on stop: {exc.reason}",
                                False)

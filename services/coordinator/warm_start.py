@@ -149,7 +149,7 @@ async def _supervised(coordinator, parent: Run, config: RunConfig) -> Path:
         parent.log(f"warm start: the supervised stage's checkpoint is kept from an earlier attempt: {final}")
         return final
     child = Run(parent.run_id + SUPERVISED_SUFFIX, config, run_dir)
-    child.parent = parent.run_id
+    child.parent, child.resume_dir = parent.run_id, parent.run_dir  # (resuming the run resumes its stage)
     child.stop_requested = parent.stop_requested  # a stop of the run stops its stage, and StopRun of the stage
     child.task = parent.task  # stops the run
     child.on_recovery = coordinator._record

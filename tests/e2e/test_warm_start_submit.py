@@ -107,6 +107,8 @@ def test_a_run_stopped_in_its_warm_start_resumes_without_repeating_a_stage(stack
     assert shown.returncode == 0, shown.stderr[-2000:]
     line = next(x for x in shown.stdout.splitlines() if x.startswith(f"│ {status.run_id} "))  # (not .supervised)
     assert "STOPPED" in line and "warm_start.supervised" in line, shown.stdout
+    stage_line = next(x for x in shown.stdout.splitlines() if x.startswith(f"│ {status.run_id}.supervised "))
+    assert f"rlfabric resume {tmp_path / 'run'}`" in stage_line, stage_line  # the run, not its stage
     stage = tmp_path / "run" / "warm_start"
     demos = (stage / "demos.npz").stat().st_mtime_ns
     done = len(rows(stage / "supervised" / "metrics.csv"))
