@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from rlfabric.services.coordinator.run import Run, RunFailed, StopRequested
 from rlfabric.services.coordinator.runlog import write_private
 from rlfabric.services.coordinator.stages import Stage, watched
@@ -76,7 +78,7 @@ def with_values(config: RunConfig, values: dict[str, Any]) -> RunConfig:
         node[leaf] = value
     try:
         return RunConfig.model_validate(data)
-    except Exception as exc:  # noqa: BLE001 — pydantic's, named with the fields it set
+    except ValidationError as exc:  # named with the fields it set
         raise RunFailed(f"warm start: the run's spec with {sorted(values)} set does not validate: {exc}",
                         bad_input=True) from None
 
@@ -93,7 +95,7 @@ def supervised_config(config: RunConfig, demonstrations: str) -> RunConfig:
                 replay=spec["replay"] | {"datasets": {source: demonstrations}})
     try:
         return RunConfig.model_validate(spec)
-    except Exception as exc:  # noqa: BLE001
+    except ValidationError as exc:
         raise RunFailed(f"warm_start.supervised: the supervised stage's spec does not validate: {exc}",
                         bad_input=True) from None
 
