@@ -57,7 +57,9 @@ class Trajectory:
     """What a collector records for the algorithm.
 
     ``fields``: per-step fields, from what collectors offer: obs, actions, logp, values, rewards, dones,
-    terminated, truncated, next_obs, and last_values (the value of the observation after the last step, per env).
+    terminated, truncated, next_obs, weight_version (the weight version that acted at that step: with a staleness
+    bound, shards of one batch may differ), and last_values (the value of the observation after the last step, per
+    env).
     ``bootstrap_truncated``: gamma, to fold ``gamma * V(final obs)`` into the reward of a step whose episode was
     truncated (a time limit is not a failure), or None. ``random_until_env_steps``: act uniformly at random until
     the run has collected this many env steps (off-policy warm-up). ``episode_groups``: G > 0 makes every batch
@@ -189,6 +191,9 @@ class Algorithm:
         self.env_steps = 0
         self.optimizer_steps = 0
         self.rank, self.world = 0, 1  # set by the learner's rank group
+        # the learner's weight version this update starts from (the learner sets it before each update, on rank 0):
+        # a sample's version lag is this minus its trajectory field weight_version
+        self.weight_version = 0
 
     def shard(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
         """This rank's rows of a minibatch's indices (all of them on one rank), and the weight of its loss share:

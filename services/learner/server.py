@@ -248,6 +248,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             self.offload.onload()
         u0 = time.perf_counter()
         stats = {}
+        self.algo.weight_version = self.version  # the version the update starts from (for version lags)
         if batch is not None:
             with learner_precision(self.config.runtime.precision, self.device):
                 if self.ranks is not None:  # every rank takes its share of each minibatch

@@ -22,7 +22,7 @@ from rlfabric.services.core.batch import TensorBatch, tree_map
 
 log = logging.getLogger(__name__)
 OFFERS = ("obs", "actions", "logp", "values", "rewards", "dones", "terminated", "truncated", "next_obs",
-          "last_values", "step_rewards", "step_dones", "step_valid", "intervened", "executed_actions")
+          "last_values", "step_rewards", "step_dones", "step_valid", "intervened", "executed_actions", "weight_version")
 STEP_FIELDS = ("step_rewards", "step_dones", "step_valid")  # per primitive step of an action chunk [T, N, H]
 TELEOP_FIELDS = ("intervened", "executed_actions")  # envs with a human in the loop (a robot gateway under teleop)
 NEEDS_VALUE = ("values", "last_values")
@@ -227,6 +227,8 @@ class GymCollector:
                     pending[c] = act(c, t + 1)
         fields = {"obs": obs_buf, "actions": act_buf, "logp": logp_buf, "values": val_buf, "rewards": rew_buf,
                   "dones": done_buf, "terminated": term_buf, "truncated": trunc_buf, "next_obs": next_buf}
+        if "weight_version" in want:  # per step: the weight version that acted (shards joined keep each their own)
+            fields["weight_version"] = np.full((T, N), version, dtype=np.int64)
         tensors = {k: v for k, v in (fields | step_bufs).items() if k in want}
         field_dims = {}
         if "last_values" in want:
