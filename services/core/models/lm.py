@@ -162,7 +162,8 @@ class CausalLMPolicy(nn.Module):
 
     has_value = False
     discrete = True
-    forward_methods = ("token_logprobs", "shared_prompt_logprobs")  # what a sharded (FSDP) learner calls
+    # what a sharded (FSDP) learner calls
+    forward_methods = ("token_logprobs", "shared_prompt_logprobs", "next_token_logprobs")
 
     def __init__(self, obs_space: dict[str, Any], action_space: dict[str, Any], cfg: Any):
         super().__init__()
@@ -197,6 +198,13 @@ class CausalLMPolicy(nn.Module):
     def shared_prompt_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor, prefix: torch.Tensor,
                                owner: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         return shared_prompt_logprobs(self.model, tokens, attention_mask, prefix, owner, temperature)
+
+    def next_token_logprobs(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                            temperature: float = 1.0) -> torch.Tensor:
+        """``[B, L-1, V]``: the whole next-token distribution (log-softmax) after every prefix, for losses that
+        compare two policies over the vocabulary (distillation), not only at the sampled token."""
+        logits = self.model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        return torch.log_softmax(logits.float() / temperature, dim=-1)
 
     def shard_units(self) -> list[nn.Module]:
         """The FSDP units of a multi-rank learner: the decoder layers (each all-gathered on its own)."""
