@@ -5,9 +5,15 @@ wall-clock seconds until a deterministic evaluation reaches a mean return of -20
 - rlfabric CrossQ (``examples/pendulum_crossq.yaml``) against sb3-contrib's ``CrossQ``,
 
 each pair with the same hyper-parameters (mapped below from the example spec, every time from the spec as loaded,
-so an edit of the example moves both sides) and the same evaluation protocol. The issue's third item, RLPD with
-10 demonstration episodes against SAC without them, is not measured: rlfabric has no RLPD yet. The bench says so
-and records it ("rlpd" in the JSON's metrics); it writes no figure for it.
+so an edit of the example moves both sides) and the same evaluation protocol, and
+
+- rlfabric RLPD (``examples/pendulum_rlpd.yaml``) with 10 demonstration episodes against the same spec without
+  them (``algorithm.offline_weight=0``, no data set: SAC with RLPD's LayerNorm critic ensemble and update-to-data
+  ratio, so the demos are the only difference), env steps only: ``rlpd_vs_sac_env_steps``, the ratio of their
+  medians, target <= 0.7. The demos come from an expert trained once per bench run (the CrossQ example, seed 0,
+  to its -200; ``rlfabric collect CHECKPOINT --episodes 10``, stochastic actions, collect's seed 0), shared by
+  every seed and round. Both RLPD sides evaluate every ``RLPD_EVAL_EVERY_ITERATIONS`` iterations (256 env steps,
+  the example's: they reach -200 within a few thousand) with the same 20 episodes; no SB3 side (SB3 has no RLPD).
 
 The rlfabric side is the example run through every service (``rlfabric train SPEC --run-dir DIR --quiet --set
 train.stop_at_eval_return=-200 ...``); its env steps and time are read from the run's metrics.csv at the first
@@ -78,7 +84,8 @@ rounds / SB3's, for wall-clock (target <= 1.0, the end-to-end convention of benc
 steps (no target: the same algorithm should need about the same steps; it says whether a wall-clock gap is
 speed or sample efficiency). Every seed's run is in the JSON ("runs": algorithm -> side -> rounds -> seeds).
 
-    python bench/algos.py --out bench/results/algos.json [--seeds 0 1 2] [--repeats 3 | --quick] [--algos sac crossq]
+    python bench/algos.py --out bench/results/algos.json [--seeds 0 1 2] [--repeats 3 | --quick]
+        [--algos sac crossq rlpd]
 
 ``--quick``: one round, seed 0, a 1536 env-step cap (it will not reach -200: it shows the bench runs end to end).
 """
@@ -120,18 +127,22 @@ QUICK_CAP = 1536
 EVAL_EVERY_ITERATIONS = 4
 EVAL_EPISODES = 20
 RUN_TIMEOUT_S = 1800
-RLPD = {"status": "not implemented",
-        "note": "rlfabric has no RLPD algorithm yet: RLPD with 10 demonstration episodes against SAC without them "
-                "(env steps to -200 on Pendulum-v1) is not measured; no figures recorded"}
+RLPD_SPEC = ROOT / "examples" / "pendulum_rlpd.yaml"
+RLPD_CAP = 10_240
+"""Env-step cap of an RLPD side (80 iterations): the example with demos reaches -200 in about 2k env steps."""
+RLPD_EVAL_EVERY_ITERATIONS = 2
+RLPD_DEMO_EPISODES = 10
+RLPD_SIDES = {"demos": [], "sac": ["algorithm.offline_weight=0", "replay.datasets={}"]}
+"""The two RLPD sides' extra ``--set``s: with the demos (the data set is added per run), and without them."""
 # BatchRenorm constants of rlfabric's batch_renorm.BatchRenorm and sb3-contrib's BatchRenorm that are not config
 BRN_EPS = 1e-3
 SB3_BRN_R_MAX, SB3_BRN_D_MAX = 3.0, 5.0
 
 
-def overrides(seed: int, cap: int) -> list[str]:
+def overrides(seed: int, cap: int, every: int = EVAL_EVERY_ITERATIONS) -> list[str]:
     """The ``--set``s of the rlfabric run (and of the config the SB3 arguments are mapped from)."""
     return [f"seed={seed}", f"train.stop_at_eval_return={TARGET:g}", f"train.total_env_steps={cap}",
-            f"train.eval_every_iterations={EVAL_EVERY_ITERATIONS}", f"train.eval_episodes={EVAL_EPISODES}",
+            f"train.eval_every_iterations={every}", f"train.eval_episodes={EVAL_EPISODES}",
             f"env.eval_envs={EVAL_EPISODES}"]
 
 
@@ -211,11 +222,12 @@ def run_sb3(algo: str, seed: int, cap: int) -> dict:
     return out
 
 
-def run_rlfabric(algo: str, seed: int, cap: int, workdir: Path, tag: str) -> dict:
+def run_rlfabric(algo: str, seed: int, cap: int, workdir: Path, tag: str, spec: Path | None = None,
+                 extra: list[str] = (), every: int = EVAL_EVERY_ITERATIONS) -> dict:
     run_dir = workdir / f"{algo}-{seed}{tag}"
-    sets = [x for s in overrides(seed, cap) for x in ("--set", s)]
+    sets = [x for s in [*overrides(seed, cap, every), *extra] for x in ("--set", s)]
     launch = time.time()
-    proc = run([python(), "-m", "rlfabric.services.cli", "train", str(SPECS[algo]), "--run-dir", str(run_dir),
+    proc = run([python(), "-m", "rlfabric.services.cli", "train", str(spec or SPECS[algo]), "--run-dir", str(run_dir),
                 "--quiet", *sets], timeout=RUN_TIMEOUT_S, cwd=ROOT)
     end = time.time()
     if proc.returncode != 0:
@@ -233,11 +245,31 @@ def run_rlfabric(algo: str, seed: int, cap: int, workdir: Path, tag: str) -> dic
     return out
 
 
+def make_demos(workdir: Path) -> tuple[Path, list[float]]:
+    """10 episodes of an expert: the CrossQ example trained to -200 (seed 0), then ``rlfabric collect``; the data
+    set and its episode returns."""
+    expert = workdir / "rlpd-expert"
+    proc = run([python(), "-m", "rlfabric.services.cli", "train", str(SPECS["crossq"]), "--run-dir", str(expert),
+                "--quiet"], timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the RLPD expert (CrossQ example) failed: {proc.stderr[-2000:]}")
+    demos = workdir / "rlpd-demos.npz"
+    proc = run([python(), "-m", "rlfabric.services.cli", "collect", str(expert / "checkpoints" / "final.pt"),
+                "--episodes", str(RLPD_DEMO_EPISODES), "--out", str(demos)], timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"collecting the RLPD demos failed: {proc.stderr[-2000:]}")
+    import numpy as np
+
+    with np.load(demos) as data:
+        returns = [float(data["rewards"][data["episode"] == e].sum()) for e in np.unique(data["episode"])]
+    return demos, returns
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "algos.json"))
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
-    parser.add_argument("--algos", nargs="+", choices=sorted(SPECS), default=list(SPECS))
+    parser.add_argument("--algos", nargs="+", choices=[*sorted(SPECS), "rlpd"], default=[*SPECS, "rlpd"])
     parser.add_argument("--max-env-steps", type=int, default=None,
                         help=f"env-step cap of every run (default {CAPS}; --quick: {QUICK_CAP}), rounded up to "
                              f"whole evaluation intervals")
@@ -245,13 +277,17 @@ def main() -> None:
     args = parser.parse_args()
     repeats = repeat_count(args)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    with_rlpd = "rlpd" in args.algos
+    args.algos = [a for a in args.algos if a in SPECS]  # the SB3 pairs
     caps = {}
     for algo in args.algos:
         want = args.max_env_steps or (QUICK_CAP if args.quick else CAPS[algo])
         caps[algo] = round_cap(load_config(SPECS[algo]), want)
-    print(f"RLPD: {RLPD['note']}", flush=True)
+    rlpd_cap = args.max_env_steps or (QUICK_CAP if args.quick else RLPD_CAP)
     # algorithm -> side -> one list per round -> one result per seed
     results: dict[str, dict[str, list[list[dict]]]] = {a: {"sb3": [], "rlfabric": []} for a in args.algos}
+    rlpd_results: dict[str, list[list[dict]]] = {who: [] for who in RLPD_SIDES}
+    rlpd_demos: dict = {}
     with tempfile.TemporaryDirectory(prefix="rlfabric-bench-algos-") as tmp:
 
         def side(algo: str, who: str):
@@ -271,11 +307,33 @@ def main() -> None:
 
         print(f"env steps and wall-clock s to a deterministic eval mean of {TARGET:g} on Pendulum-v1 "
               f"({EVAL_EPISODES} episodes every {EVAL_EVERY_ITERATIONS} iterations), median over seeds {seeds}, "
-              f"caps {caps}", flush=True)
+              f"caps {caps}" + (f"; RLPD with and without demos: every {RLPD_EVAL_EVERY_ITERATIONS} iterations, "
+                                 f"cap {rlpd_cap}" if with_rlpd else ""), flush=True)
         sides = {f"{algo} {who}": side(algo, who) for algo in args.algos for who in ("sb3", "rlfabric")}
+        if with_rlpd:
+            demos, returns = make_demos(Path(tmp))
+            rlpd_demos |= {"episodes": len(returns), "mean_return": sum(returns) / len(returns), "returns": returns}
+            print(f"RLPD demos: {len(returns)} expert episodes, mean return {rlpd_demos['mean_return']:.1f}",
+                  flush=True)
+
+            def rlpd_side(who: str):
+                def measure() -> dict[str, float | None]:
+                    rounds = rlpd_results[who]
+                    extra = [*RLPD_SIDES[who], *([f"replay.datasets={{offline: {demos}}}"] if who == "demos" else [])]
+                    rs = [run_rlfabric(f"rlpd-{who}", seed, rlpd_cap, Path(tmp), f"-round{len(rounds)}", RLPD_SPEC,
+                                       extra, RLPD_EVAL_EVERY_ITERATIONS) for seed in seeds]
+                    rounds.append(rs)
+                    for r in rs:
+                        got = (f"{r['env_steps']} env steps ({r['wall_s']:.1f}s)" if r["reached"] else
+                               f"not reached by {rlpd_cap} env steps (last eval {_eval(r['last_eval'])})")
+                        print(f"  rlpd seed {r['seed']} {who:>8}: {got}; process {r['process_s']:.1f}s", flush=True)
+                    return {f"rlpd {who} env_steps": over_seeds(rs, "env_steps")}
+                return measure
+
+            sides |= {f"rlpd {who}": rlpd_side(who) for who in RLPD_SIDES}
         samples = interleave(sides, repeats)
     metrics: dict = {"target_eval_return": TARGET, "seeds": seeds, "eval_episodes": EVAL_EPISODES,
-                     "eval_every_iterations": EVAL_EVERY_ITERATIONS, "rlpd": RLPD}
+                     "eval_every_iterations": EVAL_EVERY_ITERATIONS}
     ratios, targets, compares = {}, {}, {}
     for algo in args.algos:
         cfg = load_config(SPECS[algo], overrides(seeds[0], caps[algo]))
@@ -301,7 +359,17 @@ def main() -> None:
         print(f"{algo:>7}: rlfabric {_s(m['rlfabric_median_wall_s'])} / "
               f"{_s(m['rlfabric_median_env_steps'], '.0f', ' steps')}   {SB3_CLASS[algo]}: "
               f"{_s(m['sb3_median_wall_s'])} / {_s(m['sb3_median_env_steps'], '.0f', ' steps')}", flush=True)
-    print(f"   rlpd: {RLPD['status']} (no figures)")
+    if with_rlpd:
+        key = "rlpd_vs_sac_env_steps"
+        ratios[key] = ratio_of_medians(samples, "rlpd demos env_steps", "rlpd sac env_steps")
+        compares[key], targets[key] = ["rlpd demos env_steps", "rlpd sac env_steps"], "<=0.7"
+        metrics["rlpd"] = {"spec": str(RLPD_SPEC.relative_to(ROOT)), "cap_env_steps": rlpd_cap,
+                           "eval_every_iterations": RLPD_EVAL_EVERY_ITERATIONS, "sides": RLPD_SIDES,
+                           "demos": rlpd_demos, "runs": rlpd_results,
+                           **{f"{who}_median_env_steps": median_of(samples[f"rlpd {who} env_steps"])
+                              for who in RLPD_SIDES}}
+        print(f"   rlpd: with demos {_s(metrics['rlpd']['demos_median_env_steps'], '.0f', ' steps')}   without "
+              f"(sac): {_s(metrics['rlpd']['sac_median_env_steps'], '.0f', ' steps')}", flush=True)
     report("algos", metrics, ratios, targets, args.out, sides=samples, compares=compares, repeats=repeats)
 
 

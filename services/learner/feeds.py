@@ -116,7 +116,8 @@ class SampledFeed:
             meta = {"n": n, "length": a.length, "source": a.sources[0][0]}
             kind = "sample_windows"
         elif a.kind == "mix":
-            meta, kind = {"n": n, "mix": dict(a.sources)}, "sample"
+            # every minibatch holds the mix's shares (not just the whole draw): [U, B] below splits it per B rows
+            meta, kind = {"n": n, "mix": dict(a.sources), "minibatch": a.batch_size}, "sample"
         else:
             meta, kind = {"n": n, "source": a.sources[0][0]}, "sample"
         reply, batch = self.replay.request(kind, TensorBatch(meta=meta), timeout_s=timeout_s + 5)

@@ -3,8 +3,8 @@
 Data-plane requests (``source`` defaults to "online", where rollout workers put what they collect):
   put     batch(version, dims) {source?}                 -> ack {puts, transitions}  (only once stored)
   get     {min_version, wait_s}                          -> batch | empty            (on-policy FIFO, long-poll)
-  sample  {n, source? | mix: {source: weight}}           -> n rows ("sample",), with a per-row "version" (and
-                                                            "source" index into meta.sources for a mix)
+  sample  {n, source? | mix: {source: weight},           -> n rows ("sample",), with a per-row "version" (and
+           minibatch?}                                      "source" index into meta.sources for a mix)
   sample_windows {n, length, source?}                    -> n windows ("sample", "time") of consecutive steps
 
 What a client can make replay hold is bounded: parked gets (MAX_PARKED_GETS, MAX_PARKED_PER_PEER), and a sample's
@@ -14,6 +14,11 @@ drawn; the excess is refused with an error naming the bound.
 Each named source is a store of its own (``replay.store``: memory, or Redis so the data outlives this process);
 ``replay.datasets`` sources are loaded from files at Configure. A store that cannot do its job (Redis lost beyond
 the retries) answers with an error naming the config field and the fix.
+
+A mix is stratified: every consecutive ``minibatch`` rows of its answer (all n when not given) hold each source's
+share, floor(weight * minibatch) rows plus a random draw of the rounding remainder (so each share is exact in
+expectation, and exact when weight * minibatch is whole), and carry the fields every source has (a data set's
+extra columns, e.g. ``episode``, are left out when the online window lacks them).
 """
 
 from __future__ import annotations
@@ -167,16 +172,29 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         weights = np.array([mix[k] if self.stores[k].transitions else 0.0 for k in names], dtype=np.float64)
         if weights.sum() <= 0:
             return None
+        per = meta_int(meta, "minibatch", n, 1, n)
+        if n % per:
+            raise ValueError(f"meta.minibatch={per} does not divide n={n}: a mix is drawn as whole minibatches")
         check_sample(n, max(self.stores[k].row_bytes for k, w in zip(names, weights, strict=True) if w),
                      self.data.max_bytes)
-        counts = self.rng.multinomial(n, weights / weights.sum())
+        counts = stratified_counts(n // per, per, weights / weights.sum(), self.rng)  # [minibatch, source]
         parts = []
-        for index, (name, k) in enumerate(zip(names, counts, strict=True)):
+        for index, (name, k) in enumerate(zip(names, counts.sum(0), strict=True)):
             if k:
                 part = self.stores[name].sample(int(k), self.rng)
                 part.tensors["source"] = np.full(int(k), index, dtype=np.int64)
                 parts.append(part)
-        out = TensorBatch.cat(parts, "sample")
+        common = set.intersection(*(set(p.tensors) for p in parts))
+        out = TensorBatch.cat([p.select(*common) for p in parts], "sample")
+        # the rows come source by source; reorder them minibatch by minibatch, each holding its counts
+        labels = np.repeat(np.tile(np.arange(len(names)), len(counts)), counts.reshape(-1))
+        order = np.empty(n, dtype=np.int64)
+        offset = 0
+        for index in range(len(names)):
+            at = labels == index
+            order[at] = offset + np.arange(int(at.sum()))
+            offset += int(at.sum())
+        out = out.take(order)
         out.meta = {"sources": names}
         return out
 
@@ -357,6 +375,19 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             STORE_ERRORS.inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE if isinstance(exc, ReplayStoreUnavailable)
                                 else grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+
+def stratified_counts(groups: int, per: int, p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[groups, sources] row counts, each row summing to ``per``: floor(p * per) of each source, and the rounding
+    remainder drawn by p's fractional parts (a multinomial), so E[count] = p * per exactly."""
+    share = p * per
+    base = np.floor(share + 1e-9).astype(np.int64)
+    left = per - int(base.sum())
+    counts = np.tile(base, (groups, 1))
+    if left > 0:
+        frac = np.clip(share - base, 0.0, None)
+        counts += rng.multinomial(left, frac / frac.sum(), size=groups)
+    return counts
 
 
 def within_memory_budget(config: RunConfig, budget: int) -> RunConfig:

@@ -2,7 +2,9 @@
 uniform random play to a mean evaluation return of -200 over 20 episodes in a few thousand env steps, with no
 target network. That run's checkpoint is then DAgger's expert: the expert labels every state the policy visits,
 and the policy, from random weights, comes within 25 of the expert's return over the same 20 evaluation episodes
-in 2,048 env steps. The CrossQ run is built once (tests/artefacts.py) for both."""
+in 2,048 env steps. Its checkpoint also records RLPD's 10 demonstration episodes: RLPD with them reaches -200 in
+fewer env steps than the same agent without them (SAC with RLPD's critics and update-to-data ratio). The CrossQ run
+is built once (tests/artefacts.py) for all three."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import csv
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rlfabric.services.learner import checkpoint
 from tests.artefacts import cached
 
-pytestmark = pytest.mark.minutes(1.6)  # on CI's 2 cores: the tiers start long files first
+pytestmark = pytest.mark.minutes(3.1)  # on CI's 2 cores: the tiers start long files first
 
 TARGET = -200.0  # random play scores about -1200 to -1500
 CLI = [sys.executable, "-m", "rlfabric.services.cli", "train"]
@@ -74,3 +77,45 @@ def test_dagger_imitates_a_checkpoint_expert_on_pendulum(crossq_run, tmp_path):
     assert evals[-1] >= expert_evals[-1] - 25 and evals[-1] >= -230, (expert_evals[-1], evals)
     gaps = [float(r["expert_gap"]) for r in rows]
     assert gaps[-1] < 0.5 * gaps[0], gaps  # the policy's mode approaches the expert's on the visited states
+
+
+def first_eval_at(run_dir, target: float) -> tuple[int | None, list[tuple[int, float]], list[dict]]:
+    """(env steps of the first evaluation >= target or None, every (env steps, mean return), the metrics rows)."""
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    evals = [(int(r["env_steps"]), float(r["eval_return_mean"])) for r in rows if r["eval_return_mean"]]
+    return next((steps for steps, mean in evals if mean >= target), None), evals, rows
+
+
+@pytest.mark.slow
+def test_rlpd_with_expert_demos_reaches_minus_200_in_fewer_env_steps_than_sac_without(crossq_run, tmp_path,
+                                                                                        request):
+    expert = crossq_run[0] / "checkpoints" / "final.pt"
+    demos = tmp_path / "demos.npz"
+    proc = subprocess.run([sys.executable, "-m", "rlfabric.services.cli", "collect", str(expert), "--episodes", "10",
+                           "--out", str(demos)], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(demos) as data:
+        episodes = np.unique(data["episode"])
+        returns = [data["rewards"][data["episode"] == e].sum() for e in episodes]
+    assert len(episodes) == 10 and np.mean(returns) > -260, returns  # expert play (random: about -1200)
+
+    run_dir = tmp_path / "rlpd"
+    proc = train("examples/pendulum_rlpd.yaml", "--run-dir", str(run_dir),
+                 "--set", f"replay.datasets={{offline: {demos}}}")
+    assert "reached eval return >= -200" in proc.stderr
+    reached, evals, rows = first_eval_at(run_dir, TARGET)
+    assert evals[0][1] < -900, "the first evaluation (uniform random actions so far) should look like random play"
+    assert reached is not None and reached == evals[-1][0]
+    # symmetric sampling: every minibatch of every update was half demos, half online
+    fractions = [float(r["offline_fraction"]) for r in rows if r["offline_fraction"]]
+    assert fractions and all(f == 0.5 for f in fractions), fractions
+
+    def without_demos(out):  # the same spec, run as far as RLPD needed, with no data set and no offline rows
+        train("examples/pendulum_rlpd.yaml", "--run-dir", str(out / "run"), "--set", "algorithm.offline_weight=0",
+              "--set", "replay.datasets={}", "--set", f"train.total_env_steps={reached}")
+
+    baseline = cached(request.config, "pendulum-rlpd-without-demos", {"total_env_steps": reached}, without_demos)
+    never, base_evals, base_rows = first_eval_at(baseline / "run", TARGET)
+    assert base_evals[-1][0] == reached and base_evals[0][0] == evals[0][0]  # evaluated at the same env steps
+    assert all(float(r["offline_fraction"]) == 0 for r in base_rows if r["offline_fraction"])
+    assert never is None, f"without the demos -200 came at {never} env steps, with them at {reached}: {base_evals}"
