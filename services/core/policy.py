@@ -72,6 +72,16 @@ class SquashedGaussianPolicy(Acting, Protocol):
 
 
 @runtime_checkable
+class AdvantageConditionedPolicy(Acting, Protocol):
+    """``serves = "advantage_conditioned"``: continuous control conditioned on an improvement indicator (an
+    advantage label); it acts with guidance toward the indicator's "improving" value."""
+
+    def log_prob(self, obs: Any, actions: torch.Tensor, indicator: torch.Tensor | None = None) -> torch.Tensor:
+        """log pi(a|s, I) (I None: the unconditional policy), differentiable."""
+        ...
+
+
+@runtime_checkable
 class CausalLMPolicyProtocol(Policy, Protocol):
     """``serves = "causal_lm"``: a language model the LM backends (hf, vllm, sglang) serve."""
 
@@ -93,6 +103,7 @@ class CausalLMValuePolicyProtocol(CausalLMPolicyProtocol, Protocol):
 INTERFACES: dict[str, type] = {  # what ``serves`` names -> what the algorithms that train it call
     "actor_critic": ActorCriticPolicy,
     "squashed_gaussian": SquashedGaussianPolicy,
+    "advantage_conditioned": AdvantageConditionedPolicy,
     "causal_lm": CausalLMPolicyProtocol,
     "causal_lm_value": CausalLMValuePolicyProtocol,
 }
@@ -167,6 +178,7 @@ def reads_privileged(cls: type) -> bool:
     return isinstance(cls, PrivilegedCritic) and bool(cls.critic_only_privileged)
 
 
-__all__ = ["Acting", "ActorCriticPolicy", "CausalLMPolicyProtocol", "CausalLMValuePolicyProtocol",
-           "DrawsRandomActions", "FlatActions", "ForwardMethods", "INTERFACES", "Imitates", "OwnCritic", "Policy",
-           "PrivilegedCritic", "SavesPretrained", "ShardUnits", "SquashedGaussianPolicy", "reads_privileged"]
+__all__ = ["Acting", "ActorCriticPolicy", "AdvantageConditionedPolicy", "CausalLMPolicyProtocol",
+           "CausalLMValuePolicyProtocol", "DrawsRandomActions", "FlatActions", "ForwardMethods", "INTERFACES",
+           "Imitates", "OwnCritic", "Policy", "PrivilegedCritic", "SavesPretrained", "ShardUnits",
+           "SquashedGaussianPolicy", "reads_privileged"]

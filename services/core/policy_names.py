@@ -21,6 +21,8 @@ from rlfabric.services.core.registry import Registry
 BUILTINS = {  # name: (class, what it serves): core's own models
     "actor_critic": ("rlfabric.services.core.models.actor_critic:ActorCritic", "actor_critic"),
     "squashed_gaussian": ("rlfabric.services.core.models.squashed_gaussian:SquashedGaussianActor", "squashed_gaussian"),
+    "advantage_conditioned": ("rlfabric.services.core.models.advantage_conditioned:AdvantageConditionedActor",
+                              "advantage_conditioned"),
     "causal_lm": ("rlfabric.services.core.models.lm:CausalLMPolicy", "causal_lm"),  # imported when used: transformers
     "causal_lm_value": ("rlfabric.services.core.models.lm:CausalLMValuePolicy", "causal_lm_value"),
 }
