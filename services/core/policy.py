@@ -82,6 +82,16 @@ class AdvantageConditionedPolicy(Acting, Protocol):
 
 
 @runtime_checkable
+class FlowChainPolicy(Acting, Protocol):
+    """``serves = "flow_chain"``: off-policy continuous control with a sampled, differentiable action chain (its
+    log-likelihood is the chain's, so it has no ``log_prob`` of an action alone)."""
+
+    def sample(self, obs: Any, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised actions in [-1, 1] and their log-probs, differentiable."""
+        ...
+
+
+@runtime_checkable
 class CausalLMPolicyProtocol(Policy, Protocol):
     """``serves = "causal_lm"``: a language model the LM backends (hf, vllm, sglang) serve."""
 
@@ -104,6 +114,7 @@ INTERFACES: dict[str, type] = {  # what ``serves`` names -> what the algorithms 
     "actor_critic": ActorCriticPolicy,
     "squashed_gaussian": SquashedGaussianPolicy,
     "advantage_conditioned": AdvantageConditionedPolicy,
+    "flow_chain": FlowChainPolicy,
     "causal_lm": CausalLMPolicyProtocol,
     "causal_lm_value": CausalLMValuePolicyProtocol,
 }
@@ -179,6 +190,6 @@ def reads_privileged(cls: type) -> bool:
 
 
 __all__ = ["Acting", "ActorCriticPolicy", "AdvantageConditionedPolicy", "CausalLMPolicyProtocol",
-           "CausalLMValuePolicyProtocol", "DrawsRandomActions", "FlatActions", "ForwardMethods", "INTERFACES",
+           "CausalLMValuePolicyProtocol", "DrawsRandomActions", "FlatActions", "FlowChainPolicy", "ForwardMethods", "INTERFACES",
            "Imitates", "OwnCritic", "Policy", "PrivilegedCritic", "SavesPretrained", "ShardUnits",
            "SquashedGaussianPolicy", "reads_privileged"]

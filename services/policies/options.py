@@ -175,4 +175,19 @@ class VLATokensConfig(VLMPolicyConfig):
         "one-hot target leaves. The argmax stays the nearest bin"))
 
 
-__all__ = ["PI0PolicyConfig", "TinyVLMSizes", "VLAConfig", "VLATokensConfig", "VLMPolicyConfig"]
+class FlowActorConfig(PolicyOptions):
+    """A flow-matching actor for off-policy continuous control (``policy.name: flow_actor``): K noisy Euler steps
+    from Gaussian noise to a tanh-squashed action, differentiated end to end. Its MLPs use ``policy.hidden_sizes``
+    and ``policy.activation``."""
+
+    serves: ClassVar[str | None] = "flow_chain"
+
+    steps: int = Field(4, ge=1, le=64, description="Euler steps K from noise to action (each one a forward of the "
+                                                   "velocity network, and a step the actor's gradient runs through)")
+    velocity: Literal["gated", "plain"] = Field(
+        "gated", description="gated (Zhang et al. 2025's Flow-G): each step moves x toward a candidate by a sigmoid gate, "
+                             "which keeps the gradient through K steps bounded; plain: an unconstrained velocity "
+                             "network (the flow policy as written, whose gradient through the chain can explode)")
+
+
+__all__ = ["FlowActorConfig", "PI0PolicyConfig", "TinyVLMSizes", "VLAConfig", "VLATokensConfig", "VLMPolicyConfig"]
