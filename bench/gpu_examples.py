@@ -35,6 +35,8 @@ PREPARE = [
      "32"],
     [*RLFABRIC, "collect", "examples/pendulum_sac.yaml", "--random", "--episodes", "4", "--out",
      "runs/pendulum-mixed.npz"],
+    [*RLFABRIC, "collect", "examples/pendulum_sac.yaml", "--random", "--episodes", "4", "--out",
+     "runs/pendulum-demos.npz"],  # pendulum_rlpd's demos (random ones: the code path, not the result)
 ]
 # A supervised run that ends quickly, so that the next entry starts from its export (checkpoints/hf).
 SHORT_SFT = ["algorithm.total_updates=4", "algorithm.updates_per_iteration=2", "train.eval_every_iterations=0"]
@@ -42,14 +44,16 @@ SETS: dict[str, list[str]] = {
     "arith_grpo": ["policy.init_checkpoint=''"],
     "tool_grpo": ["policy.init_checkpoint=''"],
     "sums_sft": SHORT_SFT,
+    "arith_sft": SHORT_SFT,
+    "arith_opd": ["policy.init_checkpoint=''", "algorithm.expert_checkpoint=runs/arith-sft/checkpoints/final.pt"],
     "reasoning_sft": SHORT_SFT,
     "sums_grpo": ["policy.lm.path=runs/sums-sft/checkpoints/hf"],
     "reasoning_grpo": ["policy.lm.path=runs/reasoning-sft/checkpoints/hf"],
     "pendulum_crossq": ["train.total_env_steps=1000"],  # to its end, short: its final.pt is the dagger variant's expert
 }
-RUN_DIRS = {"sums_sft": "sums-sft", "reasoning_sft": "reasoning-sft",  # what SETS above reads back
+RUN_DIRS = {"sums_sft": "sums-sft", "reasoning_sft": "reasoning-sft", "arith_sft": "arith-sft",  # read back
             "pendulum_crossq": "pendulum-crossq"}  # (and the dagger variant's expert)
-FINISH = {"sums_sft", "reasoning_sft", "pendulum_crossq"}  # run to the end (their exports and checkpoints feed
+FINISH = {"sums_sft", "reasoning_sft", "pendulum_crossq", "arith_sft"}  # run to the end (their exports and checkpoints feed
 # the entries after them)
 NEEDS_GATEWAY = {"robot_reach_ppo", "robot_reach_hg_dagger"}
 SKIP = {"cartpole_ppo_compose"}  # cartpole_ppo's spec for the compose stack (Redis, MinIO): same code on the device
