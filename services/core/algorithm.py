@@ -64,12 +64,22 @@ class Trajectory:
     truncated (a time limit is not a failure), or None. ``random_until_env_steps``: act uniformly at random until
     the run has collected this many env steps (off-policy warm-up). ``episode_groups``: G > 0 makes every batch
     start fresh episodes, envs in consecutive groups of G from one initial state (one reset seed per group), for
-    group-relative advantages over whole episodes; 0 keeps episodes running across batches."""
+    group-relative advantages over whole episodes; 0 keeps episodes running across batches. ``expert_acts``:
+    beta_0 > 0 makes the env execute, at each step of iteration i and independently per env, the expert's action
+    (the checkpoint the algorithm's ``expert_checkpoint`` names, loaded by the rollout) with probability
+    beta_i = expert_acts * expert_decay ** i, and the policy's otherwise (an imitation mixture; the count of such steps
+    is metric ``expert_steps``); what is recorded is what ``fields`` ask."""
 
     fields: tuple[str, ...]
     bootstrap_truncated: float | None = None
     random_until_env_steps: int = 0
     episode_groups: int = 0
+    expert_acts: float = 0.0
+    expert_decay: float = 1.0
+
+    def expert_share(self, iteration: int) -> float:
+        """beta_i: the probability that the expert acts at a step of iteration ``iteration``."""
+        return self.expert_acts * self.expert_decay ** iteration if self.expert_acts > 0 else 0.0
 
 
 @dataclass(frozen=True)

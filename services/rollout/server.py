@@ -71,6 +71,23 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rollout not configured: call Configure")
         return self.worker
 
+    def _expert(self, config: RunConfig) -> dict | None:
+        """The expert checkpoint's state when the algorithm has the expert act in some steps (a beta
+        mixture): read under the operator's data roots, checked (magic, digest, format), never unpickled."""
+        if not config.collects or config.spec.trajectory(config.algorithm).expert_acts <= 0:
+            return None
+        from rlfabric.services.learner.checkpoint import CorruptCheckpoint, unpack
+
+        path = getattr(config.algorithm, "expert_checkpoint", "")
+        field = "algorithm.expert_checkpoint"
+        try:
+            return unpack(self.roots.read_bytes(path, field), path)
+        except OSError as exc:
+            raise ValueError(f"{field}={path!r} cannot be read on the rollout host ({exc.strerror}): the expert acts "
+                             f"there too. Fix: a checkpoint file under its --data-root") from None
+        except CorruptCheckpoint as exc:
+            raise ValueError(f"{field}: {exc}") from None
+
     async def Configure(self, request, context):
         await check_owner(self.runtime, request.run_id, context)
         try:
@@ -87,7 +104,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             storage, run_dir = confine_storage(config.storage, str(info.get("run_dir") or "."), self.roots,
                                                self.endpoints)
             config = confine_model(config, self.roots).model_copy(update={"storage": storage})
-        except ValueError as exc:  # PathRefused, EndpointRefused
+            expert = await asyncio.to_thread(self._expert, config)
+        except ValueError as exc:  # PathRefused, EndpointRefused, an unreadable expert checkpoint
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rollout: {exc}")
         self.close()
         base = int(info.get("base_version", 0))
@@ -102,7 +120,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                                                                   f'{{"index": w, "envs": n, "offset": first_env}}')
         try:
             self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start, index,
-                                                  envs or None, offset)
+                                                  envs or None, offset, expert)
             stored = await self._call(context, self.worker.submit(self.worker.cold_start, run_dir, request.run_id))
             need = int(info.get("min_version", base + start))  # what its first batch needs (staleness allowing)
             try:

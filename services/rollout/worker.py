@@ -53,8 +53,10 @@ class CollectResult:
 
 class RolloutWorker:
     def __init__(self, config: RunConfig, env_spec: dict, peers: dict[str, str], base_version: int = 0,
-                 start_iteration: int = 0, shard: int = 0, shard_envs: int | None = None, env_offset: int = 0):
+                 start_iteration: int = 0, shard: int = 0, shard_envs: int | None = None, env_offset: int = 0,
+                 expert: dict | None = None):
         self.config = config
+        self.expert = expert  # an expert checkpoint's state, when the algorithm has the expert act in some steps
         # this worker's shard of the env batch: envs [env_offset, env_offset + shard_envs) of the run, seeded by
         # their global index so a run splits the same envs whatever its number of workers
         self.shard = shard
@@ -86,6 +88,13 @@ class RolloutWorker:
             dp = cfg.data_plane
             self.device = resolve_device(cfg.runtime.device)
             self.backend = build_backend(cfg.rollout.backend, cfg, self.env_spec, self.device)
+            if self.expert is not None:
+                if not hasattr(self.backend, "add_expert"):
+                    raise ValueError(f"algorithm {cfg.algorithm.name!r} has an expert act in some steps, and "
+                                     f"rollout.backend {cfg.rollout.backend!r} acts with the run's policy only. "
+                                     f"Fix: rollout.backend: torch")
+                self.backend.add_expert(self.expert)
+                self.expert = None  # (the backend holds the built policy)
             target = cfg.scheduling.offload_target(self.device.type)
             # stages take turns on this pool: between its turns the policy leaves the device for the learner
             self.offload = ModelOffload(lambda: state_tensors(self.backend.policy), target,

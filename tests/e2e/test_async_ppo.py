@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,14 +36,20 @@ def steps_to_solve(rows: list[dict]) -> int:
     return solved[0]
 
 
-@pytest.fixture(scope="module")
-def ppo_steps(request) -> int:
-    """On-policy PPO's env steps to 475 on the seed (deterministic: collocated, the stages take turns)."""
+def cartpole_ppo(config) -> Path:
+    """The artefact of on-policy PPO's CartPole run on the seed (deterministic: collocated, the stages take turns):
+    its run directory (``run``, with ``checkpoints/final.pt``, DAgger's expert in test_dagger_cartpole.py) and its
+    env steps to 475 (``steps.txt``)."""
     def build(out):
         (out / "steps.txt").write_text(str(steps_to_solve(train("examples/cartpole_ppo.yaml", out / "run"))))
 
-    out = cached(request.config, "cartpole-ppo-steps", {"seed": SEED}, build)
-    return int((out / "steps.txt").read_text())
+    return cached(config, "cartpole-ppo-steps", {"seed": SEED}, build)
+
+
+@pytest.fixture(scope="module")
+def ppo_steps(request) -> int:
+    """On-policy PPO's env steps to 475 on the seed."""
+    return int((cartpole_ppo(request.config) / "steps.txt").read_text())
 
 
 @pytest.mark.slow

@@ -65,15 +65,17 @@ def test_dagger_imitates_a_checkpoint_expert_on_pendulum(crossq_run, tmp_path):
     expert = expert_dir / "checkpoints" / "final.pt"
     proc = train("examples/pendulum_sac.yaml", "--run-dir", str(tmp_path / "dagger"),
                  "--set", f"algorithm={{name: dagger, expert_checkpoint: {expert}, n_steps: 64, batch_size: 256, "
-                          f"updates_per_iteration: 100}}",
+                          f"updates_per_iteration: 100, learning_rate: 0.003}}",
                  "--set", "train.total_env_steps=2048", "--set", "train.eval_every_iterations=2",
-                 "--set", "env.eval_envs=20", "--set", "train.eval_episodes=20")
+                 "--set", "env.eval_envs=20", "--set", "train.eval_episodes=20",
+                 "--set", "train.stop_at_eval_return=null")  # the whole budget: compared with the expert at its end
     assert "SUCCEEDED" in proc.stderr
     expert_evals = [float(r["eval_return_mean"]) for r in csv.DictReader(open(expert_dir / "metrics.csv"))
                     if r["eval_return_mean"]]
     rows = list(csv.DictReader(open(tmp_path / "dagger" / "metrics.csv")))
     evals = [float(r["eval_return_mean"]) for r in rows if r["eval_return_mean"]]
-    # the same 20 evaluation episodes: the expert about -199, DAgger about -205 from 1,024 env steps on
+    # the same 20 evaluation episodes: the expert about -199; DAgger (an actor-critic student, Gaussian) -244, -233,
+    # -213, -194 at 512..2,048 env steps
     assert evals[-1] >= expert_evals[-1] - 25 and evals[-1] >= -230, (expert_evals[-1], evals)
     gaps = [float(r["expert_gap"]) for r in rows]
     assert gaps[-1] < 0.5 * gaps[0], gaps  # the policy's mode approaches the expert's on the visited states

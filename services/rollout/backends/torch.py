@@ -3,6 +3,7 @@ on the run's device, and weight-version loading through a state-dict receiver.""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,24 @@ class TorchBackend:
             actions, logp, values = self.policy.act(t, deterministic, self.generator)
         return (actions.cpu().numpy(), self.policy.env_actions(actions), logp.cpu().numpy(),
                 values.cpu().numpy())
+
+    def add_expert(self, state: dict) -> None:
+        """A frozen expert policy from a checkpoint's state (its own config and env spec: any policy that acts)."""
+        from rlfabric.services.core.config import RunConfig
+
+        config = RunConfig.from_json(state["config_json"])
+        expert = build_policy(config.policy_name, json.loads(state["env_spec_json"]), config.policy)
+        if not isinstance(expert, Acting):
+            raise ValueError(f"algorithm.expert_checkpoint: its policy {config.policy_name!r} has no act(), so it "
+                             f"cannot act in the env")
+        expert.load_state_dict(state["policy"])
+        self.expert = expert.to(self.device).eval().requires_grad_(False)
+
+    def expert_actions(self, obs: Any) -> np.ndarray:
+        """The expert's env actions (its mode) for a batch of observations."""
+        with torch.no_grad():
+            t = tree_map(lambda x: _tensor(x, self.device), obs)
+            return self.expert.env_actions(self.expert.act(t, True, self.generator)[0])
 
     def random_actions(self, n: int):
         """Uniform actions in the policy's action space (off-policy warm-up), as (recorded, executed) actions; a

@@ -120,6 +120,10 @@ class GymCollector:
         if (wanted & set(NEEDS_VALUE) or self.trajectory.bootstrap_truncated is not None) and not backend.has_value:
             raise ValueError(f"algorithm {config.algorithm.name!r} needs state values, but its policy "
                              f"{config.policy_name!r} has no value head")
+        if self.trajectory.expert_acts > 0 and wanted & {"actions", "logp", "executed_actions"}:
+            raise ValueError(f"algorithm {config.algorithm.name!r} has an expert act in some steps and records "
+                             f"{sorted(wanted & {'actions', 'logp', 'executed_actions'})}: the records would be the "
+                             f"policy's where the expert acted. Fix: record states only (the expert labels them)")
         self.N, self.C = shard_envs, chunks
         self.S = shard_envs // chunks
         self.pool = pool
@@ -164,6 +168,9 @@ class GymCollector:
         step_bufs: dict[str, np.ndarray] = {}
         out = Collected(TensorBatch())
         explore = batch_index * cfg.batch_env_steps() < traj.random_until_env_steps
+        beta = 0.0 if explore else traj.expert_share(batch_index)
+        if beta > 0:  # the coin of each env step: the same draws for a batch whoever collects it
+            coin = np.random.default_rng([cfg.seed, batch_index, self.env_offset]).random((T, N)) < beta
         gamma = traj.bootstrap_truncated
 
         def act(c: int, t: int) -> int:
@@ -175,6 +182,11 @@ class GymCollector:
                 logp, values = np.zeros(S, np.float32), np.zeros(S, np.float32)
             else:
                 raw, env_actions, logp, values = self.backend.act(obs)
+                if beta > 0 and coin[t, sl].any():  # the expert acts in these envs (recorded: the policy's raw)
+                    mine = coin[t, sl]
+                    env_actions = np.array(env_actions)
+                    env_actions[mine] = self.backend.expert_actions(_rows(obs, mine))
+                    out.stats["expert_steps"] = out.stats.get("expert_steps", 0.0) + float(mine.sum())
             out.policy_seconds += time.perf_counter() - p0
             nonlocal act_buf, logp_buf
             if act_buf is None:
