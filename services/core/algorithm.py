@@ -205,6 +205,16 @@ class Algorithm:
         # a sample's version lag is this minus its trajectory field weight_version
         self.weight_version = 0
 
+    def step_minibatches(self, batch: dict) -> dict[str, float]:
+        """``self.step(minibatch)`` on each minibatch of a sampled [U, B, ...] batch in turn (one gradient step
+        each, the off-policy and offline algorithms' update); the last step's stats."""
+        from rlfabric.services.core.batch import tree_map
+
+        stats: dict[str, float] = {}
+        for u in range(batch["rewards"].shape[0]):
+            stats = self.step(tree_map(lambda x, u=u: x[u], batch))
+        return stats
+
     def shard(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
         """This rank's rows of a minibatch's indices (all of them on one rank), and the weight of its loss share:
         1, or 0 for a rank left without rows, which runs its passes on the first row (every rank runs the same

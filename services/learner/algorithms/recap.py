@@ -38,7 +38,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlfabric.services.core.algorithm import OfflineAlgorithm, OfflineConfig, register
-from rlfabric.services.core.batch import tree_map
 from rlfabric.services.core.lazy import lazy_import
 
 torch = lazy_import("torch")
@@ -116,10 +115,7 @@ class RECAP(OfflineAlgorithm):
 
     def update(self, batch: dict) -> dict[str, float]:
         """One gradient step per minibatch of a [U, B, ...] batch."""
-        stats: dict[str, float] = {}
-        for u in range(batch["rewards"].shape[0]):
-            stats = self.step(tree_map(lambda x, u=u: x[u], batch))
-        return stats
+        return self.step_minibatches(batch)
 
     def step(self, b: dict) -> dict[str, float]:
         cfg: RECAPConfig = self.cfg

@@ -20,7 +20,6 @@ from typing import Literal
 from pydantic import Field
 
 from rlfabric.services.core.algorithm import Algorithm, AlgorithmConfig, DataAccess, Trajectory, register
-from rlfabric.services.core.batch import tree_map
 from rlfabric.services.core.lazy import lazy_import
 
 torch = lazy_import("torch")
@@ -95,10 +94,7 @@ class SAC(Algorithm):
 
     def update(self, batch: dict) -> dict[str, float]:
         """One gradient step per minibatch: tensors are [U, B, ...] (U minibatches of B transitions)."""
-        stats: dict[str, float] = {}
-        for u in range(batch["rewards"].shape[0]):
-            stats = self.step(tree_map(lambda x, u=u: x[u], batch))
-        return stats
+        return self.step_minibatches(batch)
 
     def step(self, b: dict) -> dict[str, float]:
         obs, actions, rewards = b["obs"], b["actions"].float(), b["rewards"].float()
