@@ -92,6 +92,25 @@ class FlowChainPolicy(Acting, Protocol):
 
 
 @runtime_checkable
+class SteeredNoisePolicy(Acting, Protocol):
+    """``serves = "steered_noise"``: off-policy control in the initial noise of a frozen flow policy (its ``base``, a
+    ``DecodesNoise``): it samples a latent w, the base decodes it into the action. A recorded action holds the
+    latent and the decoded action both, so the env needs no observation to execute it."""
+
+    act_dim: int  # the latent's width: what critics read
+    base: Any  # the frozen flow policy (a DecodesNoise): its algorithm loads its weights
+    actor: Any  # the latent's own actor: what trains
+
+    def sample(self, obs: Any, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised latents in [-1, 1] and their log-probs, differentiable."""
+        ...
+
+    def latent(self, actions: torch.Tensor) -> torch.Tensor:
+        """The latent part [B, act_dim] of recorded actions."""
+        ...
+
+
+@runtime_checkable
 class CausalLMPolicyProtocol(Policy, Protocol):
     """``serves = "causal_lm"``: a language model the LM backends (hf, vllm, sglang) serve."""
 
@@ -115,6 +134,7 @@ INTERFACES: dict[str, type] = {  # what ``serves`` names -> what the algorithms 
     "squashed_gaussian": SquashedGaussianPolicy,
     "advantage_conditioned": AdvantageConditionedPolicy,
     "flow_chain": FlowChainPolicy,
+    "steered_noise": SteeredNoisePolicy,
     "causal_lm": CausalLMPolicyProtocol,
     "causal_lm_value": CausalLMValuePolicyProtocol,
 }
@@ -138,6 +158,23 @@ class FlatActions(Protocol):
 
     discrete: bool
     act_dim: int
+
+
+@runtime_checkable
+class DecodesNoise(Protocol):
+    """A flow policy whose denoising ODE, started from a given initial noise, is a deterministic map from noise to
+    action (deterministic acting starts it from zero): a latent-noise policy steers it. ``act_dim`` is the noise's
+    width."""
+
+    act_dim: int
+
+    def decode_noise(self, obs: Any, noise: torch.Tensor) -> torch.Tensor:
+        """The chunks in [-1, 1] [B, H, A] the ODE carries ``noise`` [B, act_dim] to, without gradients."""
+        ...
+
+    def to_env(self, unit: torch.Tensor) -> np.ndarray:
+        """Chunks in [-1, 1] onto the env's action bounds and shape."""
+        ...
 
 
 @runtime_checkable
@@ -190,6 +227,6 @@ def reads_privileged(cls: type) -> bool:
 
 
 __all__ = ["Acting", "ActorCriticPolicy", "AdvantageConditionedPolicy", "CausalLMPolicyProtocol",
-           "CausalLMValuePolicyProtocol", "DrawsRandomActions", "FlatActions", "FlowChainPolicy", "ForwardMethods", "INTERFACES",
+           "CausalLMValuePolicyProtocol", "DecodesNoise", "DrawsRandomActions", "FlatActions", "FlowChainPolicy", "ForwardMethods", "INTERFACES",
            "Imitates", "OwnCritic", "Policy", "PrivilegedCritic", "SavesPretrained", "ShardUnits",
-           "SquashedGaussianPolicy", "reads_privileged"]
+           "SquashedGaussianPolicy", "SteeredNoisePolicy", "reads_privileged"]

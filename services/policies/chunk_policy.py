@@ -26,6 +26,7 @@ class ChunkPolicy(nn.Module):
                              f"actions: env.action_chunk), not {action_space['kind']} {action_space['shape']}")
         self.action_shape = tuple(action_space["shape"])
         self.H, self.A = (1, *self.action_shape) if len(self.action_shape) == 1 else self.action_shape
+        self.act_dim = self.H * self.A  # a chunk's width flat (a flow policy's initial noise too)
         self.level = level
         self.register_buffer("low", box_bound(action_space, "low").reshape(self.H, self.A))
         self.register_buffer("high", box_bound(action_space, "high").reshape(self.H, self.A))

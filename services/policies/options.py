@@ -190,4 +190,21 @@ class FlowActorConfig(PolicyOptions):
                              "network (the flow policy as written, whose gradient through the chain can explode)")
 
 
-__all__ = ["FlowActorConfig", "PI0PolicyConfig", "TinyVLMSizes", "VLAConfig", "VLATokensConfig", "VLMPolicyConfig"]
+class LatentNoiseConfig(PolicyOptions):
+    """A policy that acts in the initial noise of a frozen flow policy (``policy.name: latent_noise``): a
+    squashed-Gaussian actor over the noise (``policy.hidden_sizes``, ``policy.activation``) whose latent the base
+    policy's denoising ODE decodes into the action chunk. The base is built from its own section (``policy.vla``
+    with head flow, or ``policy.pi0``) and holds the weights its algorithm loads into it (from its
+    ``expert_checkpoint``)."""
+
+    serves: ClassVar[str | None] = "steered_noise"
+
+    base: Literal["vla", "pi0"] = Field("vla", description="the frozen flow policy whose noise is steered (policy.vla "
+                                                           "needs head: flow)")
+    noise_bound: float = Field(1.5, gt=0, le=10, allow_inf_nan=False,
+                               description="the latent's range [-noise_bound, noise_bound] per dimension: the base "
+                                           "was trained on N(0, I) noise, so most of its mass is within 2; wider "
+                                           "reaches chunks the base rarely makes")
+
+
+__all__ = ["FlowActorConfig", "LatentNoiseConfig", "PI0PolicyConfig", "TinyVLMSizes", "VLAConfig", "VLATokensConfig", "VLMPolicyConfig"]

@@ -191,12 +191,7 @@ class PI0Policy(ChunkPolicy):
         B, K = pooled.shape[0], self.steps
         chain = actions.reshape(B, K + 1, self.H, self.A).float()
         if self.noisy_last_only:
-            length, x = cache.get_seq_length(), chain[:, 0]
-            for k in range(K):
-                tau = torch.full((B,), k / K, device=x.device, dtype=x.dtype)
-                v = self.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
-                cache.crop(length - cache.get_seq_length())
-                x = flow_sde.step_mean(x, v, tau, 0.0, K)
+            x = self.ode(x_in, cache, chain[:, 0], K)  # the last step's mean: the ODE's K steps
             logp = flow_sde.last_step_logp(chain[:, -1], x, self.sigma)
             entropy = torch.full_like(logp, flow_sde.last_step_entropy(self.sigma))
             return self.reduce(logp), self.reduce(entropy), value
@@ -209,6 +204,25 @@ class PI0Policy(ChunkPolicy):
         logp = flow_sde.chain_logp(chain, means, self.sigma, K)
         entropy = torch.full_like(logp, flow_sde.chain_entropy(self.sigma, K))
         return self.reduce(logp), self.reduce(entropy), value
+
+    def ode(self, x_in: dict[str, torch.Tensor], cache: Any, x: torch.Tensor, steps: int) -> torch.Tensor:
+        """The first ``steps`` Euler steps of the ODE from x [B, H, A] over the prefix's cache."""
+        length, B, K = cache.get_seq_length(), x.shape[0], self.steps
+        for k in range(steps):
+            tau = torch.full((B,), k / K, device=x.device, dtype=x.dtype)
+            v = self.velocity(x, tau, x_in["state"], cache, x_in["attention_mask"])
+            cache.crop(length - cache.get_seq_length())  # drop the expert's tokens (a negative crop)
+            x = flow_sde.step_mean(x, v, tau, 0.0, K)
+        return x
+
+    @torch.no_grad()
+    def decode_noise(self, obs: Any, noise: torch.Tensor) -> torch.Tensor:
+        """The chunk in [-1, 1] [B, H, A] pi0's ODE carries the initial noise [B, H*A] to (deterministic acting
+        starts it from 0): what a latent-noise policy steers."""
+        x_in = self.inputs(obs)
+        cache, _ = self.prefix(x_in)
+        x = noise.reshape(-1, self.H, self.A).to(x_in["state"].dtype)
+        return self.ode(x_in, cache, x, self.steps).clamp(-1.0, 1.0)
 
     def value(self, obs: Any) -> torch.Tensor:
         if not self.value_head.reads_prefix:  # its own encoder: no VLM pass needed

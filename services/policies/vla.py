@@ -42,7 +42,6 @@ class VLAPolicy(ChunkPolicy):
         super().__init__()
         v = cfg.vla
         self.init_chunks(action_space, "vla", v.logprob_level)
-        self.act_dim = self.H * self.A
         self.head = v.head
         self._inputs(obs_space, v, cfg)
         layer = nn.TransformerEncoderLayer(v.width, v.heads, 4 * v.width, dropout=0.0, batch_first=True,
@@ -235,6 +234,18 @@ class VLAPolicy(ChunkPolicy):
         logp = self._chain_logp(actions.reshape(B, self.steps + 1, self.H, self.A), context)
         entropy = torch.full_like(logp, flow_sde.chain_entropy(self.sigma, self.steps))
         return self.reduce(logp), self.reduce(entropy), value
+
+    @torch.no_grad()
+    def decode_noise(self, obs: Any, noise: torch.Tensor) -> torch.Tensor:
+        """Flow head: the chunk in [-1, 1] [B, H, A] the ODE carries the initial noise [B, H*A] to (deterministic
+        acting starts it from 0): what a latent-noise policy steers."""
+        if self.head != "flow":
+            raise ValueError("policy.vla.head=tokens has no initial noise to steer; set policy.vla.head: flow")
+        context = self._run(obs)[0]
+        x = noise.reshape(context.shape[0], self.act_dim).to(context.dtype)
+        for k in range(self.steps):
+            x = self.step_mean(x, k, context, sigma=0.0)
+        return x.clamp(-1.0, 1.0).reshape(-1, self.H, self.A)
 
     def imitation_loss(self, obs: Any, actions: torch.Tensor) -> torch.Tensor:
         """Imitation of demonstrated env actions [B, H, A]: the cross-entropy of each dimension's nearest bin (tokens

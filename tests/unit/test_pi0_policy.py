@@ -101,6 +101,17 @@ def test_gradients_reach_the_vlm_through_the_cache_and_the_value_head():
     assert sum(g.abs().sum() for g in vlm) > 0 and sum(g.abs().sum() for g in vision) > 0
 
 
+def test_decoding_noise_is_the_ode_from_it_and_from_zero_the_deterministic_chunk():
+    """What a latent-noise policy (policy.name latent_noise, base pi0) steers: pi0's ODE from a given x_0."""
+    pol = policy()
+    obs = observations(TEXTS[:2], seed=5)
+    chain, _, _ = pol.act(obs, deterministic=True)
+    assert torch.allclose(pol.decode_noise(obs, torch.zeros(2, pol.act_dim)), chain[:, -1].clamp(-1, 1), atol=1e-5)
+    noise = torch.randn(2, pol.act_dim, generator=torch.Generator().manual_seed(0))
+    steered = pol.decode_noise(obs, noise)
+    assert steered.shape == (2, 3, 2) and not torch.allclose(steered, chain[:, -1].clamp(-1, 1), atol=1e-3)
+
+
 def test_env_actions_are_the_chains_last_point_on_the_bounds():
     pol = policy()
     chain = torch.zeros(2, 4, 3, 2)

@@ -329,7 +329,7 @@ def test_what_each_built_in_policy_serves_is_written_as_its_class_says():
     from rlfabric.services.core.registry import missing_members
 
     families = {n for n, target in POLICIES.entry_points().items() if target.startswith("rlfabric.services.policies.")}
-    assert families == {"vla", "pi0", "vla_tokens", "vlm", "flow_actor"} <= set(POLICY_OPTIONS.available())
+    assert families == {"vla", "pi0", "vla_tokens", "vlm", "flow_actor", "latent_noise"} <= set(POLICY_OPTIONS.available())
     for name, (_, written) in BUILTINS.items():
         assert getattr(policy_class(name), "serves", name) == written == serves(name), name
     for name in families:
