@@ -37,6 +37,8 @@ PREPARE = [
      "runs/pendulum-mixed.npz"],
     [*RLFABRIC, "collect", "examples/pendulum_sac.yaml", "--random", "--episodes", "4", "--out",
      "runs/pendulum-demos.npz"],  # pendulum_rlpd's demos (random ones: the code path, not the result)
+    [*RLFABRIC, "collect", "examples/arm_reach_flow_sft.yaml", "--expert", "--episodes", "4", "--out",
+     "runs/arm-reach-demos.npz"],  # the flow policy arm_reach_dsrl steers learns from these
 ]
 # A supervised run that ends quickly, so that the next entry starts from its export (checkpoints/hf).
 SHORT_SFT = ["algorithm.total_updates=4", "algorithm.updates_per_iteration=2", "train.eval_every_iterations=0"]
@@ -52,8 +54,9 @@ SETS: dict[str, list[str]] = {
     "pendulum_crossq": ["train.total_env_steps=1000"],  # to its end, short: its final.pt is the dagger variant's expert
 }
 RUN_DIRS = {"sums_sft": "sums-sft", "reasoning_sft": "reasoning-sft", "arith_sft": "arith-sft",  # read back
-            "pendulum_crossq": "pendulum-crossq"}  # (and the dagger variant's expert)
-FINISH = {"sums_sft", "reasoning_sft", "pendulum_crossq", "arith_sft"}  # run to the end (their exports and checkpoints feed
+            "pendulum_crossq": "pendulum-crossq",  # (and the dagger variant's expert)
+            "arm_reach_flow_sft": "arm-reach-flow-sft"}  # (arm_reach_dsrl's base)
+FINISH = {"sums_sft", "reasoning_sft", "pendulum_crossq", "arith_sft", "arm_reach_flow_sft"}  # run to the end (their exports and checkpoints feed
 # the entries after them)
 NEEDS_GATEWAY = {"robot_reach_ppo", "robot_reach_hg_dagger"}
 SKIP = {"cartpole_ppo_compose"}  # cartpole_ppo's spec for the compose stack (Redis, MinIO): same code on the device

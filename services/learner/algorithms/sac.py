@@ -97,7 +97,7 @@ class SAC(Algorithm):
         return self.step_minibatches(batch)
 
     def step(self, b: dict) -> dict[str, float]:
-        obs, actions, rewards = b["obs"], b["actions"].float(), b["rewards"].float()
+        obs, actions, rewards = b["obs"], self.critic_actions(b["actions"]), b["rewards"].float()
         next_obs, terminated = b["next_obs"], b["terminated"].float()
         alpha = self.log_alpha.exp().item()
         with torch.no_grad():
@@ -123,6 +123,10 @@ class SAC(Algorithm):
         self.optimizer_steps += 1
         return {"q_loss": q_loss.item(), "actor_loss": actor_loss.item(), "alpha": alpha,
                 "q_mean": q1.mean().item(), "entropy": -logp.mean().item()}
+
+    def critic_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """What the critics read of recorded actions: all of them (the squashed actions the actor samples)."""
+        return actions.float()
 
     def alpha_step(self, logp: torch.Tensor) -> None:
         """The temperature's gradient step (auto-tuned alpha only) on the actor's log-probs."""
