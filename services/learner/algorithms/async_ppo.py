@@ -2,7 +2,8 @@
 optimization"), as AReaL uses it, for batches collected by a behaviour policy up to a few weight versions old (a
 pipelined plan: a learner on its own pool streams batches while rollout produces the next ones within
 ``scheduling.staleness``). Everything else is PPO's (ppo.py): GAE from the batch's own values, the value loss,
-the entropy bonus, the linear lr/clip schedules, minibatches and epochs.
+the entropy bonus, the linear lr/clip schedules, minibatches and epochs; this file fills PPO's three hooks (the
+rows that enter the loss, pi_prox scored before the first step, the minibatch loss).
 
 The batch was sampled by a behaviour policy mu (the weights the rollout held: each step's trajectory field
 ``weight_version``); before the update's first step the learner scores the batch with its current weights, the
@@ -42,14 +43,7 @@ from pydantic import Field
 from rlfabric.services.core.algorithm import Trajectory, register
 from rlfabric.services.core.batch import tree_map
 from rlfabric.services.core.lazy import lazy_import
-from rlfabric.services.learner.algorithms.ppo import (
-    PPO,
-    PPOConfig,
-    compute_gae,
-    linear,
-    per_step_discounting,
-    ppo_loss,
-)
+from rlfabric.services.learner.algorithms.ppo import PPO, PPOConfig, ppo_loss
 
 torch = lazy_import("torch")
 nn = lazy_import("torch.nn")
@@ -120,85 +114,28 @@ class AsyncPPO(PPO):
                 out.append(logp.detach())
         return torch.cat(out)
 
-    def update(self, batch: dict) -> dict[str, float]:
-        cfg = self.cfg
-        rewards, values, dones = batch["rewards"], batch["values"], batch["dones"].float()
-        T, N = rewards.shape
-        self.env_steps += T * N
-        progress_remaining = max(0.0, 1.0 - self.env_steps / self.total_env_steps)
-        lr = linear(cfg.learning_rate, progress_remaining, cfg.lr_schedule)
-        clip = linear(cfg.clip_range, progress_remaining, cfg.clip_schedule)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group["scale"]
-
-        gamma: float | torch.Tensor = cfg.gamma
-        if cfg.reward_level == "action" and "step_rewards" in batch:
-            rewards, gamma = per_step_discounting(rewards, batch["step_rewards"], batch["step_valid"], cfg.gamma)
-        # GAE over the whole trajectory (values from the batch, as PPO), before any sample is dropped
-        advantages, returns = compute_gae(rewards, values, dones, batch["last_values"], gamma, cfg.gae_lambda)
-        size = T * N
+    def rows(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The samples within the staleness bound, and the lags' metrics."""
         lags, keep = version_lags(self.weight_version, batch["weight_version"].reshape(-1), self.bound)
         kept = keep.nonzero().squeeze(1)
-        n = int(kept.numel())
-        lag_stats = {"version_lag_mean": float(lags.float().mean()), "version_lag_max": float(lags.max()),
-                     "version_lag_stale_fraction": float((lags >= 1).float().mean()),
-                     "stale_dropped_fraction": 1.0 - n / size}
-        warming = self.updates < cfg.critic_warmup
-        self.updates += 1
-        base = {"learning_rate": lr, "clip_range": clip, "critic_warmup": float(warming), **lag_stats}
-        if n == 0:  # every sample is older than the bound: no step
-            return base
+        return kept, {"version_lag_mean": float(lags.float().mean()), "version_lag_max": float(lags.max()),
+                      "version_lag_stale_fraction": float((lags >= 1).float().mean()),
+                      "stale_dropped_fraction": 1.0 - kept.numel() / lags.numel()}
 
-        def rows(x: torch.Tensor) -> torch.Tensor:
-            return x.reshape(size, *x.shape[2:])[kept]
-
-        flat = {"obs": tree_map(rows, batch["obs"]), "actions": rows(batch["actions"]), "logp": rows(batch["logp"]),
-                "values": values.reshape(-1)[kept], "advantages": advantages.reshape(-1)[kept],
-                "returns": returns.reshape(-1)[kept]}
-        mb = min(cfg.batch_size, n)
+    def score(self, flat: dict, mb: int) -> dict[str, float]:
+        """pi_prox and the truncated behaviour weights of the kept rows, before the first step."""
         flat["prox"] = self.proximal_logp(flat["obs"], flat["actions"], mb)
-        flat["w"], truncated = behaviour_weights(flat["prox"], flat["logp"], cfg.behaviour_weight_cap)
-        raw_w = (flat["prox"] - flat["logp"]).exp()
-        sums: dict[str, torch.Tensor] = {}
-        count = 0
-        stop = False
-        for _ in range(cfg.n_epochs):
-            order = torch.randperm(n, generator=self.generator,
-                                   device=self.generator.device if self.generator is not None else "cpu")
-            for start in range(0, n, mb):
-                idx = order[start:start + mb].to(kept.device)
-                adv = flat["advantages"][idx]
-                if cfg.normalize_advantage and len(idx) > 1:
-                    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-                if warming:  # no policy gradient: the clipped surrogate of a zero advantage is zero
-                    adv = torch.zeros_like(adv)
-                obs = tree_map(lambda x, i=idx: x[i], flat["obs"])
-                new_logp, entropy, new_values = self.policy.evaluate(obs, flat["actions"][idx])
-                adv = adv.reshape(-1, *(1,) * (new_logp.dim() - 1))  # each action/token of a decision gets its
-                loss, stats = decoupled_ppo_loss(new_logp, flat["prox"][idx], flat["w"][idx], adv, new_values,
-                                                 flat["values"][idx], flat["returns"][idx], entropy, clip,
-                                                 cfg.clip_range_vf, cfg.vf_coef, cfg.ent_coef)
-                if cfg.target_kl is not None and stats["approx_kl"] > 1.5 * cfg.target_kl:
-                    stop = True
-                    break
-                self.optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True)
-                self.optimizer.step()
-                self.optimizer_steps += 1
-                for k, v in stats.items():  # tensors: one conversion per update, not per minibatch
-                    sums[k] = sums[k] + v if k in sums else v
-                count += 1
-            if stop:
-                break
-        out = {k: float(v) / max(count, 1) for k, v in sums.items()}
-        y, y_hat = flat["returns"], flat["values"]
-        var_y = float(y.var()) if n > 1 else 0.0
-        out.update(base, logprob_mismatch_abs=float((flat["prox"] - flat["logp"]).abs().mean()),
-                   behaviour_weight_mean=float(raw_w.mean()),
-                   behaviour_weight_truncated_fraction=float(truncated.float().mean()),
-                   explained_variance=float("nan") if var_y == 0 else 1 - float((y - y_hat).var()) / var_y)
-        return out
+        flat["w"], truncated = behaviour_weights(flat["prox"], flat["logp"], self.cfg.behaviour_weight_cap)
+        gap = flat["prox"] - flat["logp"]
+        return {"logprob_mismatch_abs": float(gap.abs().mean()), "behaviour_weight_mean": float(gap.exp().mean()),
+                "behaviour_weight_truncated_fraction": float(truncated.float().mean())}
+
+    def minibatch_loss(self, flat: dict, idx: torch.Tensor, new_logp: torch.Tensor, entropy: torch.Tensor,
+                       new_values: torch.Tensor, adv: torch.Tensor, clip: float
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        return decoupled_ppo_loss(new_logp, flat["prox"][idx], flat["w"][idx], adv, new_values, flat["values"][idx],
+                                  flat["returns"][idx], entropy, clip, cfg.clip_range_vf, cfg.vf_coef, cfg.ent_coef)
 
 
 __all__ = ["AsyncPPO", "AsyncPPOConfig", "behaviour_weights", "decoupled_ppo_loss", "version_lags"]

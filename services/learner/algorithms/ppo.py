@@ -120,6 +120,26 @@ def linear(start: float, progress_remaining: float, schedule: str) -> float:
     return start * progress_remaining if schedule == "linear" else start
 
 
+def flatten(batch: dict, advantages: torch.Tensor, returns: torch.Tensor, rows: torch.Tensor | None) -> dict:
+    """The [T, N] batch's fields an update reads as [T * N] rows (only ``rows`` of them when given)."""
+    size = advantages.numel()
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(size, *x.shape[2:])
+        return x if rows is None else x[rows]
+
+    return {"obs": tree_map(flat, batch["obs"]), "actions": flat(batch["actions"]), "logp": flat(batch["logp"]),
+            "values": flat(batch["values"]), "advantages": flat(advantages), "returns": flat(returns)}
+
+
+def summary(sums: dict[str, torch.Tensor], count: int, mismatch: torch.Tensor | None) -> dict[str, float]:
+    """Mean stats over the steps taken, and the rollout-vs-learner log-prob gap of the first minibatch."""
+    out = {k: float(v) / max(count, 1) for k, v in sums.items()}
+    if mismatch is not None:
+        out["logprob_mismatch_abs"] = float(mismatch)
+    return out
+
+
 @register
 class PPO(Algorithm):
     Config = PPOConfig
@@ -160,39 +180,72 @@ class PPO(Algorithm):
                 {"params": critic, "scale": scale}]
 
     def update(self, batch: dict) -> dict[str, float]:
+        """The schedules, GAE over the whole [T, N] batch, then ``n_epochs`` passes of minibatches over its rows.
+        Three hooks let a variant change the objective without copying the loop: ``rows`` (which samples enter the
+        loss), ``score`` (per-row tensors computed once before the first step) and ``minibatch_loss``."""
         cfg = self.cfg
-        rewards, values, dones = batch["rewards"], batch["values"], batch["dones"].float()
-        T, N = rewards.shape
+        T, N = batch["rewards"].shape
         self.env_steps += T * N
         progress_remaining = max(0.0, 1.0 - self.env_steps / self.total_env_steps)
         lr = linear(cfg.learning_rate, progress_remaining, cfg.lr_schedule)
         clip = linear(cfg.clip_range, progress_remaining, cfg.clip_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["scale"]
-
-        gamma: float | torch.Tensor = cfg.gamma
-        if cfg.reward_level == "action" and "step_rewards" in batch:
-            rewards, gamma = per_step_discounting(rewards, batch["step_rewards"], batch["step_valid"], cfg.gamma)
-        advantages, returns = compute_gae(rewards, values, dones, batch["last_values"], gamma, cfg.gae_lambda)
-        size = T * N
-        flat = {
-            "obs": tree_map(lambda x: x.reshape(size, *x.shape[2:]), batch["obs"]),
-            "actions": batch["actions"].reshape(size, *batch["actions"].shape[2:]),
-            "logp": batch["logp"].reshape(size, *batch["logp"].shape[2:]), "values": values.reshape(-1),
-            "advantages": advantages.reshape(-1), "returns": returns.reshape(-1),
-        }
-        mb = min(cfg.batch_size, size)
-        sums: dict[str, torch.Tensor] = {}
-        count = 0
-        stop = False
-        mismatch: torch.Tensor | None = None
+        advantages, returns = self.gae(batch)
+        rows, info = self.rows(batch)
         warming = self.updates < cfg.critic_warmup
         self.updates += 1
+        info.update(learning_rate=lr, clip_range=clip, critic_warmup=float(warming))
+        flat = flatten(batch, advantages, returns, rows)
+        n = flat["advantages"].shape[0]
+        if n == 0:  # no sample enters the loss: no step
+            return info
+        mb = min(cfg.batch_size, n)
+        info.update(self.score(flat, mb))
+        out = self.epochs(flat, mb, clip, warming)
+        y, y_hat = flat["returns"], flat["values"]
+        var_y = float(y.var()) if n > 1 else 0.0
+        out["explained_variance"] = float("nan") if var_y == 0 else 1 - float((y - y_hat).var()) / var_y
+        return out | info
+
+    def gae(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advantages and returns [T, N] from the batch's own values (per-step discounting with reward_level
+        action)."""
+        cfg = self.cfg
+        rewards, gamma = batch["rewards"], cfg.gamma
+        if cfg.reward_level == "action" and "step_rewards" in batch:
+            rewards, gamma = per_step_discounting(rewards, batch["step_rewards"], batch["step_valid"], cfg.gamma)
+        return compute_gae(rewards, batch["values"], batch["dones"].float(), batch["last_values"], gamma,
+                           cfg.gae_lambda)
+
+    def rows(self, batch: dict) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Hook: the flat [T * N] rows that enter the loss (None: all of them) and metrics about the choice."""
+        return None, {}
+
+    def score(self, flat: dict, mb: int) -> dict[str, float]:
+        """Hook: add per-row tensors to ``flat`` before the first step (in chunks of ``mb`` rows); its metrics."""
+        return {}
+
+    def minibatch_loss(self, flat: dict, idx: torch.Tensor, new_logp: torch.Tensor, entropy: torch.Tensor,
+                       new_values: torch.Tensor, adv: torch.Tensor, clip: float
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Hook: one minibatch's loss and stats: PPO's clipped surrogate, value loss and entropy bonus."""
+        cfg = self.cfg
+        return ppo_loss(new_logp, flat["logp"][idx], adv, new_values, flat["values"][idx], flat["returns"][idx],
+                        entropy, clip, cfg.clip_range_vf, cfg.vf_coef, cfg.ent_coef)
+
+    def epochs(self, flat: dict, mb: int, clip: float, warming: bool) -> dict[str, float]:
+        """``n_epochs`` shuffled passes of ``mb``-row minibatches (stopped early past target_kl): the mean stats."""
+        cfg = self.cfg
+        n = flat["advantages"].shape[0]
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        mismatch: torch.Tensor | None = None
         for _ in range(cfg.n_epochs):
-            order = torch.randperm(size, generator=self.generator,
+            order = torch.randperm(n, generator=self.generator,
                                    device=self.generator.device if self.generator is not None else "cpu")
-            for start in range(0, size, mb):
-                idx = order[start:start + mb]
+            for start in range(0, n, mb):
+                idx = order[start:start + mb].to(flat["advantages"].device)
                 adv = flat["advantages"][idx]
                 if cfg.normalize_advantage and len(idx) > 1:
                     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
@@ -204,12 +257,9 @@ class PPO(Algorithm):
                     # plus policy lag when the batch is older than the learner's weights: batch_version)
                     mismatch = (new_logp.detach() - flat["logp"][idx]).abs().mean()
                 adv = adv.reshape(-1, *(1,) * (new_logp.dim() - 1))  # each action/token of a decision gets its
-                loss, stats = ppo_loss(new_logp, flat["logp"][idx], adv, new_values, flat["values"][idx],
-                                       flat["returns"][idx], entropy, clip, cfg.clip_range_vf, cfg.vf_coef,
-                                       cfg.ent_coef)
+                loss, stats = self.minibatch_loss(flat, idx, new_logp, entropy, new_values, adv, clip)
                 if cfg.target_kl is not None and stats["approx_kl"] > 1.5 * cfg.target_kl:
-                    stop = True
-                    break
+                    return summary(sums, count, mismatch)
                 self.optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm, foreach=True)
@@ -218,15 +268,7 @@ class PPO(Algorithm):
                 for k, v in stats.items():  # tensors: one conversion per update, not per minibatch
                     sums[k] = sums[k] + v if k in sums else v
                 count += 1
-            if stop:
-                break
-        out = {k: float(v) / max(count, 1) for k, v in sums.items()}
-        y, y_hat = flat["returns"], flat["values"]
-        var_y = float(y.var())
-        out.update(learning_rate=lr, clip_range=clip, logprob_mismatch_abs=float(mismatch), critic_warmup=float(warming),
-                   explained_variance=float("nan") if var_y == 0 else 1 - float((y - y_hat).var()) / var_y)
-        return out
-
+        return summary(sums, count, mismatch)
 
     def state_dict(self) -> dict:
         return super().state_dict() | {"updates": self.updates}
