@@ -62,8 +62,7 @@ class DSRL(SAC):
             raise ValueError(f"algorithm.expert_checkpoint holds another policy than policy.latent_noise.base builds "
                              f"from this run's policy section: {str(exc)[:300]}. Fix: repeat the checkpoint run's "
                              f"policy.{run.policy.latent_noise.base} section") from None
-        self.expert = None  # its weights are the base's now
-        self.actor_optimizer = self.adam(actor.actor.parameters())  # the base is frozen
+        self.expert = None  # its weights are the base's now (frozen: SAC's actor optimiser leaves it out)
 
     def critic_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """The latent tanh(u) of recorded [latent; chunk] actions."""

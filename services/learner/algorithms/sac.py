@@ -66,7 +66,7 @@ class SAC(Algorithm):
         self.actor = actor
         device = next(actor.parameters()).device
         self.build_critics(device)
-        self.actor_optimizer = self.adam(actor.parameters())
+        self.actor_optimizer = self.adam([p for p in actor.parameters() if p.requires_grad])  # (a frozen part stays)
         self.auto_alpha = cfg.ent_coef == "auto"
         self.target_entropy = cfg.target_entropy if cfg.target_entropy is not None else -float(actor.act_dim)
         self.log_alpha = torch.zeros(1, requires_grad=self.auto_alpha, device=device)
