@@ -22,8 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rlfabric.services.core.config import load_config
 from rlfabric.services.core.proto.rlfabric.v1 import common_pb2
-from rlfabric.services.core.runtime import ServiceOptions, apply_env_defaults, env_var
+from rlfabric.services.core.runtime import ServiceOptions, apply_env_defaults
 from tests.conftest import free_port
+from tests.serve_flags import service_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
@@ -123,26 +124,6 @@ def test_redis_and_minio_keep_data_in_named_volumes(compose):
     assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${RLFABRIC_REDIS_PASSWORD:?")
 
 
-def _service_flags(role: str) -> set[str]:
-    """The RLFABRIC_* names `rlfabric serve ROLE` understands, from the real parsers (the flags every service
-    shares, and the ones its main adds)."""
-    import importlib
-
-    extras = []
-    module = importlib.import_module(f"rlfabric.services.{role}.server")
-    real = module.run_service
-    try:  # what the service's main hands run_service as its own flags
-        module.run_service = lambda _role, _build, _argv=None, extra=None: extras.append(extra)
-        module.main([])
-    finally:
-        module.run_service = real
-    parser = argparse.ArgumentParser()
-    ServiceOptions.add_arguments(parser)
-    if extras and extras[0] is not None:
-        extras[0](parser)
-    return {env_var(o) for a in parser._actions for o in a.option_strings if o.startswith("--")}
-
-
 def test_rlfabric_services_share_one_image_and_are_configured_by_environment(compose):
     services = compose["services"]
     images = {services[r]["image"] for r in RLFABRIC}
@@ -169,7 +150,7 @@ def test_rlfabric_services_share_one_image_and_are_configured_by_environment(com
         # (secrets are read from the environment, never flags: they would show in `ps`)
         unknown = {k for k in env if k.startswith("RLFABRIC_") and not k.startswith("RLFABRIC_S3_")
                    and k not in ("RLFABRIC_TOKEN", "RLFABRIC_REDIS_PASSWORD")}
-        unknown -= _service_flags(role)
+        unknown -= service_flags(role)
         assert not unknown, f"{role}: {sorted(unknown)} are not flags of `rlfabric serve {role}`"
         if role == "coordinator":
             assert "RLFABRIC_COORDINATOR" not in env
