@@ -6,7 +6,11 @@ Rows are ``{"prompt", "completion", "answer"}``: ``prompt`` is the question alre
 Answer:`` frame (no template is needed on either side), ``completion`` starts with a space and ends with the
 answer line. Train and held-out files are disjoint by question text.
 
-    python bench/reasoning_data.py DIR --train 6000 --held-out 500
+The ``longtail`` variant (the long-tail profile) mixes in as many one-line sums (``Compute 7 + 5.`` ->
+`` 7 + 5 = 12`` and the answer line, ~8 tokens) as worked problems (40-106 tokens): correct responses then range
+over ~10x in length, and almost every batch holds both, as when an RL prompt set mixes easy and hard problems.
+
+    python bench/reasoning_data.py DIR --train 6000 --held-out 500 [--variant longtail]
 """
 
 from __future__ import annotations
@@ -121,7 +125,20 @@ def _two_people(rng: random.Random) -> tuple[str, str, int]:
     return " ".join(q), "\n".join(a), x + y
 
 
+def _direct(rng: random.Random) -> tuple[str, str, int]:
+    """One operation asked and answered in a line: the short end of the long-tail variant."""
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    op = rng.choice("+-*")
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    if op == "*":
+        b = rng.randint(2, 9)
+    c = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"Compute {a} {op} {b}.", f" {a} {op} {b} = {c}", c
+
+
 FAMILIES = (_running, _running, _packing, _two_people)
+VARIANTS = {"reasoning": FAMILIES, "longtail": (_direct, _direct, _direct, _running, _packing, _two_people)}
 
 
 EQUATION = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
@@ -138,27 +155,27 @@ def verify(row: dict) -> None:
         raise AssertionError(f"the answer {row['answer']} is not where the solution ends: {row['completion']!r}")
 
 
-def problem(rng: random.Random) -> dict:
-    question, work, answer = rng.choice(FAMILIES)(rng)
+def problem(rng: random.Random, families: tuple = FAMILIES) -> dict:
+    question, work, answer = rng.choice(families)(rng)
     row = {"prompt": f"Question: {question}\nAnswer:", "completion": f"{work}\n#### {answer}",
            "answer": str(answer)}
     verify(row)
     return row
 
 
-def build(train: int, held_out: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def build(train: int, held_out: int, seed: int = 0, variant: str = "reasoning") -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows), disjoint by prompt: held-out prompts are drawn first and never trained on."""
-    rng = random.Random(seed)
+    rng, families = random.Random(seed), VARIANTS[variant]
     held: dict[str, dict] = {}
     while len(held) < held_out:
-        row = problem(rng)
+        row = problem(rng, families)
         held.setdefault(row["prompt"], row)
     rows: list[dict] = []
     seen = set(held)
     for _ in range(train * 50):
         if len(rows) == train:
             break
-        row = problem(rng)
+        row = problem(rng, families)
         if row["prompt"] not in seen:
             seen.add(row["prompt"])
             rows.append(row)
@@ -167,10 +184,11 @@ def build(train: int, held_out: int, seed: int = 0) -> tuple[list[dict], list[di
     return rows, list(held.values())
 
 
-def write(directory: str | Path, train: int, held_out: int, seed: int = 0) -> tuple[Path, Path]:
+def write(directory: str | Path, train: int, held_out: int, seed: int = 0, variant: str = "reasoning"
+          ) -> tuple[Path, Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rows, held = build(train, held_out, seed)
+    rows, held = build(train, held_out, seed, variant)
     paths = directory / "train.jsonl", directory / "held_out.jsonl"
     for path, part in zip(paths, (rows, held), strict=True):
         path.write_text("".join(json.dumps(r) + "\n" for r in part))
@@ -192,8 +210,9 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=6000)
     ap.add_argument("--held-out", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", choices=list(VARIANTS), default="reasoning")
     args = ap.parse_args()
-    for path in write(args.dir, args.train, args.held_out, args.seed):
+    for path in write(args.dir, args.train, args.held_out, args.seed, args.variant):
         print(path)
 
 
