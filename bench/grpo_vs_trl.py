@@ -15,7 +15,7 @@ reasoning: GSM8K-like word problems (bench/reasoning_data.py: 2-4 steps, worked 
     so it is cached under ``~/.cache/rlfabric-bench/`` by a hash of the data generator, the SFT spec and its
     overrides (``--no-cache`` remakes it).
 longtail: the reasoning profile's model and settings on bench/reasoning_data.py's ``longtail`` variant: half the
-    problems are one-line sums answered in ~8 tokens, half worked problems of 40-106, so nearly every batch waits on
+    problems are one-line sums answered in ~13 tokens, half worked problems of up to ~150, so nearly every batch waits on
     a response ~10x its shortest. rlfabric runs what it documents for long tails: over-sampling with
     ``finish_fraction`` (the last groups still generating are cut), length-grouped update passes, and a staleness
     bound with masked importance sampling (MIS) on the engine-vs-learner ratio. Its own warm start (the same SFT

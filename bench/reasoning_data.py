@@ -7,7 +7,7 @@ Answer:`` frame (no template is needed on either side), ``completion`` starts wi
 answer line. Train and held-out files are disjoint by question text.
 
 The ``longtail`` variant (the long-tail profile) mixes in as many one-line sums (``Compute 7 + 5.`` ->
-`` 7 + 5 = 12`` and the answer line, ~8 tokens) as worked problems (40-106 tokens): correct responses then range
+`` 7 + 5 = 12`` and the answer line, ~13 tokens with the digit-by-digit BPE) as worked problems (up to ~150): correct responses then range
 over ~10x in length, and almost every batch holds both, as when an RL prompt set mixes easy and hard problems.
 
     python bench/reasoning_data.py DIR --train 6000 --held-out 500 [--variant longtail]
