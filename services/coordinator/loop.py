@@ -153,7 +153,7 @@ class TrainingLoop:
         plan.env_spec = env_spec = await plan.configure_env(plan.envs[0])
         for stage in plan.envs[1:]:
             await plan.configure_env(stage)
-        ctx = {"env_spec": env_spec, "run_dir": str(run.run_dir.resolve())}
+        ctx = {"env_spec": env_spec, "run_dir": str(run.run_dir.resolve()), "fence": plan.fence}
         replay = await rpc(plan.stage("replay"), "Configure",
                            common_pb2.ConfigureRequest(**req, context_json=json.dumps(ctx)), 600)
         for source, rows in json.loads(replay.detail_json or "{}").get("loaded", {}).items():

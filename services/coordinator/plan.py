@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -89,6 +90,9 @@ class PlanExecutor:
         self.endpoints: dict[str, str] = {}
         self.env_spec: dict = {}
         self.base_version = 0
+        # This attempt's fence, in every worker's Configure: env and replay refuse requests stamped with another
+        # (a worker lost to an earlier attempt that can still reach them), so its stale work never mixes in.
+        self.fence = secrets.token_hex(8)
 
     # -- the narrow interface schedulers see (records.PlanControl) -------------------------------------------
     @property
@@ -177,7 +181,8 @@ class PlanExecutor:
     async def configure_env(self, stage: Stage) -> dict:
         """An env worker opens no store, so it gets the spec without its secrets (S3 keys, Redis password)."""
         reply = await rpc(stage, "Configure", common_pb2.ConfigureRequest(
-            run_id=self.run.run_id, config_json=self.cfg.redacted().to_json()), 120)
+            run_id=self.run.run_id, config_json=self.cfg.redacted().to_json(),
+            context_json=json.dumps({"fence": self.fence})), 120)
         self.endpoints[stage.worker.worker_id] = reply.data_endpoint
         return json.loads(reply.detail_json)
 
@@ -200,7 +205,7 @@ class PlanExecutor:
             shard = {"index": w, "envs": offsets[w + 1] - offsets[w], "offset": offsets[w]}
             ctx = {"env_spec": self.env_spec, "run_dir": str(self.run.run_dir.resolve()),
                    "base_version": self.base_version, "start_iteration": next_index, "shard": shard,
-                   "min_version": self.base_version + max(0, next_index - k)}
+                   "min_version": self.base_version + max(0, next_index - k), "fence": self.fence}
             calls.append(rpc(stage, "Configure", common_pb2.ConfigureRequest(
                 run_id=self.run.run_id, config_json=cfg.to_json(), context_json=json.dumps(ctx),
                 peers={"env": self.endpoints[env_stage.worker.worker_id], "replay": self.endpoints["replay"],

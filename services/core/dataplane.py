@@ -34,6 +34,32 @@ class PeerTimeout(TimeoutError):
     """The peer did not answer in time: it is busy, dead or unreachable."""
 
 
+FENCE_KEY = "fence"
+
+
+class StaleAttempt(ValueError):
+    """A request from a worker of an attempt of the run that has ended. The coordinator gives every attempt a new
+    random fence; a worker it lost (unreachable, not dead) may still reach its peers, and its requests are refused
+    so that its stale batches, env steps and gets cannot mix into the attempt that replaced it."""
+
+
+def fence_of(context: object) -> str:
+    """A Configure's context_json.fence ('' when it has none), checked: a ValueError naming the field."""
+    fence = context.get(FENCE_KEY, "") if isinstance(context, dict) else ""
+    if not isinstance(fence, str) or len(fence) > 64:
+        raise ValueError("context_json.fence must be a string of at most 64 characters (the coordinator's)")
+    return fence
+
+
+def check_fence(meta: dict, fence: str, service: str) -> None:
+    """Refuse a request stamped with another attempt's fence (unstamped ones, tools' and tests', pass)."""
+    got = meta.get(FENCE_KEY)
+    if fence and got is not None and got != fence:
+        raise StaleAttempt(f"{service}: refused a request of an attempt of the run that has ended (fence "
+                           f"{str(got)[:32]!r}, this {service} serves {fence!r}): the coordinator lost the sending "
+                           f"worker and re-placed the run without it, so its work is stale; it registers anew")
+
+
 def _socket(kind: int, hwm: int, max_bytes: int) -> zmq.Socket:
     sock = zmq.Context.instance().socket(kind)
     # CURVE with keys derived from the deployment's token (none configured: in the clear, loopback only)
@@ -220,11 +246,12 @@ class DataClient:
     """Requests to one DataServer. Not thread-safe: one client per thread."""
 
     def __init__(self, endpoint: str, *, max_bytes: int, timeout_s: float = 30.0, hwm: int = 64,
-                 peer: str = "peer"):
+                 peer: str = "peer", fence: str = ""):
         self.endpoint = endpoint
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.peer = peer
+        self.fence = fence  # the attempt this client works for, stamped on every request (see check_fence)
         self._sock = _socket(zmq.DEALER, hwm, max_bytes)
         self._sock.connect(endpoint)
         self._seq = 0
@@ -232,6 +259,9 @@ class DataClient:
 
     def send(self, kind: str, batch: TensorBatch | None = None) -> int:
         self._seq += 1
+        if self.fence:
+            batch = batch if batch is not None else TensorBatch()
+            batch.meta = {**batch.meta, FENCE_KEY: self.fence}
         frames = encode(kind, batch, seq=self._seq)
         size = message_bytes(frames)
         if size > self.max_bytes:

@@ -17,7 +17,7 @@ from prometheus_client import Counter
 
 from rlfabric.services.core.batch import TensorBatch
 from rlfabric.services.core.config import ConfigError, RunConfig
-from rlfabric.services.core.dataplane import DataServer, Reply
+from rlfabric.services.core.dataplane import DataServer, Reply, StaleAttempt, check_fence, fence_of
 from rlfabric.services.core.ownership import check_owner
 from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, env_pb2, env_pb2_grpc
 from rlfabric.services.core.runtime import ServiceRuntime, run_service
@@ -28,6 +28,8 @@ from rlfabric.services.env.pool import EnvPools, add_host_arguments, apply_host_
 log = logging.getLogger(__name__)
 ENV_STEPS = Counter("rlfabric_env_steps_total", "env steps simulated", ["pool"])
 REJECTED = Counter("rlfabric_env_rejected_messages_total", "data-plane messages refused")
+STALE = Counter("rlfabric_env_stale_attempt_requests_total",
+                "env requests refused as coming from a rollout worker of an ended attempt (a fenced-off worker)")
 ENV_BUILD_FAILURES = Counter("rlfabric_env_build_failures_total", "Configure calls whose envs crashed while being "
                              "built (not the spec's fault)")
 
@@ -45,6 +47,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
         self.pools: EnvPools | None = None
         self.config: RunConfig | None = None
         self.lock = threading.Lock()
+        self.fence = ""  # the run attempt these envs serve (Configure's context_json.fence): see check_fence
         self.data = DataServer(host, max_bytes=RunConfig().data_plane.max_message_bytes, name="env",
                                on_reject=lambda _r: REJECTED.inc(), advertise_host=runtime.advertise_host)
         runtime.data_endpoint = self.data.endpoint
@@ -57,6 +60,11 @@ class EnvService(env_pb2_grpc.EnvServicer):
         with self.lock:
             if self.pools is None:
                 raise ValueError("no env pools: call Configure first")
+            try:  # a lost rollout worker must not step the envs of the attempt that replaced it
+                check_fence(batch.meta, self.fence, "env")
+            except StaleAttempt:
+                STALE.inc()
+                raise
             out_kind, tensors = self.pools.handle(kind, batch.meta, batch.tensors)
         if out_kind == "stepped":
             ENV_STEPS.labels("eval" if batch.meta.get("pool") == "eval" else "train").inc(len(tensors["reward"]))
@@ -67,7 +75,8 @@ class EnvService(env_pb2_grpc.EnvServicer):
         await check_owner(self.runtime, request.run_id, context)
         try:
             config = RunConfig.from_json(request.config_json).redacted()  # it opens no store: it keeps no secret
-        except ConfigError as exc:
+            fence = fence_of(json.loads(request.context_json or "{}"))
+        except (ConfigError, ValueError) as exc:  # (a JSONDecodeError is a ValueError)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         env = config.env
         try:
@@ -84,7 +93,7 @@ class EnvService(env_pb2_grpc.EnvServicer):
                                 f"env.id {env.id!r} failed to build on this env worker: "
                                 f"{exc.__class__.__name__}: {exc}")
         with self.lock:
-            old, self.pools, self.config = self.pools, pools, config
+            old, self.pools, self.config, self.fence = self.pools, pools, config, fence
             self.data.max_bytes = config.data_plane.max_message_bytes
         if old is not None:
             old.close()

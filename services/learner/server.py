@@ -20,7 +20,7 @@ from prometheus_client import Counter, Gauge
 
 from rlfabric.services.core import progress
 from rlfabric.services.core.config import ConfigError, RunConfig
-from rlfabric.services.core.dataplane import DataClient, PeerTimeout, RemoteError
+from rlfabric.services.core.dataplane import DataClient, PeerTimeout, RemoteError, fence_of
 from rlfabric.services.core.devices import resolve_device
 from rlfabric.services.core.models import build_policy
 from rlfabric.services.core.objectstore import ObjectStore, open_store
@@ -116,7 +116,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         return roles
 
     def _configure(self, config: RunConfig, env_spec: dict, replay_endpoint: str, run_dir: str,
-                   resume: bool, run_id: str) -> dict:
+                   resume: bool, run_id: str, fence: str = "") -> dict:
         if self.offload is not None:
             self.offload.close()
             self.offload = None
@@ -158,7 +158,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if self.replay is not None:
             self.replay.close()
         self.replay = DataClient(replay_endpoint, max_bytes=config.data_plane.max_message_bytes,
-                                 timeout_s=config.data_plane.timeout_s, peer="replay")
+                                 timeout_s=config.data_plane.timeout_s, peer="replay", fence=fence)
         self.feed = feed_for(config.spec.data(config.algorithm), self.replay, config.collects, config.env.num_envs)
         if self.publisher is not None and self.publisher_sync != config.weight_sync:
             self.publisher.close()  # a run with other weight-sync options (transport, buckets, deltas)
@@ -212,14 +212,15 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             context_info = json.loads(request.context_json or "{}")
             env_spec = context_info["env_spec"]
             replay_endpoint = request.peers["replay"]
-        except (ConfigError, KeyError, json.JSONDecodeError) as exc:
+            fence = fence_of(context_info)
+        except (ConfigError, KeyError, ValueError) as exc:  # (a JSONDecodeError is a ValueError)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Configure needs config_json, context_json.env_spec and peers.replay: {exc}")
         set_torch_threads(config.runtime.torch_threads)
         try:
             detail = await self._run(self._configure, config, env_spec, replay_endpoint,
                                      context_info.get("run_dir", "."), context_info.get("resume") or False,
-                                     request.run_id)
+                                     request.run_id, fence)
         except FileNotFoundError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {exc}")
         except ValueError as exc:

@@ -40,7 +40,15 @@ from rlfabric.services.core import paths
 from rlfabric.services.core.algorithm import DEFAULT_SOURCE
 from rlfabric.services.core.batch import TensorBatch
 from rlfabric.services.core.config import ConfigError, RunConfig
-from rlfabric.services.core.dataplane import DataServer, Reply, meta_float, meta_int
+from rlfabric.services.core.dataplane import (
+    DataServer,
+    Reply,
+    StaleAttempt,
+    check_fence,
+    fence_of,
+    meta_float,
+    meta_int,
+)
 from rlfabric.services.core.objectstore import open_store
 from rlfabric.services.core.ownership import check_owner
 from rlfabric.services.core.paths import DataRoots, Endpoints, confine_storage, redis_endpoint
@@ -54,6 +62,8 @@ from rlfabric.services.replay.stores.redis import ReplayStoreError, ReplayStoreU
 log = logging.getLogger(__name__)
 PUTS = Counter("rlfabric_replay_puts_total", "trajectory batches stored")
 TRANSITIONS = Gauge("rlfabric_replay_transitions", "rows stored, by source", ["source"])
+STALE = Counter("rlfabric_replay_stale_attempt_requests_total",
+                "requests refused as coming from a worker of an ended attempt (a fenced-off worker)")
 STORE_ERRORS = Counter("rlfabric_replay_store_errors_total", "requests the store could not serve (e.g. Redis lost)")
 MAX_PARKED_GETS = 1024  # long-polling gets parked at once: each holds a reply, and every put scans them
 MAX_PARKED_PER_PEER = 16  # ... by one connection (a learner parks one at a time)
@@ -89,6 +99,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         self.stores: dict[str, ReplayStore] = {DEFAULT_SOURCE: MemoryStore(RunConfig().replay.capacity_transitions)}
         self.rng = np.random.default_rng(0)
         self.waiting: list[_Waiting] = []
+        self.fence = ""  # the run attempt this replay serves (Configure's context_json.fence): see check_fence
+        self.stale_fences: set[str] = set()  # ended attempts' fences already logged (once each)
         self.data = DataServer(host, max_bytes=RunConfig().data_plane.max_message_bytes, name="replay",
                                advertise_host=runtime.advertise_host)
         runtime.data_endpoint = self.data.endpoint
@@ -111,7 +123,15 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
 
     def handle(self, kind: str, batch: TensorBatch, reply: Reply) -> None:
         try:
+            check_fence(batch.meta, self.fence, "replay")
             self._handle(kind, batch, reply)
+        except StaleAttempt as exc:
+            STALE.inc()
+            fence = str(batch.meta.get("fence"))[:32]
+            if fence not in self.stale_fences and len(self.stale_fences) < 1024:
+                self.stale_fences.add(fence)
+                log.warning("refused '%s' from a worker of an ended attempt", kind, extra={"fence": fence})
+            reply.error(str(exc))
         except ReplayStoreError as exc:
             STORE_ERRORS.inc()
             log.error("replay store failed on '%s': %s", kind, exc)
@@ -256,7 +276,8 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         try:
             ctx = json.loads(request.context_json) if request.context_json else {}
             run_dir = str(ctx.get("run_dir") or "") if isinstance(ctx, dict) else ""
-        except json.JSONDecodeError as exc:
+            fence = fence_of(ctx)
+        except (json.JSONDecodeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"context_json is not valid JSON ({exc}). Fix: send "
                                                                   f'{{"run_dir": ..., "env_spec": ...}}')
         try:  # may wait up to replay.connect_timeout_s, and read data sets: keep the event loop (health) serving
@@ -271,7 +292,7 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
         except (ValueError, OSError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay: cannot open replay.store="
                                                                      f"{config.replay.store!r}: {exc}")
-        old = await asyncio.to_thread(self._swap, stores, config)
+        old = await asyncio.to_thread(self._swap, stores, config, fence)
         for store in old:
             await asyncio.to_thread(store.close)
         self.runtime.state = f"busy:{request.run_id}"
@@ -326,9 +347,9 @@ class ReplayService(replay_pb2_grpc.ReplayServicer):
             raise
         return stores, loaded
 
-    def _swap(self, stores: dict[str, ReplayStore], config: RunConfig) -> list[ReplayStore]:
+    def _swap(self, stores: dict[str, ReplayStore], config: RunConfig, fence: str) -> list[ReplayStore]:
         with self.lock:
-            old, self.stores = list(self.stores.values()), stores
+            old, self.stores, self.fence = list(self.stores.values()), stores, fence
             self.rng = np.random.default_rng(config.seed)
             self.data.max_bytes = config.data_plane.max_message_bytes
             for w in self.waiting:

@@ -13,7 +13,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from rlfabric.services.core.config import ConfigError, RunConfig
-from rlfabric.services.core.dataplane import PeerTimeout, RemoteError
+from rlfabric.services.core.dataplane import PeerTimeout, RemoteError, fence_of
 from rlfabric.services.core.ownership import check_owner
 from rlfabric.services.core.paths import DataRoots, Endpoints, confine_model, confine_storage
 from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -93,11 +93,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         try:
             config = RunConfig.from_json(request.config_json)
             info = json.loads(request.context_json or "{}")
-            env_spec, peers = info["env_spec"], dict(request.peers)
+            env_spec, peers, fence = info["env_spec"], dict(request.peers), fence_of(info)
             for role in ("env", "replay", "learner"):
                 if role not in peers:
                     raise KeyError(f"peers.{role}")
-        except (ConfigError, KeyError, json.JSONDecodeError) as exc:
+        except (ConfigError, KeyError, ValueError) as exc:  # (a JSONDecodeError is a ValueError)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Configure needs config_json, context_json.env_spec and peers env/replay/learner: {exc}")
         try:  # the object store its cold start reads and the model it loads: under the operator's roots
@@ -120,7 +120,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                                                                   f'{{"index": w, "envs": n, "offset": first_env}}')
         try:
             self.worker = await asyncio.to_thread(RolloutWorker, config, env_spec, peers, base, start, index,
-                                                  envs or None, offset, expert)
+                                                  envs or None, offset, expert, fence)
             stored = await self._call(context, self.worker.submit(self.worker.cold_start, run_dir, request.run_id))
             need = int(info.get("min_version", base + start))  # what its first batch needs (staleness allowing)
             try:

@@ -54,8 +54,9 @@ class CollectResult:
 class RolloutWorker:
     def __init__(self, config: RunConfig, env_spec: dict, peers: dict[str, str], base_version: int = 0,
                  start_iteration: int = 0, shard: int = 0, shard_envs: int | None = None, env_offset: int = 0,
-                 expert: dict | None = None):
+                 expert: dict | None = None, fence: str = ""):
         self.config = config
+        self.fence = fence  # the run attempt it works for, stamped on its env and replay requests (check_fence)
         self.expert = expert  # an expert checkpoint's state, when the algorithm has the expert act in some steps
         # this worker's shard of the env batch: envs [env_offset, env_offset + shard_envs) of the run, seeded by
         # their global index so a run splits the same envs whatever its number of workers
@@ -114,9 +115,9 @@ class RolloutWorker:
                 self.env = LocalEnvChannel(cfg)
             else:
                 self.env = DataClient(self.peers["env"], max_bytes=dp.max_message_bytes, timeout_s=dp.timeout_s,
-                                      hwm=dp.high_water_mark, peer="env")
+                                      hwm=dp.high_water_mark, peer="env", fence=self.fence)
             self.replay = DataClient(self.peers["replay"], max_bytes=dp.max_message_bytes,
-                                     timeout_s=dp.timeout_s, hwm=dp.high_water_mark, peer="replay")
+                                     timeout_s=dp.timeout_s, hwm=dp.high_water_mark, peer="replay", fence=self.fence)
             self.weights = WeightSubscriber(self.peers["learner"], dp.max_message_bytes, dp.timeout_s,
                                             sync=cfg.weight_sync)
             self.collector = collector_class(cfg)(cfg, self.backend, self.env, self.shard_envs, self.chunks,

@@ -279,6 +279,13 @@ class Hosts:
                 "--port-file", str(port_file), "--token-file", str(self.token_file), *self._security_flags()]
         if role == "coordinator":
             argv += ["--runs-root", str(self.runs_root)]
+        elif role == "robot_gateway":  # arms, not a worker of runs: the env adapter dials it by address
+            operator = self.tmp / "secrets" / "operator-token"
+            if not operator.exists():
+                fd = os.open(operator, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write("the-operators-own-secret\n")
+            argv += ["--operator-token-file", str(operator)]
         else:
             if not self.coordinator:
                 raise HarnessError(f"start the coordinator before {role}")

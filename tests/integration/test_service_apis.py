@@ -83,6 +83,40 @@ def test_env_api_and_data_plane(stack):
     assert stats.env_steps == 60 and stats.episodes.episodes >= 2 and stats.rejected_messages >= 2
 
 
+def test_env_and_replay_refuse_requests_of_an_ended_attempt(stack):
+    """Each attempt of a run configures its workers with a new fence; a worker of an ended attempt (lost by the
+    coordinator, yet still reaching its peers) is refused by env and replay, naming why, and counted. Requests
+    that carry no fence (tools, these tests) are served."""
+    env, replay = _stub(stack, "env"), _stub(stack, "replay")
+    cfg = short_config(replay={"capacity_transitions": 100})
+    shard = TensorBatch({"obs": np.zeros((8, 4, 2), np.float32)}, version=0, dims=("time", "env"))
+    clients = {}
+    for attempt in ("a0", "a1"):
+        req = dict(run_id="t-fence", config_json=cfg.to_json(), context_json=json.dumps({"fence": attempt}))
+        replay_at = replay.Configure(common_pb2.ConfigureRequest(**req), timeout=10).data_endpoint
+        env_at = env.Configure(common_pb2.ConfigureRequest(**req), timeout=30).data_endpoint
+        clients[attempt] = (DataClient(replay_at, max_bytes=1 << 20, timeout_s=5, peer="replay", fence=attempt),
+                            DataClient(env_at, max_bytes=1 << 20, timeout_s=5, peer="env", fence=attempt))
+        assert clients[attempt][0].request("put", shard)[0] == "ack"
+        assert clients[attempt][1].request("reset", TensorBatch(meta={"pool": "train", "seed": 0,
+                                                                      "num_envs": 4}))[1]["obs"].shape == (4, 4)
+    stale_replay, stale_env = clients["a0"]
+    for request in (("put", shard), ("get", TensorBatch(meta={"min_version": 0})), ("sample", TensorBatch(
+            meta={"n": 4}))):
+        with pytest.raises(RemoteError, match="refused a request of an attempt of the run that has ended"):
+            stale_replay.request(*request)
+    with pytest.raises(RemoteError, match="env: 'step' refused: env: refused a request of an attempt .* has ended"):
+        stale_env.request("step", TensorBatch({"actions": np.ones(4, np.int64)}))
+    assert replay.GetStats(common_pb2.Empty()).puts == 1  # only the current attempt's put is stored
+    unfenced = DataClient(stale_replay.endpoint, max_bytes=1 << 20, timeout_s=5, peer="replay")
+    assert unfenced.request("get", TensorBatch(meta={"min_version": 0}))[0] == "batch"
+    assert clients["a1"][1].request("step", TensorBatch({"actions": np.ones(4, np.int64)}))[1]["obs"].shape == (4, 4)
+    for role, metric in (("replay", "rlfabric_replay_stale_attempt_requests_total"),
+                         ("env", "rlfabric_env_stale_attempt_requests_total")):
+        text = metrics_text(_workers(stack)[role].endpoint.metrics)
+        assert any(line.startswith(metric) and float(line.split()[-1]) >= 1 for line in text.splitlines()), role
+
+
 def test_corrupt_and_oversized_frames_are_refused_and_channel_survives(stack):
     env = _stub(stack, "env")
     cfg = short_config(data_plane={"max_message_bytes": 4096})
