@@ -7,6 +7,7 @@
   rlfabric scrape-token                               the metrics credential derived from the deployment's secret
   rlfabric serve SERVICE --coordinator HOST:PORT      one service (for multi-host deployments)
   rlfabric status --coordinator HOST:PORT             workers and runs
+  rlfabric dashboard --coordinator HOST:PORT          a fresh one-time login URL of the coordinator's web dashboard
   rlfabric stop RUN_ID --coordinator HOST:PORT
   rlfabric scale RUN_ID rollout +1 --coordinator HOST:PORT [--spawn]   online scaling of a live run
   rlfabric plan CONFIG --cluster rollout=24,learner=8 --profile RUN_DIR   rank plans on a cluster (simulator)
@@ -256,14 +257,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         return _fail(f"refusing to serve on {args.host} without TLS: every call would carry the stack's bearer in "
                      f"clear. Fix: --tls auto (a private CA for this stack), bind 127.0.0.1, or pass "
                      f"--insecure-plaintext on a network you trust", 2)
+    if not -1 <= args.dashboard_port <= 65535:
+        return _fail(f"--dashboard-port {args.dashboard_port}: a port 0-65535 (0 = pick one) or -1 (none)", 2)
+    dashboard_port = args.dashboard_port or _free_port(args.host)  # fixed: a restarted coordinator serves it again
     stack = LocalStack(log_dir=Path(args.runs_root) / "logs", runs_root=args.runs_root, host=args.host,
                        take_up_runs=True, tls=tls, insecure_plaintext=args.insecure_plaintext,
-                       allow_import_paths=args.allow_import_paths)
+                       allow_import_paths=args.allow_import_paths, dashboard_port=dashboard_port)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job may inherit SIGINT as ignored
         signal.signal(sig, lambda *_: stop.append(1))
     try:
-        address = stack.start()
+        try:
+            address = stack.start()
+        except RuntimeError as exc:
+            return _fail(str(exc), 1)
         stack.supervise()  # restart policy on-failure: a dead worker comes back, up to 5 times with back-off
         token_file = auth.write_token_file(Path(args.runs_root) / ".rlfabric" / "token", stack.token)
         scrape_file = auth.write_token_file(Path(args.runs_root) / ".rlfabric" / "scrape-token",
@@ -273,6 +280,14 @@ def cmd_up(args: argparse.Namespace) -> int:
                       f"RLFABRIC_TOKEN_FILE={token_file.resolve()} or rlfabric.Client(address, token_file=...); "
                       f"Prometheus scrapes with the token in {scrape_file}{tls_note}", soft_wrap=True)
         print(address, flush=True)
+        if dashboard_port >= 0:  # stdout, unwrapped: a one-time login URL, Jupyter-style
+            import grpc
+
+            try:
+                print(f"dashboard: {_dashboard_login(address)}", flush=True)
+            except grpc.RpcError as exc:
+                return _fail(f"the coordinator gave no dashboard login ({exc.code().name}: {exc.details()}); see "
+                             f"{stack.log_dir / 'coordinator.log'}", 1)
         while not stop:
             dead = stack.dead()  # supervised: only what exited for good, the coordinator included
             if dead:
@@ -282,6 +297,39 @@ def cmd_up(args: argparse.Namespace) -> int:
         pass
     finally:
         stack.stop()
+    return 0
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (``up`` gives it to the coordinator's dashboard)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _dashboard_login(address: str) -> str:
+    """A one-time login URL of the coordinator's dashboard (DashboardLogin carries the deployment's bearer)."""
+    from rlfabric.services.coordinator.client import CoordinatorClient
+    from rlfabric.services.core.proto.rlfabric.v1 import common_pb2
+
+    with CoordinatorClient(address) as client:
+        return client.stub.DashboardLogin(common_pb2.Empty(), timeout=client.timeout_s).url
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """A fresh login URL of a coordinator's web dashboard, for an operator holding the deployment's secret."""
+    import grpc
+
+    try:
+        auth.from_environment(args.token_file)
+        print(_dashboard_login(args.coordinator))
+    except auth.AuthError as exc:
+        return _fail(str(exc), 2)
+    except grpc.RpcError as exc:
+        return _fail(f"{exc.code().name}: {exc.details()}", 2 if exc.code() in (
+            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED) else 1)
     return 0
 
 
@@ -680,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-import-paths", action="store_true",
                    help="let run specs name code by import path (package.module:attr); anyone holding the token "
                         "can then run any installed code on these services: only where clients are trusted")
+    p.add_argument("--dashboard-port", type=int, default=0,
+                   help="the coordinator's web dashboard on --host at this port (0: a free one; -1: none); `up` "
+                        "prints its one-time login URL, `rlfabric dashboard` a fresh one")
     p = sub.add_parser("certs", help="a private CA and the services' and clients' certificates of a deployment")
     p.add_argument("out_dir")
     p.add_argument("--hosts", required=True, help="every name or address clients and peers dial, comma-separated "
@@ -695,6 +746,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN_FILE / _TOKEN)")
     p = sub.add_parser("serve", help="run one service (its own flags follow)", add_help=False)
     p.add_argument("service", choices=(*SERVICES, "robot_gateway"))
+    p = sub.add_parser("dashboard", help="a fresh one-time login URL of a coordinator's web dashboard")
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--token-file", default="", help="the deployment's secret (or RLFABRIC_TOKEN_FILE / _TOKEN)")
+    _client_tls(p)
     p = sub.add_parser("status", help="workers and runs of a coordinator")
     p.add_argument("--coordinator", required=True)
     _client_tls(p)
@@ -786,7 +841,8 @@ def main(argv: list[str] | None = None) -> None:
     handlers = {"train": cmd_train, "resume": cmd_resume, "up": cmd_up, "status": cmd_status, "stop": cmd_stop,
                 "scale": cmd_scale, "plan": cmd_plan, "eval": cmd_eval, "collect": cmd_collect,
                 "import-lerobot": cmd_import_lerobot,
-                "teleop": cmd_teleop, "robot": cmd_robot, "certs": cmd_certs, "scrape-token": cmd_scrape_token}
+                "teleop": cmd_teleop, "robot": cmd_robot, "certs": cmd_certs, "scrape-token": cmd_scrape_token,
+                "dashboard": cmd_dashboard}
     sys.exit(handlers[args.command](args))
 
 

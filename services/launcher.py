@@ -291,7 +291,7 @@ class LocalStack:
     def __init__(self, log_dir: str | Path, runs_root: str | Path = "runs", roles: tuple[str, ...] = WORKER_ROLES,
                  heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
                  token: str | None = None, take_up_runs: bool = False, tls=None, insecure_plaintext: bool = False,
-                 allow_import_paths: bool = False):
+                 allow_import_paths: bool = False, dashboard_port: int = -1):
         """``token``: the stack's secret (every port checks it; default: the deployment's RLFABRIC_TOKEN when set,
         so the stack's services reach other services of the deployment such as a robot gateway, else a new one per
         stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only).
@@ -300,8 +300,11 @@ class LocalStack:
         ``tls``: the services' auth.TLSFiles (certificate, key and CA: gRPC with mTLS, metrics over HTTPS; this
         process calls them with the same identity). ``insecure_plaintext``: let a non-loopback ``host`` serve
         without TLS (the services warn). ``allow_import_paths``: every service resolves code a run spec names by
-        import path (--allow-import-paths): for a stack whose user is its operator (``train``), never by default."""
+        import path (--allow-import-paths): for a stack whose user is its operator (``train``), never by default.
+        ``dashboard_port``: the coordinator serves its web dashboard there (-1: none; ``up`` gives a fixed port, so
+        a restarted coordinator serves it on the same one)."""
         self.take_up_runs = take_up_runs
+        self.dashboard_port = dashboard_port
         self.log_dir = Path(log_dir)
         self.runs_root = Path(runs_root)
         self.roles = roles
@@ -372,7 +375,8 @@ class LocalStack:
         self._spawn("coordinator", "rlfabric.services.coordinator.server",
                     ["--port-file", str(self.port_file), "--runs-root", str(self.runs_root),
                      "--heartbeat-timeout", str(self.heartbeat_timeout_s),
-                     "--take-up-runs", "yes" if self.take_up_runs else "no"])
+                     "--take-up-runs", "yes" if self.take_up_runs else "no",
+                     *(["--dashboard-port", str(self.dashboard_port)] if self.dashboard_port >= 0 else [])])
 
     def spawn_workers(self, roles: tuple[str, ...]) -> None:
         """Start workers that register with the coordinator once it is up (they wait for its address file)."""

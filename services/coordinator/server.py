@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import logging
@@ -44,6 +45,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.runs: dict[str, Run] = {}
         self.index = RunIndex(self.runs_root)
         self.earlier: list[dict] = []  # index records this coordinator does not run (finished, or not taken up)
+        self.dashboard = None  # the web dashboard (dashboard.py), unless --dashboard-port -1
         self.reaper = asyncio.get_event_loop().create_task(self._reap())
         runtime.on_shutdown(self.shutdown)
         self._take_up_recorded_runs(take_up_runs)
@@ -516,6 +518,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                         description=d.get("description", "")) for d in loop.decisions]
         return coordinator_pb2.PlanReply(plan=run.plan, description=loop.plan.describe(), decisions=rows)
 
+    async def DashboardLogin(self, request, context):
+        if self.dashboard is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this coordinator serves no dashboard "
+                                                                     "(--dashboard-port -1). Fix: start it with "
+                                                                     "--dashboard-port 0 (or a port)")
+        return coordinator_pb2.DashboardLoginReply(url=self.dashboard.login_url())
+
     async def shutdown(self) -> None:
         self.reaper.cancel()
         for run in self.runs.values():
@@ -533,6 +542,21 @@ def _extra(parser) -> None:
     parser.add_argument("--max-kept-runs", type=int, default=1000, help="finished runs kept in memory for GetRun")
     parser.add_argument("--take-up-runs", choices=("yes", "no"), default="yes",
                         help="resume the runs a previous coordinator on this runs root held and had not ended")
+    parser.add_argument("--dashboard-port", type=_dashboard_port, default=-1,
+                        help="serve the web dashboard on --host at this port (0 = pick one, -1 = none); "
+                             "`rlfabric dashboard` prints a login URL")
+    parser.add_argument("--dashboard-gateway", action="append", default=[], metavar="HOST:PORT",
+                        help="a robot gateway the dashboard shows beside those registered with this coordinator")
+
+
+def _dashboard_port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -2
+    if not -1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535 (0 = pick one) or -1 (no dashboard), got {text!r}")
+    return port
 
 
 def _warm_up() -> None:
@@ -547,6 +571,13 @@ async def _build(runtime: ServiceRuntime, args) -> None:
     service = CoordinatorService(runtime, args.runs_root, args.heartbeat_timeout, args.max_active_runs,
                                  args.max_watchers_per_run, args.max_kept_runs, args.take_up_runs == "yes")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, runtime.server)
+    if args.dashboard_port >= 0:  # aiohttp loads only for a coordinator that serves the dashboard
+        from rlfabric.services.coordinator.dashboard import Dashboard
+
+        service.dashboard = Dashboard(service, args.host, args.dashboard_port, runtime.advertise_host,
+                                      args.dashboard_gateway)
+        await service.dashboard.start()
+        runtime.on_shutdown(service.dashboard.stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -295,3 +295,9 @@ class PlanReply(_message.Message):
     description: str
     decisions: _containers.RepeatedCompositeFieldContainer[PlanRow]
     def __init__(self, plan: _Optional[str] = ..., description: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlanRow, _Mapping]]] = ...) -> None: ...
+
+class DashboardLoginReply(_message.Message):
+    __slots__ = ("url",)
+    URL_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    def __init__(self, url: _Optional[str] = ...) -> None: ...

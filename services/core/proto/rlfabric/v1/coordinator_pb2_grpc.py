@@ -90,6 +90,11 @@ class CoordinatorStub:
                 request_serializer=rlfabric_dot_v1_dot_coordinator__pb2.RunRef.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.PlanReply.FromString,
                 _registered_method=True)
+        self.DashboardLogin = channel.unary_unary(
+                '/rlfabric.v1.Coordinator/DashboardLogin',
+                request_serializer=rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.DashboardLoginReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -167,6 +172,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DashboardLogin(self, request, context):
+        """A fresh login URL of the coordinator's web dashboard: its token works once, to set a browser's session cookie.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -224,6 +236,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetPlan,
                     request_deserializer=rlfabric_dot_v1_dot_coordinator__pb2.RunRef.FromString,
                     response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.PlanReply.SerializeToString,
+            ),
+            'DashboardLogin': grpc.unary_unary_rpc_method_handler(
+                    servicer.DashboardLogin,
+                    request_deserializer=rlfabric_dot_v1_dot_common__pb2.Empty.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_coordinator__pb2.DashboardLoginReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -523,6 +540,33 @@ class Coordinator:
             '/rlfabric.v1.Coordinator/GetPlan',
             rlfabric_dot_v1_dot_coordinator__pb2.RunRef.SerializeToString,
             rlfabric_dot_v1_dot_coordinator__pb2.PlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DashboardLogin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Coordinator/DashboardLogin',
+            rlfabric_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            rlfabric_dot_v1_dot_coordinator__pb2.DashboardLoginReply.FromString,
             options,
             channel_credentials,
             insecure,
