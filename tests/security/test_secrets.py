@@ -179,12 +179,13 @@ def test_the_coordinator_sends_an_env_worker_no_secret(monkeypatch):
 
     executor = plan_mod.PlanExecutor.__new__(plan_mod.PlanExecutor)
     executor.run = SimpleNamespace(run_id="run-1")
-    executor.cfg, executor.endpoints = _secret_config(), {}
+    executor.cfg, executor.endpoints, executor.fence = _secret_config(), {}, "attempt-fence"
     stage = SimpleNamespace(worker=SimpleNamespace(worker_id="env-1"))
     monkeypatch.setattr(plan_mod, "rpc", rpc)
     asyncio.run(executor.configure_env(stage))
     assert len(sent) == 1 and not any(s in sent[0].config_json for s in SECRETS)
     assert RunConfig.from_json(sent[0].config_json).env == executor.cfg.env
+    assert json.loads(sent[0].context_json) == {"fence": "attempt-fence"}  # the attempt's fence, nothing else
 
 
 def test_what_the_coordinator_and_a_replay_worker_log_or_answer_holds_no_secret(tmp_path, caplog):
