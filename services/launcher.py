@@ -292,9 +292,10 @@ class LocalStack:
                  heartbeat_timeout_s: float = 3.0, host: str = "127.0.0.1", torch_threads: int = 1,
                  token: str | None = None, take_up_runs: bool = False, tls=None, insecure_plaintext: bool = False,
                  allow_import_paths: bool = False, dashboard_port: int = -1):
-        """``token``: the stack's secret (every port checks it; default: the deployment's RLFABRIC_TOKEN when set,
-        so the stack's services reach other services of the deployment such as a robot gateway, else a new one per
-        stack; this process then uses it as its own so its clients get in; "" runs in the clear, loopback only).
+        """``token``: the stack's secret (every port checks it; default: the deployment's, from RLFABRIC_TOKEN_FILE
+        or RLFABRIC_TOKEN, when set, so the stack's services reach other services of the deployment such as a robot
+        gateway, else a new one per stack; this process then uses it as its own so its clients get in; "" runs in
+        the clear, loopback only).
         ``take_up_runs``: the coordinator's first start takes up runs its runs root records as not ended (``up``
         does; ``train``/``resume`` run one run of their own). A restarted coordinator always takes up its runs.
         ``tls``: the services' auth.TLSFiles (certificate, key and CA: gRPC with mTLS, metrics over HTTPS; this
@@ -328,7 +329,7 @@ class LocalStack:
         )
 
         if token is None:
-            token = os.environ.get(auth.TOKEN_ENV) or auth.generate_token()
+            token = auth.token_from_environment() or auth.generate_token()
         self.token = token
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen | ForkedProcess:

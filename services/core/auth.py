@@ -252,12 +252,17 @@ def write_private_file(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def from_environment(token_file: str = "", tls: TLSFiles | None = None, plaintext_ok: bool | None = None) -> Security:
-    """The token from ``token_file``, RLFABRIC_TOKEN_FILE or RLFABRIC_TOKEN (in that order), TLS files from the
-    arguments or RLFABRIC_TLS_*; configured for this process."""
+def token_from_environment(token_file: str = "") -> str:
+    """The deployment's secret from ``token_file``, RLFABRIC_TOKEN_FILE or RLFABRIC_TOKEN (in that order); ''
+    when none is set."""
     path = token_file or os.environ.get(TOKEN_FILE_ENV, "")
-    token = read_token_file(path) if path else os.environ.get(TOKEN_ENV, "").strip()
-    return configure(token, tls or tls_from_environment(), plaintext_ok)
+    return read_token_file(path) if path else os.environ.get(TOKEN_ENV, "").strip()
+
+
+def from_environment(token_file: str = "", tls: TLSFiles | None = None, plaintext_ok: bool | None = None) -> Security:
+    """The token as ``token_from_environment`` finds it, TLS files from the arguments or RLFABRIC_TLS_*; configured
+    for this process."""
+    return configure(token_from_environment(token_file), tls or tls_from_environment(), plaintext_ok)
 
 
 def tls_from_environment() -> TLSFiles:
@@ -601,4 +606,4 @@ __all__ = ["OPERATOR_METADATA_KEY", "OPERATOR_TOKEN_FILE_ENV", "PLAINTEXT_ENV", 
            "check_plaintext", "configure", "current", "derive", "from_environment", "generate_token", "host_of",
            "is_loopback", "metrics_headers", "operator_accepts", "operator_credential", "plaintext_from_environment",
            "read_token_file", "secure_client_socket", "secure_server_socket", "server_ssl_context",
-           "start_metrics_server", "sync_channel", "write_private_file", "write_token_file"]
+           "start_metrics_server", "sync_channel", "token_from_environment", "write_private_file", "write_token_file"]
