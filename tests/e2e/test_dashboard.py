@@ -24,7 +24,7 @@ import pytest
 from rlfabric.services.coordinator.client import CoordinatorClient
 from rlfabric.services.core.runtime import ROLE_NAMES
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.minutes(1.5)]
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(1.5)]  # its waits are long: it may share the machine
 
 CHROMIUM = next((p for p in ("/usr/lib/chromium/chromium", shutil.which("chromium") or "") if p and
                  os.access(p, os.X_OK)), "")  # the binary itself: Debian's /usr/bin/chromium is a shell wrapper
