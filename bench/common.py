@@ -16,6 +16,14 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+# Bytecode as Python writes it by default, and as `pip install` writes it for every package it installs. A shell
+# that sets PYTHONDONTWRITEBYTECODE (this machine's does) made every process of a bench compile torch, SB3, TRL,
+# vLLM and our services from source again on every run: seconds per process (torch._dynamo alone, imported by
+# torch.optim, took ~2 s) that no installed system pays. The first run of a bench after an install writes the
+# bytecode; every later one reads it, on every side.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 
 def machine() -> dict:
     info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
