@@ -15,7 +15,7 @@ from torch.optim.adam import adam
 
 
 class Adam:
-    """Fused Adam without AMSGrad or weight decay: all the on-policy learner uses. ``params`` is tensors (one group)
+    """Fused Adam without AMSGrad or weight decay: all that the algorithms using it need. ``params`` is tensors (one group)
     or groups as torch takes them, ``{"params": [...], **options}``; a group's ``lr`` is set on it (a critic may
     step at its own rate)."""
 
@@ -36,7 +36,11 @@ class Adam:
                                       **{k: v for k, v in group.items() if k != "params"}})
         self.state: dict[int, dict[str, torch.Tensor]] = {}  # by parameter index, created at its first step
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients dropped (torch's default, ``set_to_none=True``: the only way this optimiser clears them)."""
+        if not set_to_none:
+            raise ValueError("learner.optim.Adam clears gradients by dropping them: call zero_grad() or "
+                             "zero_grad(set_to_none=True)")
         for p in self.params:
             p.grad = None
 

@@ -89,7 +89,8 @@ def test_no_target_network_and_the_update_fits_a_fixed_target():
     algo = crossq(learning_rate=0.003, policy_delay=3)
     modules = {name for name, v in vars(algo).items() if isinstance(v, torch.nn.Module)}
     assert modules == {"policy", "actor", "q1", "q2"} and not any("target" in k for k in algo.state_dict())
-    assert algo.q_optimizer.defaults["betas"] == (0.5, 0.999) and algo.actor_optimizer.defaults["betas"][0] == 0.5
+    assert algo.q_optimizer.param_groups[0]["betas"] == (0.5, 0.999) and \
+        algo.actor_optimizer.param_groups[0]["betas"][0] == 0.5
     g = torch.Generator().manual_seed(1)
     batch = {"obs": torch.randn(1, 16, 3, generator=g), "actions": torch.rand(1, 16, 2, generator=g) * 2 - 1,
              "rewards": torch.randn(1, 16, generator=g), "next_obs": torch.randn(1, 16, 3, generator=g),

@@ -57,3 +57,26 @@ def test_actor_scales_to_bounds_and_sac_step_improves_the_critic():
     restored = SAC(SquashedGaussianActor(SPEC["observation_space"], SPEC["action_space"], cfg.policy), cfg)
     restored.load_state_dict(sac.state_dict())
     assert restored.optimizer_steps == 201 and torch.equal(restored.q1_target.q[0].weight, sac.q1_target.q[0].weight)
+
+
+def test_frozen_critics_give_the_actor_the_same_gradient_and_themselves_none():
+    """The actor's loss through frozen critics: the same actor gradient as through live ones, no gradient on the
+    critics' weights, and the critics trainable again after the block."""
+    from rlfabric.services.core.models.critics import frozen
+
+    torch.manual_seed(0)
+    actor, critic = torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(),
+                                                                torch.nn.Linear(8, 1))
+    obs = torch.randn(16, 3)
+    grads = []
+    for freeze in (False, True):
+        actor.zero_grad(set_to_none=True), critic.zero_grad(set_to_none=True)
+        if freeze:
+            with frozen(critic):
+                q = critic(torch.cat([obs, actor(obs)], 1))
+        else:
+            q = critic(torch.cat([obs, actor(obs)], 1))
+        (-q.mean()).backward()
+        grads.append(actor.weight.grad.clone())
+        assert all((p.grad is None) == freeze for p in critic.parameters())
+    assert torch.allclose(grads[0], grads[1]) and all(p.requires_grad for p in critic.parameters())

@@ -5,6 +5,8 @@ Q-functions evaluated as one batched matmul per layer, optionally with LayerNorm
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -12,6 +14,21 @@ from torch import nn
 
 from rlfabric.services.core.models.encoders import build_encoder
 from rlfabric.services.core.models.mlp import mlp
+
+
+@contextmanager
+def frozen(*critics: nn.Module) -> Iterator[None]:
+    """Critics whose weights take no gradient inside the block: the actor's loss climbs Q through the actions only.
+    Its backward then skips the critics' weight gradients, which the critics' next step would zero anyway (about a
+    third of that backward on the small MLPs of the off-policy examples)."""
+    params = [p for c in critics for p in c.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 @torch.no_grad()

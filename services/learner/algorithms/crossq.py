@@ -25,6 +25,7 @@ from rlfabric.services.core.lazy import lazy_import
 from rlfabric.services.learner.algorithms.sac import SAC, critic_target
 
 torch = lazy_import("torch")
+critics = lazy_import("rlfabric.services.core.models.critics")
 batch_renorm = lazy_import("rlfabric.services.core.models.batch_renorm")
 
 
@@ -62,8 +63,8 @@ class CrossQ(SAC):
     Config = CrossQConfig
     SAVED = ("q1", "q2", "q_optimizer", "actor_optimizer")  # no target networks
 
-    def adam(self, params) -> torch.optim.Optimizer:
-        return torch.optim.Adam(params, lr=self.cfg.learning_rate, betas=(self.cfg.adam_beta1, 0.999))
+    def adam(self, params, betas: tuple[float, float] | None = None):
+        return super().adam(params, betas=betas or (self.cfg.adam_beta1, 0.999))
 
     def build_critics(self, device: torch.device) -> None:
         """Twin batch-renormalised critics and their optimiser; no targets."""
@@ -96,7 +97,8 @@ class CrossQ(SAC):
         if self.optimizer_steps % cfg.policy_delay == 0:
             self.q1.eval(), self.q2.eval()  # the actor climbs the critics at their running statistics
             new_actions, logp = self.actor.sample(obs, self.generator)
-            q_new = torch.min(self.q1(obs, new_actions), self.q2(obs, new_actions))
+            with critics.frozen(self.q1, self.q2):
+                q_new = torch.min(self.q1(obs, new_actions), self.q2(obs, new_actions))
             actor_loss = (alpha * logp - q_new).mean()
             self.actor_optimizer.zero_grad(set_to_none=True)
             actor_loss.backward()

@@ -159,7 +159,9 @@ class RLPD(SAC):
 
         if self.optimizer_steps % self.policy_delay == 0:
             new_actions, logp = self.actor.sample(obs, self.generator)
-            actor_loss = (alpha * logp - self.q(obs, new_actions).mean(0)).mean()
+            with critics.frozen(self.q):
+                q_new = self.q(obs, new_actions).mean(0)
+            actor_loss = (alpha * logp - q_new).mean()
             self.actor_optimizer.zero_grad(set_to_none=True)
             actor_loss.backward()
             self.actor_optimizer.step()
