@@ -111,3 +111,50 @@ def gateway_in_process(**service_kwargs) -> Iterator[tuple]:
         thread.join(15)
         aloop.close()
         made["service"].close()
+
+
+class ArmWatch:
+    """Every tick of every arm of a gateway, through a Teleop stream per arm that never takes over (what the
+    fail-safe tests read: which arms a policy commanded, and when each went into hold)."""
+
+    def __init__(self, stub, pb):
+        import grpc
+        import numpy as np
+
+        from rlfabric.services.robot_gateway.teleop import TeleopSession
+
+        self.arms = [r.robot_id for r in stub.ListRobots(pb.ListRobotsRequest(), timeout=10).robots]
+        self.states: dict[str, list] = {rid: [] for rid in self.arms}
+        self.sessions = [TeleopSession(stub, pb, rid, np.asarray(stub.GetState(pb.RobotRef(robot_id=rid)).position))
+                         for rid in self.arms]
+
+        def follow(session) -> None:
+            try:
+                for state in session.states:
+                    self.states[session.robot_id].append(state)
+            except grpc.RpcError:  # the stream ends when the arm is freed or the test closes it
+                return
+
+        for session in self.sessions:
+            threading.Thread(target=follow, args=(session,), daemon=True).start()
+
+    def commanded(self) -> list[str]:
+        """The arms whose policy sent more than 5 distinct commands so far."""
+        return [rid for rid in self.arms if len({s.policy_seq for s in self.states[rid]}) > 5]
+
+    def close(self) -> None:
+        for session in self.sessions:
+            session.close()
+
+    def held_after_last_command(self, rid: str, window_s: float, tick_s: float, upto: int | None = None) -> tuple:
+        """Asserts arm ``rid`` went into watchdog hold within ``window_s`` plus one tick of its last command and
+        stayed held (over its first ``upto`` ticks); returns (seconds it waited, ticks after the last command)."""
+        ticks = self.states[rid][:upto]
+        last = max(i for i, s in enumerate(ticks) if s.policy_seq != ticks[-1].policy_seq) + 1  # last command
+        held = [s for s in ticks[last:] if s.holding]
+        assert held, f"{rid} was never put in hold after its commands stopped"
+        assert held[0].hold_reason.startswith("watchdog"), held[0].hold_reason
+        waited = held[0].time - ticks[last].time
+        assert waited <= window_s + tick_s + 1e-6, f"{rid} held {waited:.3f} s after its last command"
+        assert all(s.holding for s in ticks[ticks.index(held[0]):]), f"{rid} left its hold"
+        return waited, len(ticks) - last

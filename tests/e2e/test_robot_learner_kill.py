@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
-import grpc
-import numpy as np
 import pytest
 
 pytest.importorskip("mujoco")
@@ -21,8 +18,7 @@ from rlfabric.services.core.config import load_config  # noqa: E402
 from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb  # noqa: E402
 from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc  # noqa: E402
 from rlfabric.services.core.runtime import GRPC_OPTIONS  # noqa: E402
-from rlfabric.services.robot_gateway.teleop import TeleopSession  # noqa: E402
-from tests.robot_support import gateway_process  # noqa: E402
+from tests.robot_support import ArmWatch, gateway_process  # noqa: E402
 
 pytestmark = pytest.mark.serial  # a watchdog window of 0.1 s: never beside another test
 
@@ -44,35 +40,13 @@ def test_sigkill_of_the_learner_mid_episode_puts_every_arm_in_safe_hold(private_
         while client.status(run.run_id).env_steps < 120:  # the first update is done: the learner is in the loop
             assert time.monotonic() < deadline, client.status(run.run_id)
             time.sleep(0.05)
-        arms = [r.robot_id for r in stub.ListRobots(pb.ListRobotsRequest(), timeout=10).robots]
-        states: dict[str, list] = {rid: [] for rid in arms}
-        sessions = [TeleopSession(stub, pb, rid, np.asarray(stub.GetState(pb.RobotRef(robot_id=rid)).position))
-                    for rid in arms]
-
-        def follow(session: TeleopSession) -> None:
-            try:
-                for state in session.states:
-                    states[session.robot_id].append(state)
-            except grpc.RpcError:  # the stream ends when the arm is freed or the test cancels it
-                return
-
-        threads = [threading.Thread(target=follow, args=(s,), daemon=True) for s in sessions]
-        for t in threads:
-            t.start()
+        watch = ArmWatch(stub, pb)
         time.sleep(0.5)
-        commanded = [rid for rid in arms if len({s.policy_seq for s in states[rid]}) > 5]
+        commanded = watch.commanded()
         assert commanded, "no arm was being commanded by the policy before the kill"
         os.kill(stack.procs["learner"].pid, signal.SIGKILL)
         time.sleep(3.0)
-        for s in sessions:
-            s.close()
+        watch.close()
         channel.close()
         for rid in commanded:
-            ticks = states[rid]
-            last = max(i for i, s in enumerate(ticks) if s.policy_seq != ticks[-1].policy_seq) + 1  # last command
-            held = [s for s in ticks[last:] if s.holding]
-            assert held, f"{rid} was never put in safe hold after its commands stopped"
-            assert held[0].hold_reason.startswith("watchdog"), held[0].hold_reason
-            waited = held[0].time - ticks[last].time
-            assert waited <= WATCHDOG + 1.0 / HZ + 1e-6, f"{rid} held {waited:.3f} s after its last command"
-            assert all(s.holding for s in ticks[ticks.index(held[0]):]), f"{rid} left its hold with no learner"
+            watch.held_after_last_command(rid, WATCHDOG, 1.0 / HZ)

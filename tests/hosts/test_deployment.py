@@ -236,16 +236,11 @@ def test_cutting_the_rollout_host_from_the_robot_gateway_holds_every_arm_within_
     its last command, and stays held while the link is down. The test watches every tick of every arm through a
     Teleop stream from its own host that never takes over."""
     pytest.importorskip("mujoco")
-    import threading
-
-    import grpc
-    import numpy as np
-
     from rlfabric.services.core import auth
     from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2 as pb
     from rlfabric.services.core.proto.rlfabric.v1 import robot_gateway_pb2_grpc
     from rlfabric.services.core.runtime import GRPC_OPTIONS
-    from rlfabric.services.robot_gateway.teleop import TeleopSession
+    from tests.robot_support import ArmWatch
 
     hosts = make_hosts([*ROLES, "gateway"], tls=False)
     at = f"{hosts['gateway'].address}:{GRPC_PORT}"
@@ -269,39 +264,17 @@ def test_cutting_the_rollout_host_from_the_robot_gateway_holds_every_arm_within_
         assert proc.poll() is None, f"the run ended early:\n{out.read_text()[-3000:]}\n{hosts.tails(30)}"
         assert time.monotonic() < deadline, f"no update within 120 s:\n{hosts.tails(30)}"
         time.sleep(0.1)
-    arms = [r.robot_id for r in stub.ListRobots(pb.ListRobotsRequest(), timeout=10).robots]
-    states: dict[str, list] = {rid: [] for rid in arms}
-    sessions = [TeleopSession(stub, pb, rid, np.asarray(stub.GetState(pb.RobotRef(robot_id=rid)).position))
-                for rid in arms]
-
-    def follow(session: TeleopSession) -> None:
-        try:
-            for state in session.states:
-                states[session.robot_id].append(state)
-        except grpc.RpcError:  # the stream ends when the test cancels it
-            return
-
-    threads = [threading.Thread(target=follow, args=(s,), daemon=True) for s in sessions]
-    for t in threads:
-        t.start()
+    watch = ArmWatch(stub, pb)
     time.sleep(0.5)
-    commanded = [rid for rid in arms if len({s.policy_seq for s in states[rid]}) > 5]
+    commanded = watch.commanded()
     assert commanded, f"no arm was being commanded by the policy before the cut:\n{hosts.tails(20)}"
     hosts.cut("rollout", "gateway")
     time.sleep(3.0)
-    ticks_at_restore = {rid: len(states[rid]) for rid in arms}
+    ticks_at_restore = {rid: len(watch.states[rid]) for rid in watch.arms}
     hosts.restore("rollout", "gateway")
-    for s in sessions:
-        s.close()
+    watch.close()
     channel.close()
     proc.send_signal(subprocess.signal.SIGINT)  # the run itself is not the point: stop it
     for rid in commanded:
-        ticks = states[rid][:ticks_at_restore[rid]]
-        last = max(i for i, s in enumerate(ticks) if s.policy_seq != ticks[-1].policy_seq) + 1  # last command
-        held = [s for s in ticks[last:] if s.holding]
-        assert held, f"{rid} was never put in hold after the link to its commander went"
-        assert held[0].hold_reason.startswith("watchdog"), held[0].hold_reason
-        waited = held[0].time - ticks[last].time
-        assert waited <= WATCHDOG + 1.0 / HZ + 1e-6, f"{rid} held {waited:.3f} s after its last command"
-        assert all(s.holding for s in ticks[ticks.index(held[0]):]), f"{rid} left its hold while the link was cut"
-        print(f"{rid}: held {waited * 1000:.0f} ms after its last command ({len(ticks) - last} ticks cut off)")
+        waited, cut_off = watch.held_after_last_command(rid, WATCHDOG, 1.0 / HZ, ticks_at_restore[rid])
+        print(f"{rid}: held {waited * 1000:.0f} ms after its last command ({cut_off} ticks cut off)")
