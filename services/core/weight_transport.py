@@ -153,9 +153,10 @@ class ChannelStore(dist.Store):
 
     POLL_S = 0.005
 
-    def __init__(self, ask: Callable[[dict, bytes], tuple[dict, bytes]], timeout_s: float):
+    def __init__(self, ask: Callable[[dict, bytes], tuple[dict, bytes]], timeout_s: float,
+                 owner: str = "weights: the publisher"):
         super().__init__()
-        self.ask, self.timeout_s = ask, timeout_s
+        self.ask, self.timeout_s, self.owner = ask, timeout_s, owner
 
     def _until(self, what: str, ready: Callable[[], tuple[bool, Any]]) -> Any:
         deadline = time.monotonic() + self.timeout_s
@@ -164,8 +165,8 @@ class ChannelStore(dist.Store):
             if done:
                 return value
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weights: the publisher's rendezvous key {what} was not set in "
-                                   f"{self.timeout_s:.0f} s (the publisher's side of the pair did not start)")
+                raise TimeoutError(f"{self.owner}'s rendezvous key {what} was not set in {self.timeout_s:.0f} s "
+                                   f"(its side of the group did not start)")
             time.sleep(self.POLL_S)
 
     def set(self, key: str, value) -> None:
@@ -199,7 +200,7 @@ class ChannelStore(dist.Store):
         return bool(self.ask({"op": "delete_key", "key": key}, b"")[0].get("found"))
 
     def num_keys(self) -> int:
-        raise RuntimeError("weights: a pair's store does not count keys")
+        raise RuntimeError(f"{self.owner}'s rendezvous store does not count keys")
 
     def set_timeout(self, timeout) -> None:
         self.timeout_s = max(1.0, timeout.total_seconds())
@@ -207,6 +208,41 @@ class ChannelStore(dist.Store):
 
 STORE_OPS = ("set", "get", "add", "compare_set", "check", "delete_key")
 MAX_KEY_BYTES, MAX_VALUE_BYTES, MAX_PAIR_KEYS = 512, 64 << 10, 256
+
+
+def confined_store_op(store: dist.Store, meta: dict, value: bytes, root: str, new_key: Callable[[], None],
+                      what: str) -> tuple[dict, bytes]:
+    """One ``ChannelStore`` operation, done on ``store`` if every key it names lies under ``root`` (a group's random
+    prefix): a peer on the authenticated channel reaches its own group's keys and no other's. ``new_key`` is called
+    before a key is first written (to bound how many a peer may make). Never blocks: a key not set yet is
+    reported missing, and the asking ``ChannelStore`` asks again."""
+    op, keys = meta.get("op"), meta.get("keys") if meta.get("op") == "check" else [meta.get("key")]
+    if op not in STORE_OPS:
+        raise ValueError(f"{what}: unknown store operation {str(op)[:20]!r}; expected one of {STORE_OPS}")
+    if not isinstance(keys, list) or not 0 < len(keys) <= 16 or not all(
+            isinstance(k, str) and k.startswith(root) and len(k) <= MAX_KEY_BYTES for k in keys):
+        raise ValueError(f"{what}: a store key outside this group's prefix (or malformed)")
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueError(f"{what}: a store value of {len(value)} bytes (at most {MAX_VALUE_BYTES})")
+    key = keys[0]
+    if op in ("set", "add", "compare_set") and not store.check([key]):
+        new_key()
+    if op == "set":
+        store.set(key, value)
+        return {}, b""
+    if op == "get":
+        found = store.check([key])
+        return {"found": found}, store.get(key) if found else b""
+    if op == "add":
+        amount = meta.get("amount", 0)
+        if not isinstance(amount, int) or isinstance(amount, bool) or abs(amount) > 1 << 62:
+            raise ValueError(f"{what}: a store add needs an integer amount")
+        return {"value": store.add(key, amount)}, b""
+    if op == "compare_set":
+        return {}, store.compare_set(key, bytes.fromhex(str(meta.get("expected", ""))), value)
+    if op == "check":
+        return {"found": store.check(keys)}, b""
+    return {"found": store.delete_key(key)}, b""
 
 
 class _Pair:
@@ -225,36 +261,13 @@ class _Pair:
 
     def store_op(self, meta: dict, value: bytes) -> tuple[dict, bytes]:
         """One of the subscriber's store operations (ChannelStore), on this pair's keys only."""
-        op, keys = meta.get("op"), meta.get("keys") if meta.get("op") == "check" else [meta.get("key")]
-        if op not in STORE_OPS:
-            raise ValueError(f"weights: unknown store operation {str(op)[:20]!r}; expected one of {STORE_OPS}")
-        mine = f"rlfabric/weights/{self.prefix}/"
-        if not isinstance(keys, list) or not 0 < len(keys) <= 16 or not all(
-                isinstance(k, str) and k.startswith(mine) and len(k) <= MAX_KEY_BYTES for k in keys):
-            raise ValueError("weights: a store key outside this pair's prefix (or malformed)")
-        if len(value) > MAX_VALUE_BYTES:
-            raise ValueError(f"weights: a store value of {len(value)} bytes (at most {MAX_VALUE_BYTES})")
-        key = keys[0]
-        if op in ("set", "add", "compare_set") and not self.store.check([key]):
-            self.keys += 1
-            if self.keys > MAX_PAIR_KEYS:
-                raise ValueError(f"weights: a pair's rendezvous holds at most {MAX_PAIR_KEYS} keys")
-        if op == "set":
-            self.store.set(key, value)
-            return {}, b""
-        if op == "get":
-            found = self.store.check([key])
-            return {"found": found}, self.store.get(key) if found else b""
-        if op == "add":
-            amount = meta.get("amount", 0)
-            if not isinstance(amount, int) or isinstance(amount, bool) or abs(amount) > 1 << 62:
-                raise ValueError("weights: a store add needs an integer amount")
-            return {"value": self.store.add(key, amount)}, b""
-        if op == "compare_set":
-            return {}, self.store.compare_set(key, bytes.fromhex(str(meta.get("expected", ""))), value)
-        if op == "check":
-            return {"found": self.store.check(keys)}, b""
-        return {"found": self.store.delete_key(key)}, b""
+        return confined_store_op(self.store, meta, value, f"rlfabric/weights/{self.prefix}/", self._new_key,
+                                 "weights")
+
+    def _new_key(self) -> None:
+        self.keys += 1
+        if self.keys > MAX_PAIR_KEYS:
+            raise ValueError(f"weights: a pair's rendezvous holds at most {MAX_PAIR_KEYS} keys")
 
     def _run(self) -> None:
         backend = self.host.backend
