@@ -375,7 +375,10 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
     standalone = ("coordinator", "robot_gateway")  # a robot gateway serves its robots with or without a coordinator
-    if args.service not in standalone and "--coordinator" not in rest and not os.environ.get("RLFABRIC_COORDINATOR"):
+    rank_host = args.service == "learner" and ("--rank-host-for" in rest or any(
+        a.startswith("--rank-host-for=") for a in rest) or os.environ.get("RLFABRIC_RANK_HOST_FOR"))  # its learner's
+    if args.service not in standalone and not rank_host and "--coordinator" not in rest and not os.environ.get(
+            "RLFABRIC_COORDINATOR"):
         return _fail(f"serve {args.service} needs --coordinator HOST:PORT (or RLFABRIC_COORDINATOR)", 2)
     policy = argparse.ArgumentParser(add_help=False)
     policy.add_argument("--restart", choices=("no", "on-failure"), default="no")

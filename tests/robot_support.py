@@ -1,4 +1,5 @@
-"""Shared by the robot gateway tests: a real gateway process on loopback with a token, or the service in-process."""
+"""Shared by the robot gateway tests: a real gateway process on loopback with a token, or the service in-process
+(and ``serve_process``: any service so)."""
 
 from __future__ import annotations
 
@@ -23,20 +24,15 @@ def as_operator(secret: str = OPERATOR_SECRET) -> tuple[tuple[str, str], ...]:
 
 
 @contextmanager
-def gateway_process(workdir: Path, token: str, *args: str, operator: str = OPERATOR_SECRET) -> Iterator[str]:
-    """``rlfabric serve robot_gateway`` with ``token`` (and extra flags), its operator holding ``operator`` (""
-    for none); yields its address, stops it after. Its log is ``workdir/gateway.log``."""
+def serve_process(role: str, workdir: Path, token: str, *args: str) -> Iterator[str]:
+    """``rlfabric serve ROLE`` on loopback with ``token`` (and extra flags); yields its address, stops it after. Its
+    log is ``workdir/ROLE.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    if operator:
-        from rlfabric.services.core import auth
-
-        operator_file = auth.write_token_file(workdir / "operator-token", operator)
-        args = ("--operator-token-file", str(operator_file), *args)
     port_file = workdir / "port"
     port_file.unlink(missing_ok=True)
-    log_path = workdir / "gateway.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the gateway
+    log_path = workdir / f"{role}.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the service
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "serve", "robot_gateway", "--port-file",
+        proc = subprocess.Popen([sys.executable, "-m", "rlfabric.services.cli", "serve", role, "--port-file",
                                  str(port_file), *args], env={**os.environ, "RLFABRIC_TOKEN": token},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -45,12 +41,26 @@ def gateway_process(workdir: Path, token: str, *args: str, operator: str = OPERA
                 break
             time.sleep(0.05)
         if not port_file.exists():
-            raise RuntimeError(f"the gateway did not start: {log_path.read_text()[-2000:]}"
-                               if proc.poll() is not None else "the gateway wrote no port file in 15 s")
+            raise RuntimeError(f"{role} did not start: {log_path.read_text()[-2000:]}"
+                               if proc.poll() is not None else f"{role} wrote no port file in 15 s")
         yield port_file.read_text().strip()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+@contextmanager
+def gateway_process(workdir: Path, token: str, *args: str, operator: str = OPERATOR_SECRET) -> Iterator[str]:
+    """``rlfabric serve robot_gateway`` with ``token`` (and extra flags), its operator holding ``operator`` (""
+    for none); yields its address, stops it after. Its log is ``workdir/robot_gateway.log``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if operator:
+        from rlfabric.services.core import auth
+
+        operator_file = auth.write_token_file(workdir / "operator-token", operator)
+        args = ("--operator-token-file", str(operator_file), *args)
+    with serve_process("robot_gateway", workdir, token, *args) as address:
+        yield address
 
 
 class _Runtime:

@@ -434,8 +434,13 @@ class RuntimeConfig(_Strict):
                                       "state; 0 = the first loss fails the run")
     learner_ranks: int = Field(
         1, ge=1, le=64, description="torch.distributed ranks of the learner (FSDP2 data parallelism): the learner "
-                                    "service starts ranks 1..N-1 on its host; gloo on CPU, NCCL with one GPU per "
-                                    "rank")
+                                    "service starts ranks 1..N-1 on its host, or across hosts (learner_ranks_per_"
+                                    "host); gloo on CPU, NCCL with one GPU per rank")
+    learner_ranks_per_host: int = Field(
+        0, ge=0, le=64, description="ranks on each of the learner's hosts (torchrun's nproc-per-node): 0 = all of "
+                                    "learner_ranks on the learner's own host. Fewer: ranks 0..G-1 there, G..2G-1 on "
+                                    "the first rank host the learner's operator gave it (serve learner --rank-hosts), "
+                                    "and so on; learner_ranks must be a multiple of it")
 
 
 class VisionStageConfig(_Strict):
@@ -629,6 +634,11 @@ class RunConfig(_Strict):
             )
 
             check_policy(self.policy.name, self.spec.policy, f"algorithm {self.algorithm.name!r}")
+        per_host = self.runtime.learner_ranks_per_host
+        if per_host and self.runtime.learner_ranks % per_host:
+            raise ValueError(f"runtime.learner_ranks={self.runtime.learner_ranks} is not a whole number of hosts of "
+                             f"runtime.learner_ranks_per_host={per_host} ranks. Fix: a multiple of it, or "
+                             f"learner_ranks_per_host: 0 (every rank on the learner's host)")
         if self.runtime.learner_ranks > 1:
             if not self.spec.data_parallel:
                 raise ValueError(f"runtime.learner_ranks={self.runtime.learner_ranks}, but algorithm "

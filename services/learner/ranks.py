@@ -19,6 +19,14 @@ learner's health check names it.
 torch.distributed authenticates nobody, so the group is kept out of reach instead: rank 0 binds the store to
 loopback itself (torch would bind all interfaces), gloo listens on the loopback interface, and the group's keys live
 under a random prefix that reaches ranks 1..N-1 in their environment (never argv, which ``ps`` shows).
+
+Across hosts (``runtime.learner_ranks_per_host`` G < N): ranks 1..G-1 start here as above, and each further G on a
+rank host the learner's operator named (``serve learner --rank-hosts``; rank_host.py), which the learner asks over
+gRPC (token, TLS) to start them. Those ranks do not dial a TCPStore, which anyone who reaches it may list and write:
+their rendezvous keys go through ``Rendezvous``, a data-plane server of rank 0 (ZeroMQ CURVE, keys derived from the
+deployment's secret) that reaches the loopback store only under the group's random prefix, the way weight pairs
+meet (weight_transport.ChannelStore). The prefix travels only in that gRPC call. Every rank's gloo device then
+listens on its host's routable interface, and accepts only the peers whose addresses came through those keys.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import logging
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -38,13 +47,24 @@ import torch.distributed as dist
 
 from rlfabric.services.core.codec import decode, encode, pack_frames, unpack_frames
 from rlfabric.services.core.policy import ForwardMethods, OwnCritic, ShardUnits
-from rlfabric.services.core.weight_transport import check_prefix, interface_of, listening_store, new_prefix
+from rlfabric.services.core.weight_transport import (
+    ChannelStore,
+    bind_address,
+    check_prefix,
+    confined_store_op,
+    interface_of,
+    listening_store,
+    new_prefix,
+)
 
 log = logging.getLogger(__name__)
 CONFIGURE, UPDATE, WEIGHTS, OPTIMIZER, STOP = range(5)
 MAX_COMMAND_BYTES = 1 << 31
-LOOPBACK = "127.0.0.1"  # every rank runs on the learner's host
+LOOPBACK = "127.0.0.1"  # the store's address: ranks on the learner's host dial it directly
 PREFIX_ENV = "RLFABRIC_LEARNER_STORE_PREFIX"
+RENDEZVOUS_ENV = "RLFABRIC_LEARNER_RENDEZVOUS"  # a rank on another host: rank 0's Rendezvous endpoint
+MAX_GROUP_KEYS = 4096
+RENDEZVOUS_BYTES = 1 << 20
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -86,10 +106,10 @@ def _init(device: torch.device, rank: int, world: int, timeout_s: float, store: 
                             rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
-def _loopback_interfaces() -> dict[str, str]:
-    """Environment that makes gloo (and NCCL, unless the operator chose) listen on the loopback interface: gloo
-    otherwise listens on whatever this host's name resolves to."""
-    name = interface_of(LOOPBACK)
+def socket_interfaces(ip: str) -> dict[str, str]:
+    """Environment that makes gloo (and NCCL, unless the operator chose) listen on the interface holding ``ip``
+    (loopback when every rank is on this host): gloo otherwise listens on whatever this host's name resolves to."""
+    name = interface_of(ip)
     if name is None:
         return {}
     env = {"GLOO_SOCKET_IFNAME": name}
@@ -216,8 +236,11 @@ def worker_main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout_s = float(os.environ.get("RLFABRIC_LEARNER_TIMEOUT_S", "600"))
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
-                          timedelta(seconds=timeout_s))
+    if os.environ.get(RENDEZVOUS_ENV):  # a rank on another host than the learner's
+        store = rendezvous_store(os.environ[RENDEZVOUS_ENV], timeout_s)
+    else:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                              timedelta(seconds=timeout_s))
     _init(device, rank, world, timeout_s, store, os.environ.get(PREFIX_ENV, ""))
     policy = algo = None
     try:
@@ -247,37 +270,157 @@ def worker_main() -> None:
         dist.destroy_process_group()
 
 
+def rendezvous_store(endpoint: str, timeout_s: float) -> ChannelStore:
+    """A rank on another host: the group's keys through rank 0's ``Rendezvous`` (CURVE with the deployment's
+    secret, which reaches this process in its environment as it reaches every service)."""
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.batch import TensorBatch
+    from rlfabric.services.core.dataplane import DataClient
+
+    auth.configure(auth.token_from_environment())
+    client = DataClient(endpoint, max_bytes=RENDEZVOUS_BYTES, timeout_s=min(timeout_s, 60.0),
+                        peer="the learner's rank rendezvous")
+
+    def ask(meta: dict, value: bytes) -> tuple[dict, bytes]:
+        _, got = client.request("store", TensorBatch({"value": np.frombuffer(value, np.uint8)} if value else {},
+                                                     meta=meta))
+        out = got.tensors.get("value")
+        return got.meta, b"" if out is None else np.asarray(out, np.uint8).tobytes()
+
+    return ChannelStore(ask, timeout_s, owner="learner ranks: the learner")
+
+
+class Rendezvous:
+    """Rank 0's side of a group that spans hosts: a data-plane server (CURVE) on the learner's address whose only
+    request is a store operation under the group's prefix, done on the loopback store rank 0 listens with."""
+
+    def __init__(self, store_port: int, prefix: str, host: str, advertise_host: str, timeout_s: float):
+        from rlfabric.services.core.dataplane import DataServer
+
+        self.store_port, self.timeout_s = store_port, timeout_s
+        self.root = f"rlfabric/learner/{prefix}/"
+        self.keys = 0
+        self._client: dist.Store | None = None  # made and used on the server's thread only
+        self.server = DataServer(host, max_bytes=RENDEZVOUS_BYTES, name="learner-ranks", advertise_host=advertise_host)
+        self.endpoint = self.server.endpoint
+        self.server.start(self._handle)
+
+    def _handle(self, kind: str, batch: Any, reply: Any) -> None:
+        from rlfabric.services.core.batch import TensorBatch
+
+        if kind != "store":
+            raise ValueError(f"unknown request kind {kind!r}; a learner's rank rendezvous answers store only")
+        if self._client is None:
+            self._client = dist.TCPStore(LOOPBACK, self.store_port, None, False, timedelta(seconds=self.timeout_s))
+        value = batch.tensors.get("value")
+        answer, out = confined_store_op(self._client, batch.meta, b"" if value is None else
+                                        np.asarray(value, np.uint8).tobytes(), self.root, self._new_key,
+                                        "learner ranks")
+        reply.send("stored", TensorBatch({"value": np.frombuffer(out, np.uint8)} if out else {}, meta=answer))
+
+    def _new_key(self) -> None:
+        self.keys += 1
+        if self.keys > MAX_GROUP_KEYS:
+            raise ValueError(f"learner ranks: a group's rendezvous holds at most {MAX_GROUP_KEYS} keys")
+
+    def health(self) -> str | None:
+        return self.server.health()
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class RankHostError(RuntimeError):
+    """A rank host the run needs did not start its ranks (unreachable, not started, refused the request)."""
+
+
+def host_ranks(address: str, request: Any, timeout_s: float) -> Any:
+    """Ask the rank host at ``address`` to start its ranks (HostRanks over the control plane: token, TLS)."""
+    import grpc
+
+    from rlfabric.services.core import auth
+    from rlfabric.services.core.proto.rlfabric.v1 import learner_pb2_grpc
+    from rlfabric.services.core.runtime import GRPC_OPTIONS
+
+    with auth.sync_channel(address, GRPC_OPTIONS) as channel:
+        try:
+            return learner_pb2_grpc.LearnerStub(channel).HostRanks(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise RankHostError(f"learner ranks: the rank host {address} did not start ranks {request.first_rank}.."
+                               f"{request.first_rank + request.count - 1}: {exc.code().name}: {exc.details()}. "
+                               f"Fix: start it (`rlfabric serve learner --rank-host-for LEARNER_HOST`) and check "
+                               f"that the learner reaches it") from None
+
+
 # -- rank 0: the learner service's side ----------------------------------------------------------------------------
 class RankGroup:
     """Ranks 1..N-1 of one run, started and driven by the learner service (rank 0, on its training thread)."""
 
-    def __init__(self, world: int, device: torch.device, timeout_s: float):
+    def __init__(self, world: int, device: torch.device, timeout_s: float, *, per_host: int = 0,
+                 rank_hosts: tuple[str, ...] = (), host: str = LOOPBACK, advertise_host: str = ""):
         self.world, self.device = world, device
+        local = per_host if 0 < per_host < world else world
+        needed = world // local - 1  # rank hosts besides this one
+        if needed > len(rank_hosts):
+            raise ValueError(f"runtime.learner_ranks={world} with learner_ranks_per_host={local} needs {needed} rank "
+                             f"host(s) besides the learner's, and this learner was given {len(rank_hosts)} "
+                             f"(serve learner --rank-hosts). Fix: start `rlfabric serve learner --rank-host-for "
+                             f"{advertise_host or host}` on {needed} other host(s) and list their addresses in this "
+                             f"learner's --rank-hosts (RLFABRIC_RANK_HOSTS), or runtime.learner_ranks_per_host: 0")
         self.store = listening_store(LOOPBACK, timeout_s)
         prefix = new_prefix()
-        interfaces = _loopback_interfaces()
+        # across hosts, every rank's gloo device listens where the others can reach it: the learner's own address
+        interfaces = socket_interfaces(bind_address(host, advertise_host) if needed else LOOPBACK)
         if "GLOO_SOCKET_IFNAME" in interfaces:  # this process is rank 0: its gloo device listens there too
             os.environ["GLOO_SOCKET_IFNAME"] = interfaces["GLOO_SOCKET_IFNAME"]
         env = {**os.environ, **interfaces, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(self.store.port),
-               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "RLFABRIC_LEARNER_DEVICE": device.type,
+               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local), "RLFABRIC_LEARNER_DEVICE": device.type,
                "RLFABRIC_LEARNER_TIMEOUT_S": str(timeout_s), PREFIX_ENV: prefix}
         self.procs = [subprocess.Popen([sys.executable, "-m", "rlfabric.services.learner.ranks"],
                                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL)
-                      for r in range(1, world)]
+                      for r in range(1, local)]
+        self.rendezvous: Rendezvous | None = None
+        self.remote: list[str] = []  # what errors name: each rank host, its ranks and where they listen
+        self.remote_pids: list[int] = []  # their processes there, in rank order
         try:
+            if needed:
+                from rlfabric.services.core.proto.rlfabric.v1 import learner_pb2
+
+                self.rendezvous = Rendezvous(self.store.port, prefix, host, advertise_host, timeout_s)
+                for h, address in enumerate(rank_hosts[:needed], start=1):
+                    first = h * local
+                    reply = host_ranks(address, learner_pb2.HostRanksRequest(
+                        world=world, first_rank=first, count=local, rendezvous=self.rendezvous.endpoint,
+                        prefix=prefix, device=device.type, timeout_s=timeout_s), timeout_s=min(timeout_s, 30.0))
+                    self.remote.append(f"ranks {first}..{first + local - 1} on {address} ({reply.host})")
+                    self.remote_pids += list(reply.pids)
             _init(device, 0, world, timeout_s, self.store, prefix)
         except Exception:
             self._kill()
+            self._close_rendezvous()
             self.store = None
             raise
-        log.info("learner ranks up", extra={"world": world, "backend": backend_for(device)})
+        log.info("learner ranks up", extra={"world": world, "backend": backend_for(device),
+                                            "other_hosts": "; ".join(self.remote)})
+
+    @contextmanager
+    def _collective(self):
+        """A failed collective of a group that spans hosts names them: a link to one of them, or a rank there,
+        went."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not self.remote:
+                raise
+            raise RuntimeError(f"{exc} [the learner's ranks on other hosts: {'; '.join(self.remote)}: a link to one "
+                               f"of them or a rank there went]") from exc
 
     def dead(self) -> str | None:
         """Why the group cannot work (a rank process that exited), or None."""
         for r, proc in enumerate(self.procs, start=1):
             if proc.poll() is not None:
                 return f"learner rank {r} (pid {proc.pid}) exited with code {proc.returncode}"
-        return None
+        return self.rendezvous.health() if self.rendezvous is not None else None
 
     def configure(self, config: Any, env_spec: dict, policy_state: dict | None,
                   resume: dict | None) -> tuple[Any, Any, Any]:
@@ -295,24 +438,32 @@ class RankGroup:
         return policy, algo, generator
 
     def update(self, algo: Any, batch: Any) -> dict[str, float]:
-        _send(UPDATE, pack_frames(encode("batch", batch)))
-        return algo.update(batch.to_torch(self.device))
+        with self._collective():
+            _send(UPDATE, pack_frames(encode("batch", batch)))
+            return algo.update(batch.to_torch(self.device))
 
     def weights(self, policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-        _send(WEIGHTS)
-        return full_weights(policy)
+        with self._collective():
+            _send(WEIGHTS)
+            return full_weights(policy)
 
     def algorithm_state(self, policy: torch.nn.Module, algo: Any) -> dict:
         """The algorithm's checkpoint state with its optimiser state unsharded (keyed by parameter name)."""
-        _send(OPTIMIZER)
-        return {"optimizer": full_optimizer(policy, algo.optimizer), "env_steps": algo.env_steps,
-                "optimizer_steps": algo.optimizer_steps}
+        with self._collective():
+            _send(OPTIMIZER)
+            return {"optimizer": full_optimizer(policy, algo.optimizer), "env_steps": algo.env_steps,
+                    "optimizer_steps": algo.optimizer_steps}
 
     def _kill(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+    def _close_rendezvous(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
 
     def close(self) -> None:
         try:
@@ -329,6 +480,7 @@ class RankGroup:
             self._kill()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self._close_rendezvous()
             self.store = None  # its listening socket closes with the last reference
 
 

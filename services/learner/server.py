@@ -34,7 +34,7 @@ from rlfabric.services.core.weights import WeightPublisher, save_weights
 from rlfabric.services.learner import checkpoint as ckpt
 from rlfabric.services.learner import warm_start
 from rlfabric.services.learner.feeds import UpdateCancelled, feed_for
-from rlfabric.services.learner.ranks import RankGroup, initial_policy, rank_device
+from rlfabric.services.learner.ranks import RankGroup, RankHostError, initial_policy, rank_device
 from rlfabric.services.replay.datasets import DatasetError
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,9 @@ def _frozen(module: torch.nn.Module) -> torch.nn.Module:
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
     def __init__(self, runtime: ServiceRuntime, host: str, torch_threads: int, roots: DataRoots | None = None,
-                 endpoints: Endpoints | None = None):
+                 endpoints: Endpoints | None = None, rank_hosts: tuple[str, ...] = ()):
         self.runtime = runtime
+        self.rank_hosts = rank_hosts  # the operator's: where ranks beyond this host may run
         # where a run spec may have this learner read and write, and which endpoints it may reach (the operator's)
         self.roots = roots if roots is not None else DataRoots.parse(".")
         self.endpoints = endpoints if endpoints is not None else Endpoints.parse("")
@@ -145,7 +146,9 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             warm = _read_checkpoint(config.policy.init_checkpoint, "policy.init_checkpoint", self.roots)["policy"]
         if config.runtime.learner_ranks > 1:
             self.device = rank_device(self.device, 0)
-            self.ranks = RankGroup(config.runtime.learner_ranks, self.device, config.data_plane.timeout_s)
+            self.ranks = RankGroup(config.runtime.learner_ranks, self.device, config.data_plane.timeout_s,
+                                   per_host=config.runtime.learner_ranks_per_host, rank_hosts=self.rank_hosts,
+                                   host=self.host, advertise_host=self.runtime.options.advertise_host)
             try:
                 self.policy, self.algo, self.generator = self.ranks.configure(
                     config, env_spec, state["policy"] if state else warm, state)
@@ -225,6 +228,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RankHostError as exc:  # a rank host the spec's learner_ranks_per_host needs
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except OSError as exc:  # the host's: a run directory that is a file, no permission, a full disk
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the learner's host refused {exc.filename or 'a path'!s}: {exc.strerror or exc}. "
@@ -411,13 +416,29 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
 
 
 async def _build(runtime: ServiceRuntime, args) -> None:
+    if args.rank_host_for:
+        from rlfabric.services.learner import rank_host
+
+        await rank_host.build(runtime, args.rank_host_for)
+        return
     service = LearnerService(runtime, args.host, args.torch_threads, DataRoots.parse(args.data_root),
-                             Endpoints.parse(args.allow_endpoints))
+                             Endpoints.parse(args.allow_endpoints),
+                             tuple(a.strip() for a in args.rank_hosts.split(",") if a.strip()))
     learner_pb2_grpc.add_LearnerServicer_to_server(service, runtime.server)
 
 
+def _arguments(parser) -> None:
+    add_path_arguments(parser)
+    parser.add_argument("--rank-hosts", default="",
+                        help="HOST:PORT of rank hosts, comma-separated, in rank order: where a run's learner ranks "
+                             "beyond this host go (runtime.learner_ranks_per_host; services/learner/ranks.py)")
+    parser.add_argument("--rank-host-for", default="", metavar="LEARNER",
+                        help="serve as a rank host for the learner at LEARNER (its host name or address) instead "
+                             "of as a learner: no coordinator, only that learner's ranks")
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_service("learner", _build, argv, add_path_arguments)
+    run_service("learner", _build, argv, _arguments)
 
 
 if __name__ == "__main__":

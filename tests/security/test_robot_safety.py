@@ -305,7 +305,7 @@ def test_concurrent_connects_of_one_id_build_one_loop(tmp_path):
         assert {r.robot_id for r in replies} == {"twin"}
         stub.Disconnect(pb.RobotRef(robot_id="twin"), timeout=20)
         channel.close()
-        log = (tmp_path / "gateway.log").read_text()
+        log = (tmp_path / "robot_gateway.log").read_text()
     started = [line for line in log.splitlines() if "control loop started" in line and "twin" in line]
     assert len(started) == 1, f"{len(started)} control loops of 'twin' started for one robot"
 

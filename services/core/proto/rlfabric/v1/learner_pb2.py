@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfabric.services.core.proto.rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/learner.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"W\n\x10WarmStartRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0f\n\x07run_dir\x18\x04 \x01(\t\"=\n\x0eWarmStartReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07summary\x18\x02 \x01(\t\x12\x0c\n\x04kept\x18\x03 \x01(\x08\"K\n\x0cTrainRequest\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xf5\x01\n\nTrainReply\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x15\n\rbatch_version\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x04 \x01(\x03\x12\x31\n\x05stats\x18\x05 \x03(\x0b\x32\".rlfabric.v1.TrainReply.StatsEntry\x12\x15\n\rtrain_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"F\n\x11\x43heckpointRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nextra_json\x18\x02 \x01(\t\x12\x10\n\x08periodic\x18\x03 \x01(\x08\"E\n\x0f\x43heckpointReply\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"e\n\x0cLearnerState\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x11\n\talgorithm\x18\x04 \x01(\t2\xe3\x02\n\x07Learner\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12;\n\x05Train\x12\x19.rlfabric.v1.TrainRequest\x1a\x17.rlfabric.v1.TrainReply\x12N\n\x0eSaveCheckpoint\x12\x1e.rlfabric.v1.CheckpointRequest\x1a\x1c.rlfabric.v1.CheckpointReply\x12\x39\n\x08GetState\x12\x12.rlfabric.v1.Empty\x1a\x19.rlfabric.v1.LearnerState\x12G\n\tWarmStart\x12\x1d.rlfabric.v1.WarmStartRequest\x1a\x1b.rlfabric.v1.WarmStartReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/learner.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\x8b\x01\n\x10HostRanksRequest\x12\r\n\x05world\x18\x01 \x01(\x05\x12\x12\n\nfirst_rank\x18\x02 \x01(\x05\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x0e\n\x06prefix\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\",\n\x0eHostRanksReply\x12\x0c\n\x04pids\x18\x01 \x03(\x03\x12\x0c\n\x04host\x18\x02 \x01(\t\"W\n\x10WarmStartRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0f\n\x07run_dir\x18\x04 \x01(\t\"=\n\x0eWarmStartReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07summary\x18\x02 \x01(\t\x12\x0c\n\x04kept\x18\x03 \x01(\x08\"K\n\x0cTrainRequest\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xf5\x01\n\nTrainReply\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x15\n\rbatch_version\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x04 \x01(\x03\x12\x31\n\x05stats\x18\x05 \x03(\x0b\x32\".rlfabric.v1.TrainReply.StatsEntry\x12\x15\n\rtrain_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"F\n\x11\x43heckpointRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nextra_json\x18\x02 \x01(\t\x12\x10\n\x08periodic\x18\x03 \x01(\x08\"E\n\x0f\x43heckpointReply\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"e\n\x0cLearnerState\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x02 \x01(\x03\x12\x11\n\tenv_steps\x18\x03 \x01(\x03\x12\x11\n\talgorithm\x18\x04 \x01(\t2\xac\x03\n\x07Learner\x12G\n\tConfigure\x12\x1d.rlfabric.v1.ConfigureRequest\x1a\x1b.rlfabric.v1.ConfigureReply\x12;\n\x05Train\x12\x19.rlfabric.v1.TrainRequest\x1a\x17.rlfabric.v1.TrainReply\x12N\n\x0eSaveCheckpoint\x12\x1e.rlfabric.v1.CheckpointRequest\x1a\x1c.rlfabric.v1.CheckpointReply\x12\x39\n\x08GetState\x12\x12.rlfabric.v1.Empty\x1a\x19.rlfabric.v1.LearnerState\x12G\n\tWarmStart\x12\x1d.rlfabric.v1.WarmStartRequest\x1a\x1b.rlfabric.v1.WarmStartReply\x12G\n\tHostRanks\x12\x1d.rlfabric.v1.HostRanksRequest\x1a\x1b.rlfabric.v1.HostRanksReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINREPLY_STATSENTRY']._loaded_options = None
   _globals['_TRAINREPLY_STATSENTRY']._serialized_options = b'8\001'
-  _globals['_WARMSTARTREQUEST']._serialized_start=68
-  _globals['_WARMSTARTREQUEST']._serialized_end=155
-  _globals['_WARMSTARTREPLY']._serialized_start=157
-  _globals['_WARMSTARTREPLY']._serialized_end=218
-  _globals['_TRAINREQUEST']._serialized_start=220
-  _globals['_TRAINREQUEST']._serialized_end=295
-  _globals['_TRAINREPLY']._serialized_start=298
-  _globals['_TRAINREPLY']._serialized_end=543
-  _globals['_TRAINREPLY_STATSENTRY']._serialized_start=499
-  _globals['_TRAINREPLY_STATSENTRY']._serialized_end=543
-  _globals['_CHECKPOINTREQUEST']._serialized_start=545
-  _globals['_CHECKPOINTREQUEST']._serialized_end=615
-  _globals['_CHECKPOINTREPLY']._serialized_start=617
-  _globals['_CHECKPOINTREPLY']._serialized_end=686
-  _globals['_LEARNERSTATE']._serialized_start=688
-  _globals['_LEARNERSTATE']._serialized_end=789
-  _globals['_LEARNER']._serialized_start=792
-  _globals['_LEARNER']._serialized_end=1147
+  _globals['_HOSTRANKSREQUEST']._serialized_start=69
+  _globals['_HOSTRANKSREQUEST']._serialized_end=208
+  _globals['_HOSTRANKSREPLY']._serialized_start=210
+  _globals['_HOSTRANKSREPLY']._serialized_end=254
+  _globals['_WARMSTARTREQUEST']._serialized_start=256
+  _globals['_WARMSTARTREQUEST']._serialized_end=343
+  _globals['_WARMSTARTREPLY']._serialized_start=345
+  _globals['_WARMSTARTREPLY']._serialized_end=406
+  _globals['_TRAINREQUEST']._serialized_start=408
+  _globals['_TRAINREQUEST']._serialized_end=483
+  _globals['_TRAINREPLY']._serialized_start=486
+  _globals['_TRAINREPLY']._serialized_end=731
+  _globals['_TRAINREPLY_STATSENTRY']._serialized_start=687
+  _globals['_TRAINREPLY_STATSENTRY']._serialized_end=731
+  _globals['_CHECKPOINTREQUEST']._serialized_start=733
+  _globals['_CHECKPOINTREQUEST']._serialized_end=803
+  _globals['_CHECKPOINTREPLY']._serialized_start=805
+  _globals['_CHECKPOINTREPLY']._serialized_end=874
+  _globals['_LEARNERSTATE']._serialized_start=876
+  _globals['_LEARNERSTATE']._serialized_end=977
+  _globals['_LEARNER']._serialized_start=980
+  _globals['_LEARNER']._serialized_end=1408
 # @@protoc_insertion_point(module_scope)

@@ -2,10 +2,36 @@ from rlfabric.services.core.proto.rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class HostRanksRequest(_message.Message):
+    __slots__ = ("world", "first_rank", "count", "rendezvous", "prefix", "device", "timeout_s")
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    world: int
+    first_rank: int
+    count: int
+    rendezvous: str
+    prefix: str
+    device: str
+    timeout_s: float
+    def __init__(self, world: _Optional[int] = ..., first_rank: _Optional[int] = ..., count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., prefix: _Optional[str] = ..., device: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class HostRanksReply(_message.Message):
+    __slots__ = ("pids", "host")
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    host: str
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class WarmStartRequest(_message.Message):
     __slots__ = ("run_id", "config_json", "stage", "run_dir")

@@ -60,6 +60,11 @@ class LearnerStub:
                 request_serializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartReply.FromString,
                 _registered_method=True)
+        self.HostRanks = channel.unary_unary(
+                '/rlfabric.v1.Learner/HostRanks',
+                request_serializer=rlfabric_dot_v1_dot_learner__pb2.HostRanksRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_learner__pb2.HostRanksReply.FromString,
+                _registered_method=True)
 
 
 class LearnerServicer:
@@ -99,6 +104,15 @@ class LearnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HostRanks(self, request, context):
+        """Served by a rank host (`serve learner --rank-host-for LEARNER`), called by that learner: start learner ranks
+        [first_rank, first_rank + count) of a group of `world`, ending any this host ran before. They meet the group at
+        `rendezvous` (the learner's authenticated data plane), under the random `prefix`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_LearnerServicer_to_server(servicer, server):
                     servicer.WarmStart,
                     request_deserializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_learner__pb2.WarmStartReply.SerializeToString,
+            ),
+            'HostRanks': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostRanks,
+                    request_deserializer=rlfabric_dot_v1_dot_learner__pb2.HostRanksRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_learner__pb2.HostRanksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class Learner:
             '/rlfabric.v1.Learner/WarmStart',
             rlfabric_dot_v1_dot_learner__pb2.WarmStartRequest.SerializeToString,
             rlfabric_dot_v1_dot_learner__pb2.WarmStartReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostRanks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.Learner/HostRanks',
+            rlfabric_dot_v1_dot_learner__pb2.HostRanksRequest.SerializeToString,
+            rlfabric_dot_v1_dot_learner__pb2.HostRanksReply.FromString,
             options,
             channel_credentials,
             insecure,

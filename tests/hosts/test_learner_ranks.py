@@ -1,0 +1,55 @@
+"""A learner whose ranks span two hosts, deployed as docs/deployment.md runs one on lab machines: four ranks of the
+arithmetic GRPO learner (``runtime.learner_ranks: 4``, ``learner_ranks_per_host: 2``), ranks 0-1 on the learner's
+host and ranks 2-3 on a rank host (``rlfabric serve learner --rank-host-for LEARNER``) that the learner names
+(``--rank-hosts``), each service on a host of its own over mutual TLS. The learner asks the rank host to start its
+ranks over gRPC; they meet rank 0 through its CURVE rendezvous; FSDP's collectives then cross the hosts' link. That
+the ranks make the one-rank update exactly (and that a lost one is named) tests/integration/test_rank_hosts.py
+checks on loopback; here the run trains, publishes every version and checkpoints the unsharded state."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.hosts.harness import GRPC_PORT
+from tests.hosts.test_deployment import finish, rows
+
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(1)]
+
+ROLES = ("coordinator", "env", "rollout", "learner", "replay", "ranks")
+SETS = ["policy.init_checkpoint=''", "runtime.learner_ranks=4", "runtime.learner_ranks_per_host=2",
+        "env.num_envs=16", "env.eval_envs=8", "algorithm.minibatch_size=8", "train.total_env_steps=48",
+        "train.eval_every_iterations=0", "scheduling.mode=disaggregated"]
+
+
+@pytest.mark.timeout(400)
+def test_a_learner_of_four_ranks_on_two_hosts_trains_through_the_deployment(make_hosts):
+    from rlfabric.services.learner import checkpoint as ckpt
+
+    hosts = make_hosts(ROLES, tls=True)
+    learner, ranks = hosts["learner"], hosts["ranks"]
+    for role in ("coordinator", "env", "rollout", "replay"):
+        hosts.serve(role, role)
+    hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
+    rank_host = hosts.serve("learner", ranks, "--rank-host-for", learner.address)
+    hosts.wait_serving()
+
+    run_dir = hosts.runs_root / "ranks"
+    args = ["train", "examples/arith_grpo.yaml", "--coordinator", hosts.coordinator, "--run-dir", str(run_dir),
+            "--quiet"]
+    proc, out = hosts.client(*args, *[a for s in SETS for a in ("--set", s)])
+    code, output = finish(hosts, proc, out, 300)
+    assert code == 0, f"{output[-3000:]}\n{hosts.tails(40)}"
+    got = rows(run_dir)
+    assert [int(r["weight_version"]) for r in got] == [1, 2, 3]
+    assert all(float(r["updated"]) == 1.0 for r in got)
+    state = ckpt.unpack((run_dir / "checkpoints" / "final.pt").read_bytes(), "final.pt")
+    assert state["weight_version"] == 3 and set(state["algorithm"]["optimizer"]["state"]) <= set(state["policy"])
+
+    # ranks 2-3 ran on the rank host, listening on its address (not loopback), and the learner knew them as such
+    started = [line for line in rank_host.log.read_text().splitlines() if "learner ranks started" in line]
+    assert len(started) == 1 and '"ranks": "2..3"' in started[0], started
+    assert f'"listen": "{ranks.address}"' in started[0], started[0]
+    learner_log = next(s for s in hosts.services if s.role == "learner" and s.host is learner).log.read_text()
+    assert re.search(rf"learner ranks up.*ranks 2\.\.3 on {re.escape(ranks.address)}:{GRPC_PORT}", learner_log)
