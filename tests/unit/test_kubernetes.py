@@ -47,7 +47,7 @@ KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
 FIELDS = {"apiVersion", "kind", "resources", "namespace", "secretGenerator", "generatorOptions", "patches", "images"}
 # The namespace transformer sets metadata.namespace on these and renames a v1 Namespace; kinds it rewrites more
 # of (RoleBinding subjects, webhooks, ...) are refused.
-NAMESPACED = {"Deployment", "Service", "PersistentVolumeClaim", "NetworkPolicy", "Secret", "ConfigMap"}
+NAMESPACED = {"Deployment", "StatefulSet", "Service", "PersistentVolumeClaim", "NetworkPolicy", "Secret", "ConfigMap"}
 CLUSTER_SCOPED = {"Namespace"}
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")  # kustomize's IsEnvVarName
 
@@ -174,7 +174,7 @@ def _set_image(docs: list[dict], image: dict) -> None:
 # -- helpers ---------------------------------------------------------------------------------------------------
 
 def _containers(doc: dict, init: bool = False) -> list[dict]:
-    if doc.get("kind") != "Deployment":
+    if doc.get("kind") not in ("Deployment", "StatefulSet"):
         return []
     pod = doc["spec"]["template"]["spec"]
     return [*(pod.get("initContainers", []) if init else []), *pod["containers"]]
@@ -291,6 +291,11 @@ def gpu(tree) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def ranks(tree) -> list[dict]:
+    return render(tree / "overlays" / "learner-ranks")
+
+
+@pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
@@ -344,8 +349,8 @@ def test_env_file_rules_are_kustomizes(tmp_path):
 
 # -- schemas ---------------------------------------------------------------------------------------------------
 
-def test_every_document_validates_against_the_kubernetes_schemas_strictly(base, gpu):
-    for doc in [*base, *gpu]:
+def test_every_document_validates_against_the_kubernetes_schemas_strictly(base, gpu, ranks):
+    for doc in [*base, *gpu, *ranks]:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     # The same call must refuse an unknown field and a mistyped one, or the loop above proves nothing.
     broken = copy.deepcopy(_find(base, "Deployment", "learner"))
@@ -534,8 +539,8 @@ def test_pods_run_as_the_images_user_and_meet_the_restricted_pod_security_level(
             assert not sc.get("privileged") and not any("hostPort" in p for p in container.get("ports", []))
 
 
-def test_every_container_has_requests_within_limits(base, gpu):
-    for doc in [*base, *gpu]:
+def test_every_container_has_requests_within_limits(base, gpu, ranks):
+    for doc in [*base, *gpu, *ranks]:
         for container in _containers(doc, init=True):
             resources = container["resources"]
             for kind in ("cpu", "memory"):
@@ -667,3 +672,58 @@ def test_an_images_entry_points_every_rlfabric_container_at_a_registry(tree, tmp
     images = {c["name"]: c["image"] for d in render(overlay / "overlays" / "gpu") for c in _containers(d, init=True)}
     assert {images[r] for r in (*RLFABRIC, "wait-for-coordinator")} == {"registry.invalid/rlfabric:v1"}
     assert images["redis"] == "redis:7.4-alpine" and images["minio"].startswith("minio/minio")
+
+
+# -- learner ranks on other nodes ----------------------------------------------------------------------------------
+
+def test_learner_ranks_overlay_runs_the_rank_hosts_its_learner_names(tree, gpu, ranks, monkeypatch):
+    """overlays/learner-ranks: the GPU overlay plus a StatefulSet of rank hosts (`serve learner --rank-host-for`)
+    behind a headless Service, each pod's stable name in the learner's RLFABRIC_RANK_HOSTS and in the services'
+    certificate, as many GPUs per pod as the learner's, and policies that let the learner and its ranks reach each
+    other (rendezvous, HostRanks, collectives) and nothing else new."""
+    from cryptography import x509
+
+    stateful = _find(ranks, "StatefulSet", "learner-ranks")
+    service = _find(ranks, "Service", stateful["spec"]["serviceName"])
+    pod = stateful["spec"]["template"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert _selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    assert stateful["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "learner-ranks"}
+    assert _selects(stateful["spec"]["selector"], pod["metadata"]["labels"])
+    (container,) = pod["spec"]["containers"]
+    env, learner = _env(container), _main(ranks, "learner")
+    assert container["args"] == ["serve", "learner"] and container["image"] == learner["image"]
+    unknown = {k for k in env if k.startswith("RLFABRIC_")} - SECRET_VARIABLES - service_flags("learner")
+    assert not unknown, f"{sorted(unknown)} are not flags of `rlfabric serve learner`"
+    learner_env = _env(learner)
+    assert env["RLFABRIC_RANK_HOST_FOR"] == learner_env["RLFABRIC_ADVERTISE_HOST"]
+    assert env["RLFABRIC_TOKEN"] == learner_env["RLFABRIC_TOKEN"]  # CURVE and the bearer: the deployment's secret
+    names = [f"{stateful['metadata']['name']}-{i}.{service['metadata']['name']}"
+             for i in range(stateful["spec"]["replicas"])]
+    assert learner_env["RLFABRIC_RANK_HOSTS"].split(",") == [f"{n}:{env['RLFABRIC_PORT']}" for n in names]
+    assert _ports(container) == {"grpc": int(env["RLFABRIC_PORT"]), "metrics": int(env["RLFABRIC_METRICS_PORT"])}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert _health_address(container[probe]["exec"]["command"], monkeypatch) == f"127.0.0.1:{env['RLFABRIC_PORT']}"
+    gpus = learner["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus >= 2 and container["resources"]["limits"]["nvidia.com/gpu"] == gpus  # learner_ranks_per_host each
+    cert = x509.load_pem_x509_certificate((tree / "tls" / "server.pem").read_bytes())
+    dns = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+              .get_values_for_type(x509.DNSName))
+    assert set(names) <= dns, "the learner dials its rank hosts by these names over TLS"
+
+    # everything else is the GPU overlay's, bar the learner's GPUs and its rank hosts
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    others = sorted((d for d in ranks if d["metadata"]["name"] not in ("learner", "learner-ranks",
+                                                                       "learner-ranks-ingress",
+                                                                       "learner-from-its-ranks")), key=key)
+    assert others == sorted((d for d in gpu if d["metadata"]["name"] != "learner"), key=key)
+
+    policies = [d for d in ranks if d["kind"] == "NetworkPolicy"]
+    pods = {**_pods(ranks), "learner-ranks": pod}
+    namespace = {**_find(ranks, "Namespace", NAMESPACE)["metadata"]["labels"], "kubernetes.io/metadata.name": NAMESPACE}
+    for destination, source, admitted in (("learner-ranks", "learner", True), ("learner", "learner-ranks", True),
+                                          ("learner-ranks", "learner-ranks", True), ("learner-ranks", "rollout", False),
+                                          ("learner-ranks", "coordinator", False), ("env", "learner-ranks", False)):
+        for port in (int(env["RLFABRIC_PORT"]), DATA_PORT):
+            assert _admits(policies, pods[destination], port, (namespace, pods[source]["metadata"]["labels"])) \
+                == admitted, (source, destination, port)
