@@ -177,13 +177,17 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The longest files first: those whose own timeout exceeds the suite's, then those marked ``minutes(n)``, by
-    those numbers (a ``fresh_process`` file before all of them). The tiers run two files at a time, and a file of minutes started last would leave the other
-    worker idle while it ends the tier alone."""
+    those numbers (a ``fresh_process`` file before all of them; a ``start_as(n)`` file where one of n minutes
+    goes). The tiers run two files at a time, and a file of minutes started last would leave the other worker idle
+    while it ends the tier alone. Files go to the two workers in turn: the first and third of this order to one,
+    the second and fourth to the other, the rest to whichever finishes first."""
     default = float(config.getini("timeout") or 0)
 
     def weight(item) -> float:
         if item.get_closest_marker("fresh_process"):
             return float("inf")  # before any other file of its tier: its worker has run no test yet
+        if start_as := item.get_closest_marker("start_as"):  # a file that would only wait if started first
+            return 60.0 * float(start_as.args[0])
         timeout, minutes = item.get_closest_marker("timeout"), item.get_closest_marker("minutes")
         own = float(timeout.args[0]) if timeout and timeout.args else 0.0
         return max(own if own > default else 0.0, 60.0 * float(minutes.args[0]) if minutes else 0.0)
