@@ -263,6 +263,21 @@ class PlanExecutor:
             if self.changes:
                 return
 
+    async def _learner_first(self, failed: RunFailed, train: asyncio.Task) -> None:
+        """A rollout stream that gave up waiting for the learner's next weight version while the learner's Train
+        runs is the learner's doing: that Train gets the data plane's timeout to end, and if it fails, its failure
+        is the run's (the root cause: a learner rank's link, say), with the rollout's after it. Otherwise (the Train
+        went on, or the stream failed for another reason) the rollout's stands."""
+        if not getattr(failed, "weights_late", False):
+            return
+        await asyncio.wait({train}, timeout=self.cfg.data_plane.timeout_s + 5.0)
+        if not train.done() or train.cancelled() or train.exception() is None:
+            return
+        cause = train.exception()
+        if isinstance(cause, RunFailed):
+            raise RunFailed(f"{cause.reason} (then {failed.reason})", cause.bad_input) from cause
+        raise cause
+
     def _open(self, stage: Stage, first: int, count: int, k: int, failure: list[RunFailed],
               arrived: asyncio.Event) -> Producer:
         call = stage.stub.Produce(rollout_pb2.ProduceRequest(first_batch_index=first, max_batches=count,
@@ -277,8 +292,10 @@ class PlanExecutor:
                     arrived.set()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
-                    failure.append(RunFailed(f"{stage.worker.describe()}: Produce failed: {exc.details()}",
-                                             exc.code() == grpc.StatusCode.INVALID_ARGUMENT))
+                    failed = RunFailed(f"{stage.worker.describe()}: Produce failed: {exc.details()}",
+                                       exc.code() == grpc.StatusCode.INVALID_ARGUMENT)
+                    failed.weights_late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # (rollout's WeightsLate)
+                    failure.append(failed)
             finally:
                 producer.ended.set()
                 arrived.set()
@@ -304,6 +321,7 @@ class PlanExecutor:
                     waiter.cancel()
                     arrived.clear()
                     if failure:
+                        await self._learner_first(failure[0], train)
                         train.cancel()
                         raise failure[0]
                     if not train.done() and drain_at is None and all(p.ended.is_set() for p in producers) \

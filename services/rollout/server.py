@@ -20,7 +20,7 @@ from rlfabric.services.core.proto.rlfabric.v1 import common_pb2, rollout_pb2, ro
 from rlfabric.services.core.runtime import ServiceRuntime, run_service
 from rlfabric.services.core.stats import episode_stats
 from rlfabric.services.env.pool import add_host_arguments, apply_host_arguments
-from rlfabric.services.rollout.worker import CollectResult, RolloutWorker, Stopped
+from rlfabric.services.rollout.worker import CollectResult, RolloutWorker, Stopped, WeightsLate
 
 log = logging.getLogger(__name__)
 BATCHES = Counter("rlfabric_rollout_batches_total", "trajectory batches produced")
@@ -57,6 +57,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             if stop is not None:
                 stop.set()
             raise
+        except WeightsLate as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except (PeerTimeout, TimeoutError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RemoteError as exc:

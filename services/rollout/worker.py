@@ -32,7 +32,13 @@ from rlfabric.services.rollout.collectors.gym import Evaluation, Stopped, interv
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CollectResult", "RolloutWorker", "Stopped"]
+__all__ = ["CollectResult", "RolloutWorker", "Stopped", "WeightsLate"]
+
+
+class WeightsLate(TimeoutError):
+    """The learner did not publish the weight version a batch needs within data_plane.timeout_s: the learner's
+    doing (its Train is slow or failing), so the coordinator hears it as DEADLINE_EXCEEDED, not as an unreachable
+    peer, and looks to the learner's Train for the cause."""
 
 
 @dataclass
@@ -221,7 +227,7 @@ class RolloutWorker:
                 raise Stopped(f"stopped while waiting for weight version {min_version}")
             self._check_drain(batch_index)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"weight version {min_version} was not published within {timeout_s:.1f}s "
+                raise WeightsLate(f"weight version {min_version} was not published within {timeout_s:.1f}s "
                                    f"(newest: {version}); is the learner training?")
             self._run_queued()
 
