@@ -330,6 +330,10 @@ class Rendezvous:
         self.server.stop()
 
 
+class RankGroupFailed(RuntimeError):
+    """A collective of a learner whose ranks span hosts failed: a link to a rank host, or a rank there, went."""
+
+
 class RankHostError(RuntimeError):
     """A rank host the run needs did not start its ranks (unreachable, not started, refused the request)."""
 
@@ -412,8 +416,8 @@ class RankGroup:
         except RuntimeError as exc:
             if not self.remote:
                 raise
-            raise RuntimeError(f"{exc} [the learner's ranks on other hosts: {'; '.join(self.remote)}: a link to one "
-                               f"of them or a rank there went]") from exc
+            raise RankGroupFailed(f"{exc} [the learner's ranks on other hosts: {'; '.join(self.remote)}: a link to "
+                                  f"one of them or a rank there went]") from exc
 
     def dead(self) -> str | None:
         """Why the group cannot work (a rank process that exited), or None."""

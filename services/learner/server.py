@@ -34,7 +34,13 @@ from rlfabric.services.core.weights import WeightPublisher, save_weights
 from rlfabric.services.learner import checkpoint as ckpt
 from rlfabric.services.learner import warm_start
 from rlfabric.services.learner.feeds import UpdateCancelled, feed_for
-from rlfabric.services.learner.ranks import RankGroup, RankHostError, initial_policy, rank_device
+from rlfabric.services.learner.ranks import (
+    RankGroup,
+    RankGroupFailed,
+    RankHostError,
+    initial_policy,
+    rank_device,
+)
 from rlfabric.services.replay.datasets import DatasetError
 
 log = logging.getLogger(__name__)
@@ -302,6 +308,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RemoteError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay refused: {exc}")
+        except RankGroupFailed as exc:  # the group is out of step: the next Configure builds a new one
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"learner ranks: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")
 

@@ -9,6 +9,7 @@ checks on loopback; here the run trains, publishes every version and checkpoints
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -53,3 +54,32 @@ def test_a_learner_of_four_ranks_on_two_hosts_trains_through_the_deployment(make
     assert f'"listen": "{ranks.address}"' in started[0], started[0]
     learner_log = next(s for s in hosts.services if s.role == "learner" and s.host is learner).log.read_text()
     assert re.search(rf"learner ranks up.*ranks 2\.\.3 on {re.escape(ranks.address)}:{GRPC_PORT}", learner_log)
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_host_cut_from_its_learner_fails_the_run_naming_it(make_hosts):
+    """Mid-run, every packet between the learner's host and its rank host is dropped, for good: the group's next
+    collective fails within data_plane.timeout_s (it never hangs), the run's recovery finds the rank host
+    unreachable, and the run fails with a reason that names it."""
+    hosts = make_hosts(ROLES, tls=False)
+    learner, ranks = hosts["learner"], hosts["ranks"]
+    for role in ("coordinator", "env", "rollout", "replay"):
+        hosts.serve(role, role)
+    hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
+    hosts.serve("learner", ranks, "--rank-host-for", learner.address)
+    hosts.wait_serving()
+    run_dir = hosts.runs_root / "cut"
+    sets = [*SETS, "train.total_env_steps=4800", "data_plane.timeout_s=5", "runtime.max_recoveries=1"]
+    proc, out = hosts.client("train", "examples/arith_grpo.yaml", "--coordinator", hosts.coordinator, "--run-dir",
+                             str(run_dir), "--quiet", *[a for s in sets for a in ("--set", s)])
+    deadline = time.monotonic() + 180
+    while len(rows(run_dir)) < 1:  # training is under way
+        assert proc.poll() is None, f"the run ended before the cut:\n{out.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no training within 180 s:\n{hosts.tails(30)}"
+        time.sleep(0.1)
+    hosts.cut(learner, ranks)
+    cut_at = time.monotonic()
+    code, output = finish(hosts, proc, out, 120)
+    assert code != 0, output[-3000:]
+    assert f"{ranks.address}:{GRPC_PORT}" in output, f"the failure does not name the rank host:\n{output[-3000:]}"
+    print(f"failed {time.monotonic() - cut_at:.0f} s after the cut: {output.strip().splitlines()[-1][:300]}")
