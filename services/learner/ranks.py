@@ -386,6 +386,7 @@ class RankGroup:
         self.rendezvous: Rendezvous | None = None
         self.remote: list[str] = []  # what errors name: each rank host, its ranks and where they listen
         self.remote_pids: list[int] = []  # their processes there, in rank order
+        self.failed: str | None = None  # why a collective across hosts failed: the group is out of step for good
         try:
             if needed:
                 from rlfabric.services.core.proto.rlfabric.v1 import learner_pb2
@@ -416,11 +417,14 @@ class RankGroup:
         except RuntimeError as exc:
             if not self.remote:
                 raise
-            raise RankGroupFailed(f"{exc} [the learner's ranks on other hosts: {'; '.join(self.remote)}: a link to "
-                                  f"one of them or a rank there went]") from exc
+            self.failed = (f"{exc} [the learner's ranks on other hosts: {'; '.join(self.remote)}: a link to one of "
+                           f"them or a rank there went]")
+            raise RankGroupFailed(self.failed) from exc
 
     def dead(self) -> str | None:
-        """Why the group cannot work (a rank process that exited), or None."""
+        """Why the group cannot work (a rank process that exited, a failed collective across hosts), or None."""
+        if self.failed:
+            return self.failed
         for r, proc in enumerate(self.procs, start=1):
             if proc.poll() is not None:
                 return f"learner rank {r} (pid {proc.pid}) exited with code {proc.returncode}"

@@ -308,7 +308,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RemoteError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay refused: {exc}")
-        except RankGroupFailed as exc:  # the group is out of step: the next Configure builds a new one
+        except RankGroupFailed as exc:  # out of step for good: NOT_SERVING until a Configure builds a new group,
+            self.runtime.check_components()  # so the coordinator, probing after this call, recovers the run
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"learner ranks: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")

@@ -59,8 +59,9 @@ def test_a_learner_of_four_ranks_on_two_hosts_trains_through_the_deployment(make
 @pytest.mark.timeout(400)
 def test_a_rank_host_cut_from_its_learner_fails_the_run_naming_it(make_hosts):
     """Mid-run, every packet between the learner's host and its rank host is dropped, for good: the group's next
-    collective fails within data_plane.timeout_s (it never hangs), the run's recovery finds the rank host
-    unreachable, and the run fails with a reason that names it."""
+    collective fails within data_plane.timeout_s (it never hangs) and the learner's health says so, the run
+    recovers onto the same learner, whose new group cannot reach the rank host, and the run fails with a reason
+    that names it."""
     hosts = make_hosts(ROLES, tls=False)
     learner, ranks = hosts["learner"], hosts["ranks"]
     for role in ("coordinator", "env", "rollout", "replay"):
@@ -82,4 +83,6 @@ def test_a_rank_host_cut_from_its_learner_fails_the_run_naming_it(make_hosts):
     code, output = finish(hosts, proc, out, 120)
     assert code != 0, output[-3000:]
     assert f"{ranks.address}:{GRPC_PORT}" in output, f"the failure does not name the rank host:\n{output[-3000:]}"
+    assert re.search(r"lost learner worker .*; recovering \(recovery 1 of at most 1\)", output), output[-3000:]
+    assert "Configure failed: learner ranks: the rank host" in output, output[-3000:]  # the recovery's, cut still
     print(f"failed {time.monotonic() - cut_at:.0f} s after the cut: {output.strip().splitlines()[-1][:300]}")
