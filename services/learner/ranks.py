@@ -339,7 +339,9 @@ class RankHostError(RuntimeError):
 
 
 def host_ranks(address: str, request: Any, timeout_s: float) -> Any:
-    """Ask the rank host at ``address`` to start its ranks (HostRanks over the control plane: token, TLS)."""
+    """Ask the rank host at ``address`` to start its ranks (HostRanks over the control plane: token, TLS). A rank
+    host not reachable yet is waited for up to ``timeout_s`` (a link coming back, a pod starting): a run recovering
+    from a cut link re-forms its group once the link returns."""
     import grpc
 
     from rlfabric.services.core import auth
@@ -348,7 +350,7 @@ def host_ranks(address: str, request: Any, timeout_s: float) -> Any:
 
     with auth.sync_channel(address, GRPC_OPTIONS) as channel:
         try:
-            return learner_pb2_grpc.LearnerStub(channel).HostRanks(request, timeout=timeout_s)
+            return learner_pb2_grpc.LearnerStub(channel).HostRanks(request, timeout=timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
             raise RankHostError(f"learner ranks: the rank host {address} did not start ranks {request.first_rank}.."
                                f"{request.first_rank + request.count - 1}: {exc.code().name}: {exc.details()}. "
@@ -396,7 +398,7 @@ class RankGroup:
                     first = h * local
                     reply = host_ranks(address, learner_pb2.HostRanksRequest(
                         world=world, first_rank=first, count=local, rendezvous=self.rendezvous.endpoint,
-                        prefix=prefix, device=device.type, timeout_s=timeout_s), timeout_s=min(timeout_s, 30.0))
+                        prefix=prefix, device=device.type, timeout_s=timeout_s), timeout_s=min(timeout_s, 60.0))
                     self.remote.append(f"ranks {first}..{first + local - 1} on {address} ({reply.host})")
                     self.remote_pids += list(reply.pids)
             _init(device, 0, world, timeout_s, self.store, prefix)

@@ -308,9 +308,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RemoteError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replay refused: {exc}")
-        except RankGroupFailed as exc:  # out of step for good: NOT_SERVING until a Configure builds a new group,
-            self.runtime.check_components()  # so the coordinator, probing after this call, recovers the run
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"learner ranks: {exc}")
+        except RankGroupFailed as exc:
+            await self._rank_group_failed(context, exc)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad trajectory batch: {exc}")
 
@@ -381,6 +380,15 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint refused: {exc}")
         except OSError as exc:  # the store's (a full disk, a lost bucket): the run's checkpoint did not happen
             await context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
+        except RankGroupFailed as exc:  # (gathering the sharded state is a collective)
+            await self._rank_group_failed(context, exc)
+
+    async def _rank_group_failed(self, context, exc: RankGroupFailed) -> None:
+        """A rank group spanning hosts is out of step for good: the health check turns NOT_SERVING (until a
+        Configure builds a new group) before the caller hears of it, so the coordinator, probing after a failed
+        call, recovers the run onto this learner."""
+        self.runtime.check_components()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"learner ranks: {exc}")
 
     async def GetState(self, request, context):
         return learner_pb2.LearnerState(

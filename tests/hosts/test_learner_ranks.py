@@ -57,32 +57,36 @@ def test_a_learner_of_four_ranks_on_two_hosts_trains_through_the_deployment(make
 
 
 @pytest.mark.timeout(400)
-def test_a_rank_host_cut_from_its_learner_fails_the_run_naming_it(make_hosts):
-    """Mid-run, every packet between the learner's host and its rank host is dropped, for good: the group's next
-    collective fails within data_plane.timeout_s (it never hangs) and the learner's health says so, the run
-    recovers onto the same learner, whose new group cannot reach the rank host, and the run fails with a reason
-    that names it."""
+def test_a_10_s_cut_between_the_learner_and_its_rank_host_is_recovered_from(make_hosts):
+    """Mid-run, every packet between the learner's host and its rank host is dropped for 10 s: the group's next
+    collective fails within data_plane.timeout_s (it never hangs) and the learner's health says so, naming the rank
+    host; the coordinator recovers the run onto the same learner, whose new group waits for the rank host to be
+    reachable again, and the run finishes from its last checkpoint."""
     hosts = make_hosts(ROLES, tls=False)
     learner, ranks = hosts["learner"], hosts["ranks"]
     for role in ("coordinator", "env", "rollout", "replay"):
         hosts.serve(role, role)
-    hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
-    hosts.serve("learner", ranks, "--rank-host-for", learner.address)
+    learner_service = hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
+    rank_host = hosts.serve("learner", ranks, "--rank-host-for", learner.address)
     hosts.wait_serving()
     run_dir = hosts.runs_root / "cut"
-    sets = [*SETS, "train.total_env_steps=4800", "data_plane.timeout_s=5", "runtime.max_recoveries=1"]
+    sets = [*SETS, "train.total_env_steps=320", "data_plane.timeout_s=5", "runtime.max_recoveries=2",
+            "checkpoint.every_iterations=1"]
     proc, out = hosts.client("train", "examples/arith_grpo.yaml", "--coordinator", hosts.coordinator, "--run-dir",
                              str(run_dir), "--quiet", *[a for s in sets for a in ("--set", s)])
     deadline = time.monotonic() + 180
-    while len(rows(run_dir)) < 1:  # training is under way
+    while len(rows(run_dir)) < 2:  # training is under way
         assert proc.poll() is None, f"the run ended before the cut:\n{out.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no training within 180 s:\n{hosts.tails(30)}"
         time.sleep(0.1)
     hosts.cut(learner, ranks)
-    cut_at = time.monotonic()
-    code, output = finish(hosts, proc, out, 120)
-    assert code != 0, output[-3000:]
-    assert f"{ranks.address}:{GRPC_PORT}" in output, f"the failure does not name the rank host:\n{output[-3000:]}"
-    assert re.search(r"lost learner worker .*; recovering \(recovery 1 of at most 1\)", output), output[-3000:]
-    assert "Configure failed: learner ranks: the rank host" in output, output[-3000:]  # the recovery's, cut still
-    print(f"failed {time.monotonic() - cut_at:.0f} s after the cut: {output.strip().splitlines()[-1][:300]}")
+    time.sleep(10)
+    hosts.restore(learner, ranks)
+    code, output = finish(hosts, proc, out, 180)
+    assert code == 0, f"{output[-3000:]}\n{hosts.tails(40)}"
+    assert re.search(r"lost learner worker .*; recovering \(recovery 1 of at most 2\)", output), output[-3000:]
+    died = [line for line in learner_service.log.read_text().splitlines() if "component died" in line]
+    assert died and f"ranks 2..3 on {ranks.address}:{GRPC_PORT}" in died[0], died  # the health check named it
+    assert len([line for line in rank_host.log.read_text().splitlines() if "learner ranks started" in line]) == 2
+    versions = [int(r["weight_version"]) for r in rows(run_dir)]
+    assert versions[-1] == 320 // 16, versions  # every iteration trained, across the recovery

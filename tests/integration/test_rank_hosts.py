@@ -69,8 +69,8 @@ def test_a_rank_on_a_rank_host_makes_the_one_rank_update_and_a_lost_one_is_named
 def test_ranks_beyond_the_learners_host_need_rank_hosts_and_whole_hosts():
     with pytest.raises(ValueError, match="needs 1 rank host.*--rank-host-for.*learner_ranks_per_host: 0"):
         RankGroup(4, torch.device("cpu"), timeout_s=10, per_host=2)
-    with pytest.raises(RankHostError, match=r"rank host 127.0.0.1:1 did not start ranks 2..3: UNAVAILABLE.*Fix"):
-        RankGroup(4, torch.device("cpu"), timeout_s=10, per_host=2, rank_hosts=("127.0.0.1:1",))
+    with pytest.raises(RankHostError, match=r"rank host 127.0.0.1:1 did not start ranks 2..3: DEADLINE_EXCEEDED.*Fix"):
+        RankGroup(4, torch.device("cpu"), timeout_s=2, per_host=2, rank_hosts=("127.0.0.1:1",))  # waited 2 s for it
     with pytest.raises(ConfigError, match="learner_ranks=3 is not a whole number of hosts"):
         parse_config("name: r\nenv: {adapter: text, id: arith, options: {group_size: 2}}\nalgorithm: {name: grpo}\n"
                      "runtime: {learner_ranks: 3, learner_ranks_per_host: 2}\n")
