@@ -70,7 +70,7 @@ def test_a_10_s_cut_between_the_learner_and_its_rank_host_is_recovered_from(make
     rank_host = hosts.serve("learner", ranks, "--rank-host-for", learner.address)
     hosts.wait_serving()
     run_dir = hosts.runs_root / "cut"
-    sets = [*SETS, "train.total_env_steps=320", "data_plane.timeout_s=5", "runtime.max_recoveries=2",
+    sets = [*SETS, "train.total_env_steps=160", "data_plane.timeout_s=5", "runtime.max_recoveries=2",
             "checkpoint.every_iterations=1"]
     proc, out = hosts.client("train", "examples/arith_grpo.yaml", "--coordinator", hosts.coordinator, "--run-dir",
                              str(run_dir), "--quiet", *[a for s in sets for a in ("--set", s)])
@@ -89,4 +89,4 @@ def test_a_10_s_cut_between_the_learner_and_its_rank_host_is_recovered_from(make
     assert died and f"ranks 2..3 on {ranks.address}:{GRPC_PORT}" in died[0], died  # the health check named it
     assert len([line for line in rank_host.log.read_text().splitlines() if "learner ranks started" in line]) == 2
     versions = [int(r["weight_version"]) for r in rows(run_dir)]
-    assert versions[-1] == 320 // 16, versions  # every iteration trained, across the recovery
+    assert versions[-1] == 160 // 16, versions  # every iteration trained, across the recovery
