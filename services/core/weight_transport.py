@@ -28,8 +28,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from rlfabric.services.core.batch import TensorBatch
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +207,25 @@ class ChannelStore(dist.Store):
 
     def set_timeout(self, timeout) -> None:
         self.timeout_s = max(1.0, timeout.total_seconds())
+
+
+def store_message(meta: dict, value: bytes) -> TensorBatch:
+    """A ChannelStore operation or its answer as a data-plane message: the meta, the value's bytes."""
+    return TensorBatch({"value": np.frombuffer(value, np.uint8)} if value else {}, meta=meta)
+
+
+def store_value(batch: TensorBatch) -> bytes:
+    value = batch.tensors.get("value")
+    return b"" if value is None else np.asarray(value, np.uint8).tobytes()
+
+
+def asking(client: Any, extra: dict | None = None) -> Callable[[dict, bytes], tuple[dict, bytes]]:
+    """ChannelStore's ``ask`` over a DataClient: each store operation one "store" request (``extra`` added to its
+    meta: a weight pair's id)."""
+    def ask(meta: dict, value: bytes) -> tuple[dict, bytes]:
+        _, got = client.request("store", store_message({**meta, **(extra or {})}, value))
+        return got.meta, store_value(got)
+    return ask
 
 
 STORE_OPS = ("set", "get", "add", "compare_set", "check", "delete_key")

@@ -399,10 +399,10 @@ class WeightPublisher:
         elif kind == "store":  # a pair's rendezvous, on this authenticated channel (weight_transport.ChannelStore)
             if self._pairs is None:
                 raise ValueError("no weight-transfer pair was joined here; join first")
-            value = batch.tensors.get("value")
-            answer, out = self._pairs.store_op(meta_int(meta, "pair", -1, 0, 1 << 31), meta,
-                                               b"" if value is None else np.asarray(value, np.uint8).tobytes())
-            reply.send("stored", TensorBatch({"value": np.frombuffer(out, np.uint8)} if out else {}, meta=answer))
+            from rlfabric.services.core.weight_transport import store_message, store_value  # (as PairHost is)
+
+            answer, out = self._pairs.store_op(meta_int(meta, "pair", -1, 0, 1 << 31), meta, store_value(batch))
+            reply.send("stored", store_message(answer, out))
         else:
             raise ValueError(f"unknown request kind {kind!r}; expected get, bucket, join, send, leave or store")
 
@@ -680,20 +680,15 @@ class WeightSubscriber:
 
     def _join(self):
         if self._pair is None:
-            from rlfabric.services.core.weight_transport import PairClient, local_ip_toward
+            from rlfabric.services.core.weight_transport import PairClient, asking, local_ip_toward
 
             host = self.client.endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
             _, batch = self.client.request("join", TensorBatch(meta={
                 "transport": self.sync.transport, "ip": local_ip_toward(host), "timeout_s": self.timeout_s}))
             pair = int(batch.meta["pair"])
 
-            def ask(meta: dict, value: bytes) -> tuple[dict, bytes]:
-                _, got = self.client.request("store", TensorBatch(
-                    {"value": np.frombuffer(value, np.uint8)} if value else {}, meta={**meta, "pair": pair}))
-                out = got.tensors.get("value")
-                return got.meta, b"" if out is None else np.asarray(out, np.uint8).tobytes()
-
-            self._pair = PairClient(self.sync.transport, host, pair, batch.meta.get("prefix"), ask, self.timeout_s)
+            self._pair = PairClient(self.sync.transport, host, pair, batch.meta.get("prefix"),
+                                    asking(self.client, {"pair": pair}), self.timeout_s)
         return self._pair
 
     def _drop_pair(self) -> None:

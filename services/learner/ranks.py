@@ -49,12 +49,15 @@ from rlfabric.services.core.codec import decode, encode, pack_frames, unpack_fra
 from rlfabric.services.core.policy import ForwardMethods, OwnCritic, ShardUnits
 from rlfabric.services.core.weight_transport import (
     ChannelStore,
+    asking,
     bind_address,
     check_prefix,
     confined_store_op,
     interface_of,
     listening_store,
     new_prefix,
+    store_message,
+    store_value,
 )
 
 log = logging.getLogger(__name__)
@@ -274,20 +277,12 @@ def rendezvous_store(endpoint: str, timeout_s: float) -> ChannelStore:
     """A rank on another host: the group's keys through rank 0's ``Rendezvous`` (CURVE with the deployment's
     secret, which reaches this process in its environment as it reaches every service)."""
     from rlfabric.services.core import auth
-    from rlfabric.services.core.batch import TensorBatch
     from rlfabric.services.core.dataplane import DataClient
 
     auth.configure(auth.token_from_environment())
     client = DataClient(endpoint, max_bytes=RENDEZVOUS_BYTES, timeout_s=min(timeout_s, 60.0),
                         peer="the learner's rank rendezvous")
-
-    def ask(meta: dict, value: bytes) -> tuple[dict, bytes]:
-        _, got = client.request("store", TensorBatch({"value": np.frombuffer(value, np.uint8)} if value else {},
-                                                     meta=meta))
-        out = got.tensors.get("value")
-        return got.meta, b"" if out is None else np.asarray(out, np.uint8).tobytes()
-
-    return ChannelStore(ask, timeout_s, owner="learner ranks: the learner")
+    return ChannelStore(asking(client), timeout_s, owner="learner ranks: the learner")
 
 
 class Rendezvous:
@@ -306,17 +301,13 @@ class Rendezvous:
         self.server.start(self._handle)
 
     def _handle(self, kind: str, batch: Any, reply: Any) -> None:
-        from rlfabric.services.core.batch import TensorBatch
-
         if kind != "store":
             raise ValueError(f"unknown request kind {kind!r}; a learner's rank rendezvous answers store only")
         if self._client is None:
             self._client = dist.TCPStore(LOOPBACK, self.store_port, None, False, timedelta(seconds=self.timeout_s))
-        value = batch.tensors.get("value")
-        answer, out = confined_store_op(self._client, batch.meta, b"" if value is None else
-                                        np.asarray(value, np.uint8).tobytes(), self.root, self._new_key,
+        answer, out = confined_store_op(self._client, batch.meta, store_value(batch), self.root, self._new_key,
                                         "learner ranks")
-        reply.send("stored", TensorBatch({"value": np.frombuffer(out, np.uint8)} if out else {}, meta=answer))
+        reply.send("stored", store_message(answer, out))
 
     def _new_key(self) -> None:
         self.keys += 1
