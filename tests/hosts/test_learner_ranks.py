@@ -24,17 +24,25 @@ SETS = ["policy.init_checkpoint=''", "runtime.learner_ranks=4", "runtime.learner
         "train.eval_every_iterations=0", "scheduling.mode=disaggregated"]
 
 
+def deploy(make_hosts, tls: bool):
+    """Six hosts: the five services, the learner naming the sixth as its rank host, which serves it; all serving.
+    (hosts, the learner's service, the rank host's service)."""
+    hosts = make_hosts(ROLES, tls=tls)
+    learner, ranks = hosts["learner"], hosts["ranks"]
+    for role in ("coordinator", "env", "rollout", "replay"):
+        hosts.serve(role, role)
+    learner_service = hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
+    rank_host = hosts.serve("learner", ranks, "--rank-host-for", learner.address)
+    hosts.wait_serving()
+    return hosts, learner_service, rank_host
+
+
 @pytest.mark.timeout(400)
 def test_a_learner_of_four_ranks_on_two_hosts_trains_through_the_deployment(make_hosts):
     from rlfabric.services.learner import checkpoint as ckpt
 
-    hosts = make_hosts(ROLES, tls=True)
-    learner, ranks = hosts["learner"], hosts["ranks"]
-    for role in ("coordinator", "env", "rollout", "replay"):
-        hosts.serve(role, role)
-    hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
-    rank_host = hosts.serve("learner", ranks, "--rank-host-for", learner.address)
-    hosts.wait_serving()
+    hosts, learner_service, rank_host = deploy(make_hosts, tls=True)
+    ranks = rank_host.host
 
     run_dir = hosts.runs_root / "ranks"
     args = ["train", "examples/arith_grpo.yaml", "--coordinator", hosts.coordinator, "--run-dir", str(run_dir),
@@ -52,7 +60,7 @@ def test_a_learner_of_four_ranks_on_two_hosts_trains_through_the_deployment(make
     started = [line for line in rank_host.log.read_text().splitlines() if "learner ranks started" in line]
     assert len(started) == 1 and '"ranks": "2..3"' in started[0], started
     assert f'"listen": "{ranks.address}"' in started[0], started[0]
-    learner_log = next(s for s in hosts.services if s.role == "learner" and s.host is learner).log.read_text()
+    learner_log = learner_service.log.read_text()
     assert re.search(rf"learner ranks up.*ranks 2\.\.3 on {re.escape(ranks.address)}:{GRPC_PORT}", learner_log)
 
 
@@ -62,13 +70,8 @@ def test_a_10_s_cut_between_the_learner_and_its_rank_host_is_recovered_from(make
     collective fails within data_plane.timeout_s (it never hangs) and the learner's health says so, naming the rank
     host; the coordinator recovers the run onto the same learner, whose new group waits for the rank host to be
     reachable again, and the run finishes from its last checkpoint."""
-    hosts = make_hosts(ROLES, tls=False)
-    learner, ranks = hosts["learner"], hosts["ranks"]
-    for role in ("coordinator", "env", "rollout", "replay"):
-        hosts.serve(role, role)
-    learner_service = hosts.serve("learner", learner, "--rank-hosts", f"{ranks.address}:{GRPC_PORT}")
-    rank_host = hosts.serve("learner", ranks, "--rank-host-for", learner.address)
-    hosts.wait_serving()
+    hosts, learner_service, rank_host = deploy(make_hosts, tls=False)
+    learner, ranks = learner_service.host, rank_host.host
     run_dir = hosts.runs_root / "cut"
     sets = [*SETS, "train.total_env_steps=160", "data_plane.timeout_s=5", "runtime.max_recoveries=2",
             "checkpoint.every_iterations=1"]
