@@ -188,7 +188,7 @@ class _Serve:
         loop, call = self.loop, request.get("call")
         try:
             if call == "submit":
-                loop.submit(np.asarray(request["position"], float), int(request["seq"]))
+                loop.submit(np.asarray(request["position"], float), int(request["seq"]), bool(request["resetting"]))
             elif call == "estop":
                 loop.estop(str(request["reason"]))
             elif call == "latch_fault":
@@ -458,8 +458,9 @@ class ArmProcess:
     def _owner(owner: object | None):
         return None if owner is None else [id(owner), str(owner)]
 
-    def submit(self, position: np.ndarray, seq: int) -> None:
-        self._send({"call": "submit", "position": np.asarray(position, float).tolist(), "seq": int(seq)})
+    def submit(self, position: np.ndarray, seq: int, resetting: bool = False) -> None:
+        self._send({"call": "submit", "position": np.asarray(position, float).tolist(), "seq": int(seq),
+                    "resetting": bool(resetting)})
 
     def estop(self, reason: str) -> None:
         """Sent, not awaited: a loop stuck in its driver applies it once it ticks again (EStop's reply says so)."""

@@ -91,6 +91,7 @@ class Tick:
     episode_intervened_ticks: int = 0
     end_effector: np.ndarray = field(default_factory=lambda: np.zeros(3))
     policy_seq: int = -1  # the newest policy command this tick had (used, or overridden by a human)
+    policy_resetting: bool = False  # that command walks the arm back between episodes (JointCommand.resetting)
     estop_at: float = 0.0  # when the e-stop latched (monotonic s; 0: none): from then on no new target is sent
 
 
@@ -108,6 +109,7 @@ class EpisodeCounts:
 class _Command:
     position: np.ndarray
     seq: int
+    resetting: bool = False
     received: float = field(default_factory=time.monotonic)
 
 
@@ -144,9 +146,9 @@ class ControlLoop:
         self.thread = threading.Thread(target=self._run, name=f"control-{robot_id}", daemon=True)
 
     # -- what clients do (any thread) -------------------------------------------------------------------------
-    def submit(self, position: np.ndarray, seq: int) -> None:
+    def submit(self, position: np.ndarray, seq: int, resetting: bool = False) -> None:
         with self.lock:
-            self.command = _Command(np.asarray(position, dtype=float), seq)
+            self.command = _Command(np.asarray(position, dtype=float), seq, resetting)
 
     def _check_owner(self, owner: object | None, what: str) -> None:
         """Under self.lock: refuse ``what`` from anyone but the takeover's owner (a takeover nobody owns is free)."""
@@ -347,6 +349,7 @@ class ControlLoop:
             intervening = self.intervening
             command = self.human if intervening else self.command
             policy_seq = self.command.seq if self.command is not None else -1
+            policy_resetting = self.command is not None and self.command.resetting
             estopped, fault, safety, estop_at = self.estopped, self.fault, self.safety, self.estop_at
         verdict = None
         if estopped:
@@ -381,7 +384,7 @@ class ControlLoop:
         tick = Tick(k, now, position, velocity, self.target.copy(), estopped, fault, bool(reason), reason,
                     lateness, jitter, self.overruns, command.seq if command is not None else -1,
                     bool(verdict and verdict.clipped), bool(verdict and verdict.slowed), intervening, episode,
-                    episode_intervened, self.driver.forward_kinematics(position), policy_seq, estop_at)
+                    episode_intervened, self.driver.forward_kinematics(position), policy_seq, policy_resetting, estop_at)
         self.last = tick
         for listener in list(self.listeners):
             listener(tick)

@@ -104,7 +104,8 @@ def state_message(robot_id: str, t: Tick, estop_requested: bool = False) -> pb.R
                          hold_reason=t.hold_reason, target=t.target.tolist(), command_seq=t.command_seq,
                          clipped=t.clipped, slowed=t.slowed, intervening=t.intervening, episode=t.episode,
                          episode_intervened_ticks=t.episode_intervened_ticks, end_effector=t.end_effector.tolist(),
-                         policy_seq=t.policy_seq, estop_requested=t.estopped or estop_requested)
+                         policy_seq=t.policy_seq, policy_resetting=t.policy_resetting,
+                         estop_requested=t.estopped or estop_requested)
 
 
 def limits_message(robot_id: str, lim: Limits) -> pb.SafetyLimits:
@@ -412,7 +413,7 @@ class RobotGatewayService(robot_gateway_pb2_grpc.RobotGatewayServicer):
             if isinstance(position, str):
                 return position
             try:
-                loop.submit(position, cmd.seq)  # sent, never awaited: a stream of commands costs the loop nothing
+                loop.submit(position, cmd.seq, cmd.resetting)  # sent, never awaited: a stream of commands costs the loop nothing
             except RuntimeError as exc:  # the arm's process stopped reading (stuck) or is gone
                 return grpc.StatusCode.UNAVAILABLE, str(exc)
             return None

@@ -32,10 +32,16 @@ SEQ_BASE = 1 << 40  # teleop command seqs, far from any policy's: a state's comm
 class ReachExpert:
     """The scripted expert for one robot (a state machine fed one state per tick, returning the events to send).
 
-    resetting   the arm is away from its start pose (the env is walking it back): never intervene
+    resetting   the arm is away from its start pose, or the env walks it back (``policy_resetting``): never
+                intervene
     watching    an episode is running: track the best distance to the goal and the policy's commands since it
                 improved (ticks with no new policy command do not count: the policy is paused, not drifting)
-    helping     the expert commands the arm toward the goal; at ``handback_distance`` it hands back
+    helping     the expert commands the arm toward the goal; at ``handback_distance`` it hands back, and when the
+                episode ends under it (the env starts its reset walk) it lets go
+
+An episode that ran out of time while watching used to look like a policy drifting away from the goal: the expert
+took over the env's reset walk and led the arm to the goal before the walk could start (a reset took ~10x its
+walk).
 
     While helping, the expert moves its target once per policy command (the overridden commands still arrive, one
     per env step) and repeats it on the ticks between (the gateway's watchdog wants a command per tick): what the
@@ -78,9 +84,12 @@ class ReachExpert:
         distance = self._distance(q)
         if self.mode == "resetting":  # an episode starts settled at its start pose, away from the goal
             if np.abs(q - self.start).max() <= self.start_tolerance and np.abs(state.velocity).max() < 0.05 \
-                    and not state.holding and distance > 2 * self.handback_distance:
+                    and not state.holding and not state.policy_resetting and distance > 2 * self.handback_distance:
                 self.mode, self.best, self.stalled = "watching", distance, 0
             return []
+        if state.policy_resetting:  # the episode is over: the env walks the arm back
+            helping, self.mode = self.mode == "helping", "resetting"
+            return [("stop", None)] if helping else []
         if self.mode == "watching":
             if distance <= self.handback_distance:  # the policy got there by itself
                 self.mode = "resetting"

@@ -74,6 +74,34 @@ def test_a_scripted_policy_reaches_targets_through_the_gateway(gateway_address):
         pool.close()
 
 
+def test_the_reset_walk_is_marked_so_a_teleop_expert_leaves_it_alone(gateway_address):
+    """Every move of the env's walk back to the start pose is a JointCommand marked ``resetting``: the gateway's
+    state says so until the policy's first command of the episode (the scripted expert stays out meanwhile:
+    tests/unit/test_reach_expert.py). Arms that end an episode together walk back together."""
+    from rlfabric.services.env.adapters.robot import RobotVectorEnv
+
+    auth.configure(TOKEN)
+    env = RobotVectorEnv(EnvConfig(adapter="robot", id="reach", num_envs=2, options={
+        "gateway": gateway_address, "hz": 100, "episode_steps": 3, "action_scale": 0.2}), 2)
+    try:
+        env.reset(seed=0)
+        refs = [pb.RobotRef(robot_id=rid) for rid in env.ids]
+        assert all(env.stub.GetState(ref, timeout=5).policy_resetting for ref in refs)
+        env.step(np.ones((2, 3)))
+        assert not any(env.stub.GetState(ref, timeout=5).policy_resetting for ref in refs)
+        env.step(np.ones((2, 3)))
+        before = [env.stub.GetState(ref, timeout=5) for ref in refs]
+        *_, truncated, info = env.step(np.ones((2, 3)))  # the third step ends both episodes: both walk back
+        after = [env.stub.GetState(ref, timeout=5) for ref in refs]
+        assert truncated.all() and all(s.policy_resetting for s in after)
+        assert np.allclose([s.target for s in after], [[0.0, -0.3, 0.6]] * 2)
+        # the ticks from the last step to the end of the reset: 19 with the arms walking together, 54-55 in turn
+        walks = [a.seq - b.seq for a, b in zip(after, before, strict=True)]
+        assert max(walks) < 35, walks
+    finally:
+        env.close()
+
+
 def estopped_env(address: str, latch_wait_s: float):
     """A one-arm robot env, reset, whose arm a token holder has just e-stopped; and the arm's RobotRef."""
     from rlfabric.services.env.adapters.robot import RobotVectorEnv

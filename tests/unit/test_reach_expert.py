@@ -15,9 +15,9 @@ from rlfabric.services.robot_gateway.teleop import ReachExpert  # noqa: E402
 GOAL, START = np.array([0.35, 0.15, 0.25]), np.array([0.0, -0.3, 0.6])
 
 
-def state(q, target, policy_seq):
+def state(q, target, policy_seq, resetting=False):
     return SimpleNamespace(position=list(q), velocity=[0.0] * 3, target=list(target), holding=False,
-                           policy_seq=policy_seq)
+                           policy_seq=policy_seq, policy_resetting=resetting)
 
 
 def test_the_expert_moves_once_per_policy_command_with_a_bounded_step_that_keeps_its_direction():
@@ -53,3 +53,26 @@ def test_the_expert_moves_once_per_policy_command_with_a_bounded_step_that_keeps
     dq = J.T @ np.linalg.solve(J @ J.T + 1e-3 * np.eye(3), GOAL - ee)
     cosine = moves[0] @ dq / (np.linalg.norm(moves[0]) * np.linalg.norm(dq))
     assert cosine > 0.9999  # scaled, not clipped joint by joint
+
+
+def test_an_episode_that_ends_under_the_expert_hands_the_arm_to_the_envs_reset_walk():
+    """The env marks its walk back to the start pose (JointCommand.resetting, seen as RobotState.policy_resetting):
+    the expert lets go at once, and watches again only once the walk is over and the policy acts. Before, it kept
+    leading the arm to the goal while the walk waited, and took over walks from episodes that ran out of time."""
+    arm = SimArm()
+    expert = ReachExpert(GOAL, START, arm.forward_kinematics, patience=3)
+    q, seq = START.copy(), 0
+    expert.observe(state(q, q, seq))
+    events = []
+    while not events:
+        seq += 1
+        events = expert.observe(state(q, q, seq))
+    assert expert.mode == "helping"
+    seq += 1  # the episode ran out of time: the env's first reset move
+    assert expert.observe(state(q, q, seq, resetting=True)) == [("stop", None)] and expert.mode == "resetting"
+    for _ in range(20):  # the walk, one marked move per tick, ends settled at the start: no takeover
+        seq += 1
+        assert expert.observe(state(q, q, seq, resetting=True)) == []
+    assert expert.mode == "resetting"
+    seq += 1  # the policy's first command of the next episode
+    assert expert.observe(state(q, q, seq)) == [] and expert.mode == "watching"

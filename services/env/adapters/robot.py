@@ -201,10 +201,10 @@ class RobotVectorEnv(gym.vector.VectorEnv):
                 return
             yield cmd
 
-    def _send(self, i: int, position: np.ndarray) -> int:
+    def _send(self, i: int, position: np.ndarray, resetting: bool = False) -> int:
         self.seq += 1
         self.outbox[i].put_nowait(self.pb.JointCommand(robot_id=self.ids[i], seq=self.seq,
-                                                       position=position.tolist()))
+                                                       position=position.tolist(), resetting=resetting))
         return self.seq
 
     def _state_after(self, i: int, seq: int):
@@ -263,28 +263,40 @@ class RobotVectorEnv(gym.vector.VectorEnv):
                            f"latched fault; it waited {self.opts['latch_wait_s']:g} s (env.options.latch_wait_s). "
                            f"Fix: {fix}; then `rlfabric resume RUN_DIR` continues the run")
 
-    def _reset_one(self, i: int) -> np.ndarray:
-        """Walk back to the start pose (steps the gateway accepts) once nothing latched holds the arm, draw a
-        reachable target."""
-        state = self._unlatched(i)
-        target = np.asarray(state.position)
+    def _reset(self, arms: list[int]) -> dict[int, Any]:
+        """Walk ``arms`` back to their start poses together, one control tick for all of them at a time (steps the
+        gateway accepts), once nothing latched holds each; draw each a reachable target; their observations. In
+        turn, a reset of N arms took N walks (~0.35 s each at 100 Hz): 63% of a 4-arm run's collect time."""
         noise = self.opts["start_noise"]
-        start = self.start + (self.rng.uniform(-noise, noise, self.start.shape) if noise else 0.0)
+        target, start, state = {}, {}, {}
+        for i in arms:
+            state[i] = self._unlatched(i)
+            target[i] = np.asarray(state[i].position)
+            start[i] = self.start + (self.rng.uniform(-noise, noise, self.start.shape) if noise else 0.0)
+        walking = list(arms)
         for _ in range(300):  # the gateway's slew limit paces the walk; done once the target is the start, settled
-            target = target + np.clip(start - target, -self.max_step, self.max_step)
-            state = self._state_after(i, self._send(i, target))
-            target = np.asarray(state.target)
-            if np.abs(target - start).max() < 1e-9 and np.abs(state.velocity).max() < 0.05:
+            if not walking:
                 break
-        self.commanded[i] = np.asarray(state.target)
-        self.last_tick[i] = state.seq
-        if self.opts["target"] == "random":
-            yaw, reach, height = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5), self.rng.uniform(0.05, 0.3)
-            self.targets[i] = [reach * np.cos(yaw), reach * np.sin(yaw), height]
-        else:
-            self.targets[i] = [float(v) for v in self.opts["target"].split(",")]
-        self.steps[i] = 0
-        return self._observation(i, self._obs(i, state))
+            seqs = {i: self._send(i, target[i] + np.clip(start[i] - target[i], -self.max_step, self.max_step),
+                                  resetting=True) for i in walking}  # every command out before any state is awaited: the arms tick together
+            for i, seq in seqs.items():
+                state[i] = self._state_after(i, seq)
+                target[i] = np.asarray(state[i].target)
+            walking = [i for i in walking if np.abs(target[i] - start[i]).max() >= 1e-9
+                       or np.abs(state[i].velocity).max() >= 0.05]
+        observations = {}
+        for i in arms:
+            self.commanded[i] = target[i]
+            self.last_tick[i] = state[i].seq
+            if self.opts["target"] == "random":
+                yaw, reach = self.rng.uniform(-0.6, 0.6), self.rng.uniform(0.35, 0.5)
+                height = self.rng.uniform(0.05, 0.3)
+                self.targets[i] = [reach * np.cos(yaw), reach * np.sin(yaw), height]
+            else:
+                self.targets[i] = [float(v) for v in self.opts["target"].split(",")]
+            self.steps[i] = 0
+            observations[i] = self._observation(i, self._obs(i, state[i]))
+        return observations
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         self._stop_tail()
@@ -293,7 +305,8 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         self.returned_at = None
         if seed is not None:
             self.rng = np.random.default_rng(seed)
-        return self._stack([self._reset_one(i) for i in range(self.num_envs)]), {}
+        observations = self._reset(list(range(self.num_envs)))
+        return self._stack([observations[i] for i in range(self.num_envs)]), {}
 
     # -- ticks -----------------------------------------------------------------------------------------------
     def _ticks(self, moves: dict[int, np.ndarray]) -> dict[int, Tick]:
@@ -393,9 +406,9 @@ class RobotVectorEnv(gym.vector.VectorEnv):
         done = terminated | truncated
         observations = [self._observation(i, t.obs) for i, t in enumerate(last)]
         finals: list[Any] = [None] * n
-        for i in np.flatnonzero(done):
-            finals[i] = observations[i]
-            observations[i] = self._reset_one(i)
+        fresh = self._reset([int(i) for i in np.flatnonzero(done)])
+        for i, observation in fresh.items():
+            finals[i], observations[i] = observations[i], observation
         obs = self._stack(observations)
         holds = [t.hold for t in last]
         facts: dict[str, Any] = {"intervened": np.array([any(t.intervened for t in arm) for arm in ticks]),

@@ -73,21 +73,23 @@ class RobotInfo(_message.Message):
     def __init__(self, robot_id: _Optional[str] = ..., driver: _Optional[str] = ..., joint_names: _Optional[_Iterable[str]] = ..., control_hz: _Optional[float] = ..., watchdog_s: _Optional[float] = ..., limits: _Optional[_Union[SafetyLimits, _Mapping]] = ..., realtime: _Optional[str] = ..., camera_endpoint: _Optional[str] = ..., camera_size: _Optional[int] = ...) -> None: ...
 
 class JointCommand(_message.Message):
-    __slots__ = ("robot_id", "seq", "position", "velocity", "gripper")
+    __slots__ = ("robot_id", "seq", "position", "velocity", "gripper", "resetting")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     VELOCITY_FIELD_NUMBER: _ClassVar[int]
     GRIPPER_FIELD_NUMBER: _ClassVar[int]
+    RESETTING_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     seq: int
     position: _containers.RepeatedScalarFieldContainer[float]
     velocity: _containers.RepeatedScalarFieldContainer[float]
     gripper: float
-    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ...) -> None: ...
+    resetting: bool
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., resetting: _Optional[bool] = ...) -> None: ...
 
 class RobotState(_message.Message):
-    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector", "policy_seq", "estop_requested")
+    __slots__ = ("robot_id", "seq", "time", "position", "velocity", "gripper", "estopped", "fault", "loop_jitter_s", "intervening", "loop_lateness_s", "overruns", "holding", "hold_reason", "target", "command_seq", "clipped", "slowed", "episode", "episode_intervened_ticks", "end_effector", "policy_seq", "estop_requested", "policy_resetting")
     ROBOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class RobotState(_message.Message):
     END_EFFECTOR_FIELD_NUMBER: _ClassVar[int]
     POLICY_SEQ_FIELD_NUMBER: _ClassVar[int]
     ESTOP_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_RESETTING_FIELD_NUMBER: _ClassVar[int]
     robot_id: str
     seq: int
     time: float
@@ -134,7 +137,8 @@ class RobotState(_message.Message):
     end_effector: _containers.RepeatedScalarFieldContainer[float]
     policy_seq: int
     estop_requested: bool
-    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ..., policy_seq: _Optional[int] = ..., estop_requested: _Optional[bool] = ...) -> None: ...
+    policy_resetting: bool
+    def __init__(self, robot_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., position: _Optional[_Iterable[float]] = ..., velocity: _Optional[_Iterable[float]] = ..., gripper: _Optional[float] = ..., estopped: _Optional[bool] = ..., fault: _Optional[str] = ..., loop_jitter_s: _Optional[float] = ..., intervening: _Optional[bool] = ..., loop_lateness_s: _Optional[float] = ..., overruns: _Optional[int] = ..., holding: _Optional[bool] = ..., hold_reason: _Optional[str] = ..., target: _Optional[_Iterable[float]] = ..., command_seq: _Optional[int] = ..., clipped: _Optional[bool] = ..., slowed: _Optional[bool] = ..., episode: _Optional[int] = ..., episode_intervened_ticks: _Optional[int] = ..., end_effector: _Optional[_Iterable[float]] = ..., policy_seq: _Optional[int] = ..., estop_requested: _Optional[bool] = ..., policy_resetting: _Optional[bool] = ...) -> None: ...
 
 class TeleopEvent(_message.Message):
     __slots__ = ("robot_id", "kind", "command")
