@@ -19,6 +19,9 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("services", "examples")
+ARTEFACTS = ROOT / ".pytest_cache" / "d" / "artefacts"
+"""Where they are: pytest's ``config.cache.mkdir("artefacts")`` for this checkout (tests/prebuild.py builds there
+without a pytest session)."""
 
 
 @cache
@@ -34,9 +37,10 @@ def source_digest() -> str:
 def cached(config, name: str, inputs: dict, build: Callable[[Path], None]) -> Path:
     """The directory of artefact ``name`` built from ``inputs`` (JSON-able): ``build(directory)`` fills a fresh
     directory the first time; later callers, in this or another process, wait for it and get the same one. A
-    build that raises leaves nothing behind."""
+    build that raises leaves nothing behind. ``config``: pytest's, or None outside a session (the same place)."""
     key = hashlib.sha256((json.dumps(inputs, sort_keys=True, default=str) + source_digest()).encode()).hexdigest()
-    root = Path(config.cache.mkdir("artefacts"))
+    root = Path(config.cache.mkdir("artefacts")) if config is not None else ARTEFACTS
+    root.mkdir(parents=True, exist_ok=True)
     out = root / f"{name}-{key[:16]}"
     with FileLock(str(out) + ".lock"):  # built where it stays: what it holds may name its own paths
         if not (out / ".built").is_file():
@@ -49,3 +53,11 @@ def cached(config, name: str, inputs: dict, build: Callable[[Path], None]) -> Pa
                 raise
             (out / ".built").write_text(json.dumps(inputs, sort_keys=True, default=str))
     return out
+
+
+def undisturbed(run_dir: Path) -> None:
+    """Refuse to keep a run that recovered from a lost worker as an artefact: its trajectory is not the seed's (a
+    run built on a starved core, tests/prebuild.py, may lose one). The next caller builds it again."""
+    if (run_dir / "recoveries.csv").exists():
+        raise RuntimeError(f"{run_dir} recovered from a lost worker ({(run_dir / 'recoveries.csv').read_text()!r}): "
+                           f"not kept as an artefact")

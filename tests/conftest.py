@@ -175,6 +175,32 @@ def pytest_configure(config) -> None:
         config.option.loadscopereorder = False
 
 
+def _parallel_controller(config) -> bool:
+    """This process runs a parallel phase (pytest-xdist's controller, not one of its workers)."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_sessionstart(session) -> None:
+    """A parallel phase takes both cores: a prebuild of the slow tier's artefacts still running stops first
+    (tests/prebuild.py)."""
+    if _parallel_controller(session.config):
+        from tests import prebuild
+
+        if prebuild.stop():
+            session.config.get_terminal_writer().line("stopped tests/prebuild.py: the parallel phase starts")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """With RLFABRIC_PREBUILD=1 (.ci/run), the fast tier's parallel phase, done, starts building the slow tier's
+    artefacts on the core the serial phases leave idle (tests/prebuild.py)."""
+    config = session.config
+    if (exitstatus == 0 and _parallel_controller(config) and os.environ.get("RLFABRIC_PREBUILD") == "1"
+            and "not slow" in (config.option.markexpr or "")):
+        from tests import prebuild
+
+        prebuild.start()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """The longest files first: those whose own timeout exceeds the suite's, then those marked ``minutes(n)``, by
     those numbers (a ``fresh_process`` file before all of them; a ``start_as(n)`` file where one of n minutes

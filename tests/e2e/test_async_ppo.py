@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.artefacts import cached
+from tests.artefacts import cached, undisturbed
 
 pytestmark = pytest.mark.minutes(1.0)  # on CI's 2 cores: the tiers start long files first
 
@@ -41,7 +41,9 @@ def cartpole_ppo(config) -> Path:
     its run directory (``run``, with ``checkpoints/final.pt``, DAgger's expert in test_dagger_cartpole.py) and its
     env steps to 475 (``steps.txt``)."""
     def build(out):
-        (out / "steps.txt").write_text(str(steps_to_solve(train("examples/cartpole_ppo.yaml", out / "run"))))
+        steps = steps_to_solve(train("examples/cartpole_ppo.yaml", out / "run"))
+        undisturbed(out / "run")
+        (out / "steps.txt").write_text(str(steps))
 
     return cached(config, "cartpole-ppo-steps", {"seed": SEED}, build)
 

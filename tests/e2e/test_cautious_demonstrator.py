@@ -41,23 +41,29 @@ RISE = {"pi0": 0.1, "vla_tokens": 0.05}
 """The least rise of the rollouts' success, first quarter of the run to last, below seed 0's repeatable run."""
 
 
-def shared_stages(config, spec: str, sets: list[str], order: tuple[str, str], stage: Path) -> None:
-    """The recipe's vision and demos stages, which both families share (tests/vla_warm_stages.py), copied into the
-    run's ``warm_start`` directory, where ``rlfabric train`` keeps them. Each family asks for them in its own
-    ``order``: side by side, one builds the encoder while the other records the demonstrations."""
+def warm_stage(config, family: str, name: str) -> Path:
+    """The artefact of the family's recipe's ``name`` stage ("vision" or "demos"), which both families share
+    (tests/vla_warm_stages.py), built once (tests/artefacts.py; tests/prebuild.py builds them ahead)."""
     from tests.artefacts import cached
     from tests.vla_warm_stages import inputs
 
-    def build(name: str):
-        def run(out: Path) -> None:
-            proc = subprocess.run([sys.executable, "-m", "tests.vla_warm_stages", name, spec, str(out), *sets],
-                                  capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        return run
+    spec, sets = RECIPES[family][0], recipe_sets(family, ENV_STEPS[family])
 
+    def build(out: Path) -> None:
+        proc = subprocess.run([sys.executable, "-m", "tests.vla_warm_stages", name, spec, str(out), *sets],
+                              capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return cached(config, f"vla-{name}", inputs(name, spec, sets[1::2]), build)
+
+
+def shared_stages(config, family: str, order: tuple[str, str], stage: Path) -> None:
+    """The recipe's vision and demos stages copied into the run's ``warm_start`` directory, where ``rlfabric
+    train`` keeps them. Each family asks for them in its own ``order``: side by side, one builds the encoder while
+    the other records the demonstrations."""
     stage.mkdir(parents=True)
     for name in order:
-        built = cached(config, f"vla-{name}", inputs(name, spec, sets[1::2]), build(name))
+        built = warm_stage(config, family, name)
         if name == "vision":
             shutil.copytree(built / "vision", stage / "vision")
         else:
@@ -70,7 +76,7 @@ def rl_raises_a_vla_over_its_imitation(request, tmp_path, family: str, order: tu
     by side."""
     spec, run_dir = RECIPES[family][0], tmp_path / "run"
     sets = recipe_sets(family, ENV_STEPS[family])
-    shared_stages(request.config, spec, sets, order, run_dir / "warm_start")
+    shared_stages(request.config, family, order, run_dir / "warm_start")
     proc = subprocess.run(
         [sys.executable, "-m", "rlfabric.services.cli", "train", spec, "--run-dir", str(run_dir), "--quiet", *sets],
         capture_output=True, text=True, timeout=1700, stdin=subprocess.DEVNULL)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rlfabric.services.learner import checkpoint
-from tests.artefacts import cached
+from tests.artefacts import cached, undisturbed
 
 pytestmark = pytest.mark.minutes(3.1)  # on CI's 2 cores: the tiers start long files first
 
@@ -31,14 +32,20 @@ def train(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def crossq_expert(config) -> Path:
+    """The CrossQ example's run on seed 0, built once (tests/artefacts.py; tests/prebuild.py builds it ahead)."""
+    def build(out):
+        proc = train("examples/pendulum_crossq.yaml", "--run-dir", str(out / "run"))
+        undisturbed(out / "run")
+        (out / "stderr.txt").write_text(proc.stderr)
+
+    return cached(config, "pendulum-crossq", {}, build)
+
+
 @pytest.fixture(scope="module")
 def crossq_run(request):
     """The example's run directory and what its CLI printed."""
-    def build(out):
-        proc = train("examples/pendulum_crossq.yaml", "--run-dir", str(out / "run"))
-        (out / "stderr.txt").write_text(proc.stderr)
-
-    out = cached(request.config, "pendulum-crossq", {}, build)
+    out = crossq_expert(request.config)
     return out / "run", (out / "stderr.txt").read_text()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.artefacts import cached
+from tests.artefacts import cached, undisturbed
 
 pytestmark = pytest.mark.minutes(2.5)  # on CI's 2 cores: the tiers start long files first
 
@@ -38,30 +38,42 @@ def _offline(run_dir: Path, data: Path, example: str = "examples/pendulum_iql.ya
     return float(_cli("eval", str(run_dir / "checkpoints/final.pt"), "--episodes", "10").stdout.splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def mixed_data(request) -> Path:
-    """20 episodes of a partly trained SAC policy and 20 of uniform random actions: 8000 transitions."""
+def mixed_data_set(config) -> Path:
+    """20 episodes of a partly trained SAC policy and 20 of uniform random actions: 8000 transitions, built once
+    (tests/artefacts.py; tests/prebuild.py builds it ahead)."""
     def build(out: Path) -> None:
         sac = out / "sac"
         _cli("train", "examples/pendulum_sac.yaml", "--run-dir", str(sac), "--quiet", "--set",
              "train.total_env_steps=6000", "--set", "train.stop_at_eval_return=null")
+        undisturbed(sac)
         data = out / "mixed.npz"
         good = _cli("collect", str(sac / "checkpoints/final.pt"), "--episodes", "20", "--out", str(data))
         bad = _cli("collect", "examples/pendulum_sac.yaml", "--random", "--episodes", "20", "--out", str(data),
                    "--append")
         assert "8000 transitions" in bad.stderr and "4000 transitions" in good.stderr
 
-    return cached(request.config, "pendulum-mixed", {"sac_env_steps": 6000, "episodes": 20}, build) / "mixed.npz"
+    return cached(config, "pendulum-mixed", {"sac_env_steps": 6000, "episodes": 20}, build) / "mixed.npz"
+
+
+def bc_return_on(config, data: Path) -> float:
+    """Behaviour cloning's evaluation return on the data set, built once (tests/artefacts.py)."""
+    def build(out: Path) -> None:
+        bc = _offline(out / "bc", data, algorithm=BC)
+        undisturbed(out / "bc")
+        (out / "return.txt").write_text(repr(bc))
+
+    return float((cached(config, "pendulum-mixed-bc", {"data": str(data), "bc": BC}, build) / "return.txt").read_text())
+
+
+@pytest.fixture(scope="module")
+def mixed_data(request) -> Path:
+    return mixed_data_set(request.config)
 
 
 @pytest.fixture(scope="module")
 def bc_return(request, mixed_data) -> float:
     """Behaviour cloning's evaluation return on the mixed data set: it imitates the mixture."""
-    def build(out: Path) -> None:
-        (out / "return.txt").write_text(repr(_offline(out / "bc", mixed_data, algorithm=BC)))
-
-    bc = float((cached(request.config, "pendulum-mixed-bc", {"data": str(mixed_data), "bc": BC}, build)
-                / "return.txt").read_text())
+    bc = bc_return_on(request.config, mixed_data)
     assert bc < -800, f"behaviour cloning imitates the mixture, random half included ({bc:.0f})"
     return bc
 
