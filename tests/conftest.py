@@ -181,23 +181,19 @@ def _parallel_controller(config) -> bool:
 
 
 def pytest_sessionstart(session) -> None:
-    """A parallel phase takes both cores: a prebuild of the slow tier's artefacts still running stops first
-    (tests/prebuild.py)."""
-    if _parallel_controller(session.config):
-        from tests import prebuild
-
-        if prebuild.stop():
-            session.config.get_terminal_writer().line("stopped tests/prebuild.py: the parallel phase starts")
-
-
-def pytest_sessionfinish(session, exitstatus) -> None:
-    """With RLFABRIC_PREBUILD=1 (.ci/run), the fast tier's parallel phase, done, starts building the slow tier's
-    artefacts on the core the serial phases leave idle (tests/prebuild.py)."""
+    """The parallel phases' artefacts are built ahead on the core a serial phase leaves idle (tests/prebuild.py):
+    with RLFABRIC_PREBUILD=1 (.ci/run) a serial phase starts the build, and a parallel phase, which takes both
+    cores, stops it first."""
     config = session.config
-    if (exitstatus == 0 and _parallel_controller(config) and os.environ.get("RLFABRIC_PREBUILD") == "1"
-            and "not slow" in (config.option.markexpr or "")):
-        from tests import prebuild
+    if hasattr(config, "workerinput"):
+        return
+    from tests import prebuild
 
+    serial_phase = "serial" in (config.option.markexpr or "").replace("not serial", "")
+    if _parallel_controller(config):
+        if prebuild.stop():
+            config.get_terminal_writer().line("stopped tests/prebuild.py: the parallel phase starts")
+    elif serial_phase and os.environ.get("RLFABRIC_PREBUILD") == "1":
         prebuild.start()
 
 

@@ -1,14 +1,15 @@
-"""The slow tier's shared artefacts (tests/artefacts.py), built ahead of it on a core nobody else wants.
+"""The parallel phases' shared artefacts (tests/artefacts.py), built ahead of them on a core nobody else wants.
 
-The serial phases run one timed test at a time, mostly on one of CI's two cores; the slow tier's parallel phase
-then built its artefacts (the VLA recipes' vision and demonstration stages, the CrossQ expert, the offline data set
-and its behaviour cloning, PPO's CartPole run: ~3.5 minutes of one core) on both cores' busiest stretch. When
-``RLFABRIC_PREBUILD=1`` (.ci/run sets it), tests/conftest.py starts this module as the fast tier's parallel phase
-ends, and it builds them during the serial phases, in the idle scheduling class (SCHED_IDLE: it runs only on a core
-that would otherwise idle, and any test's process takes the core from it at once, so the timed tests keep theirs).
-The next parallel phase stops it as it starts: what it finished, the tests find built; what it was building, the
-test that needs it builds again (a killed build leaves nothing: tests/artefacts.py). A run that recovered from a
-lost worker on the starved core is not kept (``undisturbed``).
+The serial phases run one timed test at a time, mostly on one of CI's two cores; the parallel phases then built
+their artefacts (the arithmetic SFT checkpoint; the VLA recipes' vision and demonstration stages, the CrossQ expert,
+the offline data set and its behaviour cloning, PPO's CartPole run: ~4 minutes of one core) on both cores' busiest
+stretch. Each tier now runs its serial phase first, and when ``RLFABRIC_PREBUILD=1`` (.ci/run sets it),
+tests/conftest.py starts this module as a serial phase starts. It builds them in the idle scheduling class
+(SCHED_IDLE: it runs only on a core that would otherwise idle, and any test's process takes the core from it at
+once, so the timed tests keep theirs). A parallel phase stops it as it starts: what it finished, the tests find
+built; what it was building, the test that needs it builds again (a killed build leaves nothing:
+tests/artefacts.py), or the next serial phase's build does. A run that recovered from a lost worker on the starved
+core is not kept (``undisturbed``).
 
     python -m tests.prebuild          # build them (the log: .pytest_cache/d/artefacts/prebuild.log)
     python -m tests.prebuild --stop   # stop a running one and everything it started
@@ -31,7 +32,8 @@ LOG = ARTEFACTS / "prebuild.log"
 
 
 def _plan() -> list[tuple[str, Callable[[], object]]]:
-    """What the slow tier's parallel phase builds, the files it starts first first (the VLA recipes)."""
+    """What the parallel phases build: the fast tier's (the arithmetic SFT checkpoint, also the slow tier's) first,
+    then the slow tier's, the files it starts first first (the VLA recipes)."""
     def vla(name: str):
         def build():
             from tests.e2e.test_cautious_demonstrator import warm_stage
@@ -50,8 +52,13 @@ def _plan() -> list[tuple[str, Callable[[], object]]]:
         from tests.e2e.test_async_ppo import cartpole_ppo
         return cartpole_ppo(None)
 
-    return [("vla-vision", vla("vision")), ("vla-demos", vla("demos")), ("pendulum-crossq", crossq),
-            ("pendulum-mixed and its behaviour cloning", offline), ("cartpole-ppo-steps", cartpole)]
+    def arith():
+        from tests.e2e.test_arith_grpo import arith_sft
+        return arith_sft(None)
+
+    return [("arith-sft", arith), ("vla-vision", vla("vision")), ("vla-demos", vla("demos")),
+            ("pendulum-crossq", crossq), ("pendulum-mixed and its behaviour cloning", offline),
+            ("cartpole-ppo-steps", cartpole)]
 
 
 def build_all() -> int:
@@ -76,8 +83,18 @@ def build_all() -> int:
     return 0
 
 
+def running() -> bool:
+    try:
+        return bool(_group(int(PIDFILE.read_text())))
+    except (OSError, ValueError):
+        return False
+
+
 def start() -> None:
-    """Start building in the background, in a process group of its own (so ``stop`` reaches all it starts)."""
+    """Start building in the background, in a process group of its own (so ``stop`` reaches all it starts),
+    unless a build runs already."""
+    if running():
+        return
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     with open(LOG, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.prebuild"], cwd=ROOT, stdin=subprocess.DEVNULL,

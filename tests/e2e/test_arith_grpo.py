@@ -8,11 +8,12 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.artefacts import cached
+from tests.artefacts import cached, undisturbed
 
 pytestmark = pytest.mark.minutes(1.6)  # on CI's 2 cores: the tiers start long files first
 
@@ -32,10 +33,10 @@ def _accuracy(checkpoint) -> float:
     return float(_cli("eval", str(checkpoint), "--episodes", EVAL_EPISODES).stdout.splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def warm_start(request):
-    """The SFT checkpoint and its held-out accuracy, built once for both tiers (tests/artefacts.py): the fast tier's
-    GRPO and the slow tier's DAPO, REINFORCE++, GSPO and CISPO start from the same one."""
+def arith_sft(config) -> Path:
+    """The SFT checkpoint (``sft/checkpoints/final.pt``) and its held-out accuracy (``accuracy``), built once for
+    both tiers (tests/artefacts.py; tests/prebuild.py builds it ahead): the fast tier's GRPO and the slow tier's
+    DAPO, REINFORCE++, GSPO and CISPO start from the same one."""
     from rlfabric.services.env.tasks.sft_data import build
 
     def sft(out):
@@ -43,10 +44,15 @@ def warm_start(request):
         np.savez(data, **build("arith", 4000, seed=0))
         _cli("train", "examples/arith_sft.yaml", "--run-dir", str(out / "sft"), "--quiet",
              "--set", f"replay.datasets.offline={data}", "--set", f"algorithm.total_updates={SFT_UPDATES}")
+        undisturbed(out / "sft")
         (out / "accuracy").write_text(str(_accuracy(out / "sft" / "checkpoints" / "final.pt")))
 
-    out = cached(request.config, "arith-sft", {"updates": SFT_UPDATES, "rows": 4000, "episodes": EVAL_EPISODES},
-                 sft)
+    return cached(config, "arith-sft", {"updates": SFT_UPDATES, "rows": 4000, "episodes": EVAL_EPISODES}, sft)
+
+
+@pytest.fixture(scope="module")
+def warm_start(request):
+    out = arith_sft(request.config)
     return out / "sft" / "checkpoints" / "final.pt", float((out / "accuracy").read_text())
 
 
