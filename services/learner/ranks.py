@@ -426,16 +426,18 @@ class RankGroup:
     def configure(self, config: Any, env_spec: dict, policy_state: dict | None,
                   resume: dict | None) -> tuple[Any, Any, Any]:
         """Every rank builds; ``policy_state`` (a warm start or the resumed policy) and ``resume``'s optimiser state
-        and generator reach every rank."""
-        _send(CONFIGURE, json.dumps({"config_json": config.to_json(), "env_spec": env_spec,
-                                     "resume": resume is not None}).encode())
-        policy, algo, generator = build(config, env_spec, self.device, policy_state)
-        if resume is not None:
-            load_optimizer(policy, algo.optimizer, resume["algorithm"]["optimizer"])
-            algo.env_steps = int(resume["algorithm"].get("env_steps", 0))
-            algo.optimizer_steps = int(resume["algorithm"]["optimizer_steps"])
-            generator.set_state(resume["generator"])
-        _sync_generator(generator)
+        and generator reach every rank. The weights' broadcast is a collective across hosts too: a link that fails
+        it (one just back from a cut, say) fails it as RankGroupFailed, which the coordinator recovers from."""
+        with self._collective():
+            _send(CONFIGURE, json.dumps({"config_json": config.to_json(), "env_spec": env_spec,
+                                         "resume": resume is not None}).encode())
+            policy, algo, generator = build(config, env_spec, self.device, policy_state)
+            if resume is not None:
+                load_optimizer(policy, algo.optimizer, resume["algorithm"]["optimizer"])
+                algo.env_steps = int(resume["algorithm"].get("env_steps", 0))
+                algo.optimizer_steps = int(resume["algorithm"]["optimizer_steps"])
+                generator.set_state(resume["generator"])
+            _sync_generator(generator)
         return policy, algo, generator
 
     def update(self, algo: Any, batch: Any) -> dict[str, float]:

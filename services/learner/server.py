@@ -96,7 +96,10 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         self.ranks: RankGroup | None = None  # ranks 1..N-1 when runtime.learner_ranks > 1 (this process is rank 0)
         runtime.on_shutdown(self.close)
         runtime.watch("weights-data-plane", lambda: self.publisher.server.health() if self.publisher else None)
-        runtime.watch("learner-ranks", lambda: self.ranks.dead() if self.ranks else None)
+        # a group that failed in Configure is closed at once: its failure stays the health check's until the next
+        # Configure builds a group, so the coordinator's probe after the failed call recovers the run
+        self.ranks_failed: str | None = None
+        runtime.watch("learner-ranks", lambda: self.ranks.dead() if self.ranks else self.ranks_failed)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, progress.run_working, fn, *args)
@@ -130,6 +133,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+        self.ranks_failed = None  # a new Configure, a new group (or none)
         self.device = resolve_device(config.runtime.device)
         storage, run_dir = confine_storage(config.storage, run_dir, self.roots, self.endpoints)
         config = confine_model(config, self.roots)  # (its checkpoints record where the model came from)
@@ -158,9 +162,11 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             try:
                 self.policy, self.algo, self.generator = self.ranks.configure(
                     config, env_spec, state["policy"] if state else warm, state)
-            except BaseException:  # a half-configured group is out of step: its ranks go, the error is reported
+            except BaseException as exc:  # a half-configured group is out of step: its ranks go, the error is said
                 self.ranks.close()
                 self.ranks = None
+                if isinstance(exc, RankGroupFailed):
+                    self.ranks_failed = f"learner ranks: {exc}"
                 raise
         else:
             self._build(config, env_spec, warm)
@@ -236,6 +242,8 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RankHostError as exc:  # a rank host the spec's learner_ranks_per_host needs
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except RankGroupFailed as exc:  # the new group's first collective (the weights' broadcast) failed
+            await self._rank_group_failed(context, exc)
         except OSError as exc:  # the host's: a run directory that is a file, no permission, a full disk
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the learner's host refused {exc.filename or 'a path'!s}: {exc.strerror or exc}. "

@@ -69,7 +69,9 @@ def test_a_10_s_cut_between_the_learner_and_its_rank_host_is_recovered_from(make
     """Mid-run, every packet between the learner's host and its rank host is dropped for 10 s: the group's next
     collective fails within data_plane.timeout_s (it never hangs) and the learner's health says so, naming the rank
     host; the coordinator recovers the run onto the same learner, whose new group waits for the rank host to be
-    reachable again, and the run finishes from its last checkpoint."""
+    reachable again, and the run finishes from its last checkpoint. A recovery whose new group forms as the link
+    comes back may see its first broadcast fail (once in a CI run: TCP's retries of the cut's connection attempts
+    back off for seconds): that Configure fails as a group failure too, and the run recovers once more."""
     hosts, learner_service, rank_host = deploy(make_hosts, tls=False)
     learner, ranks = learner_service.host, rank_host.host
     run_dir = hosts.runs_root / "cut"
@@ -90,6 +92,6 @@ def test_a_10_s_cut_between_the_learner_and_its_rank_host_is_recovered_from(make
     assert re.search(r"lost learner worker .*; recovering \(recovery 1 of at most 2\)", output), output[-3000:]
     died = [line for line in learner_service.log.read_text().splitlines() if "component died" in line]
     assert died and f"ranks 2..3 on {ranks.address}:{GRPC_PORT}" in died[0], died  # the health check named it
-    assert len([line for line in rank_host.log.read_text().splitlines() if "learner ranks started" in line]) == 2
+    assert len([line for line in rank_host.log.read_text().splitlines() if "learner ranks started" in line]) >= 2
     versions = [int(r["weight_version"]) for r in rows(run_dir)]
     assert versions[-1] == 160 // 16, versions  # every iteration trained, across the recovery

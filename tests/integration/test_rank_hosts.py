@@ -22,7 +22,7 @@ from rlfabric.services.core.models import build_policy  # noqa: E402
 from rlfabric.services.core.proto.rlfabric.v1 import learner_pb2  # noqa: E402
 from rlfabric.services.core.weight_transport import listening_store, new_prefix  # noqa: E402
 from rlfabric.services.learner.rank_host import RankHost  # noqa: E402
-from rlfabric.services.learner.ranks import RankGroup, RankHostError, Rendezvous  # noqa: E402
+from rlfabric.services.learner.ranks import RankGroup, RankGroupFailed, RankHostError, Rendezvous  # noqa: E402
 from tests.integration.test_learner_ranks import grpo_batch, one_rank_update, run_config  # noqa: E402
 from tests.lm_support import SPEC  # noqa: E402
 from tests.robot_support import serve_process  # noqa: E402
@@ -62,6 +62,21 @@ def test_a_rank_on_a_rank_host_makes_the_one_rank_update_and_a_lost_one_is_named
         os.kill(group.remote_pids[0], signal.SIGKILL)  # the rank on the other host goes
         with pytest.raises(RuntimeError, match=f"ranks 1..1 on {address}"):  # fails, naming where, never hangs
             group.update(algo, batch)
+    finally:
+        group.close()
+
+
+def test_a_group_that_breaks_before_its_first_broadcast_fails_configure_as_a_group_failure(rank_host):
+    """Configure's broadcast of the weights is a collective across hosts too (a link just back from a cut may fail
+    it): RankGroupFailed, naming the rank host, which the learner answers UNAVAILABLE with its health failing, so
+    the coordinator recovers the run again instead of failing it (tests/hosts/test_learner_ranks.py's cut)."""
+    address, _ = rank_host
+    group = RankGroup(2, torch.device("cpu"), timeout_s=5, per_host=1, rank_hosts=(address,))
+    try:
+        os.kill(group.remote_pids[0], signal.SIGKILL)
+        with pytest.raises(RankGroupFailed, match=f"ranks 1..1 on {address}"):
+            group.configure(run_config("sequence"), SPEC, None, None)
+        assert group.dead() is not None
     finally:
         group.close()
 
