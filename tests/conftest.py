@@ -175,22 +175,17 @@ def pytest_configure(config) -> None:
         config.option.loadscopereorder = False
 
 
-def _parallel_controller(config) -> bool:
-    """This process runs a parallel phase (pytest-xdist's controller, not one of its workers)."""
-    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
-
-
 def pytest_sessionstart(session) -> None:
     """The parallel phases' artefacts are built ahead on the core a serial phase leaves idle (tests/prebuild.py):
     with RLFABRIC_PREBUILD=1 (.ci/run) a serial phase starts the build, and a parallel phase, which takes both
     cores, stops it first."""
     config = session.config
-    if hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller decides
         return
     from tests import prebuild
 
     serial_phase = "serial" in (config.option.markexpr or "").replace("not serial", "")
-    if _parallel_controller(config):
+    if getattr(config.option, "numprocesses", None):  # a parallel phase
         if prebuild.stop():
             config.get_terminal_writer().line("stopped tests/prebuild.py: the parallel phase starts")
     elif serial_phase and os.environ.get("RLFABRIC_PREBUILD") == "1":

@@ -71,9 +71,7 @@ def build_all() -> int:
             started = time.monotonic()
             try:
                 build()
-            except BaseException as exc:  # noqa: BLE001 — said, and the test that needs it builds it
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
+            except Exception as exc:  # noqa: BLE001 — said, and the test that needs it builds it
                 print(f"{name}: not built ({type(exc).__name__}: {str(exc)[-500:]})", flush=True)
                 continue
             print(f"{name}: ready after {time.monotonic() - started:.0f} s", flush=True)
@@ -83,11 +81,17 @@ def build_all() -> int:
     return 0
 
 
-def running() -> bool:
+def _pgid() -> int | None:
+    """The process group of the build PIDFILE names (its first process's pid), if any."""
     try:
-        return bool(_group(int(PIDFILE.read_text())))
+        return int(PIDFILE.read_text())
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def running() -> bool:
+    pgid = _pgid()
+    return pgid is not None and bool(_group(pgid))
 
 
 def start() -> None:
@@ -119,9 +123,8 @@ def _group(pgid: int) -> list[int]:
 
 def stop(grace_s: float = 10.0) -> bool:
     """Stop a running build and everything it started; returns once none of them is left (True if one ran)."""
-    try:
-        pgid = int(PIDFILE.read_text())
-    except (OSError, ValueError):
+    pgid = _pgid()
+    if pgid is None:
         return False
     if not _group(pgid):
         PIDFILE.unlink(missing_ok=True)
@@ -138,7 +141,7 @@ def stop(grace_s: float = 10.0) -> bool:
             break
     PIDFILE.unlink(missing_ok=True)
     with open(LOG, "a") as log:
-        log.write("stopped: the parallel phase starts\n")
+        log.write("stopped\n")
     return True
 
 

@@ -39,9 +39,8 @@ class ReachExpert:
     helping     the expert commands the arm toward the goal; at ``handback_distance`` it hands back, and when the
                 episode ends under it (the env starts its reset walk) it lets go
 
-An episode that ran out of time while watching used to look like a policy drifting away from the goal: the expert
-took over the env's reset walk and led the arm to the goal before the walk could start (a reset took ~10x its
-walk).
+Without the mark, an episode that ran out of time while the expert helped kept the arm led toward the goal while
+the env's walk waited, and a walk after a time-out while watching looked like a policy drifting from the goal.
 
     While helping, the expert moves its target once per policy command (the overridden commands still arrive, one
     per env step) and repeats it on the ticks between (the gateway's watchdog wants a command per tick): what the

@@ -31,11 +31,9 @@ def test_stop_ends_the_build_and_every_process_it_started(tmp_path, monkeypatch)
     while len(prebuild._group(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(prebuild._group(proc.pid)) == 2
-    monkeypatch.setattr(subprocess, "Popen", None)  # a second serial phase finds it running: starts no other
-    prebuild.start()
-    monkeypatch.undo()
-    monkeypatch.setattr(prebuild, "PIDFILE", tmp_path / "prebuild.pid")
-    monkeypatch.setattr(prebuild, "LOG", tmp_path / "prebuild.log")
+    with monkeypatch.context() as m:  # a second serial phase finds it running: starts no other
+        m.setattr(subprocess, "Popen", None)
+        prebuild.start()
     assert prebuild.stop(grace_s=0.5) is True
     proc.wait(timeout=5)
     assert prebuild._group(proc.pid) == [] and not prebuild.PIDFILE.exists()
